@@ -1,0 +1,193 @@
+"""Task metadata: datasets, class names, prompt templates and reference numbers.
+
+One source of truth for the evaluator, the model card and the Space. The eight TA8 tasks ship with
+the package (``featcal/resources/ta8_tasks.json``); users add or replace tasks with a tasks file in
+the same schema (JSON or YAML).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from featcal.errors import FeatcalError
+
+BUILTIN_TABLE = "ta8_tasks.json"
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Where a task's images live: a Hub dataset id or a local folder in the Hub parquet layout."""
+
+    path: str
+    name: str | None = None
+    train_split: str = "train"
+    test_split: str = "test"
+    image_column: str = "image"
+    label_column: str = "label"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One classification task: its data, zero-shot prompts and (optionally) its expert."""
+
+    name: str
+    dataset: DatasetSpec
+    classnames: tuple[str, ...]
+    templates: tuple[str, ...]
+    expert: str | None = None
+    reference_accuracy: Mapping[str, float] = field(default_factory=dict)
+
+    def prompts(self, classname: str) -> list[str]:
+        """The task's templates filled with one class name."""
+        return [template.format(classname) for template in self.templates]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("name")
+        data["classnames"] = list(self.classnames)
+        data["templates"] = list(self.templates)
+        data["reference_accuracy"] = dict(self.reference_accuracy)
+        return data
+
+
+@dataclass(frozen=True)
+class TaskTable:
+    """A set of tasks plus the defaults that go with them (base model, expert id pattern)."""
+
+    tasks: Mapping[str, Task]
+    base_model: str | None = None
+    expert_model_pattern: str | None = None
+    reference_average: Mapping[str, float] = field(default_factory=dict)
+    source: str = "built-in"
+
+    def select(self, names: Sequence[str] | None) -> list[Task]:
+        """The tasks named, in the order given (all tasks when ``names`` is empty)."""
+        if not names:
+            return list(self.tasks.values())
+        unknown = [n for n in names if n not in self.tasks]
+        if unknown:
+            raise FeatcalError(
+                f"Unknown task(s) {unknown} in {self.source} tasks; known: {sorted(self.tasks)}. "
+                "Add them with --tasks-file FILE."
+            )
+        return [self.tasks[n] for n in names]
+
+    def merged_with(self, other: TaskTable) -> TaskTable:
+        """This table with ``other``'s tasks added or replacing same-named ones."""
+        return TaskTable(
+            tasks={**self.tasks, **other.tasks},
+            base_model=other.base_model or self.base_model,
+            expert_model_pattern=other.expert_model_pattern or self.expert_model_pattern,
+            reference_average=other.reference_average or self.reference_average,
+            source=f"{self.source} + {other.source}",
+        )
+
+
+def _looks_local(value: str, root: Path | None) -> Path | None:
+    """The local path ``value`` names, if it names one (relative paths resolve against ``root``)."""
+    candidate = Path(value).expanduser()
+    if candidate.is_absolute():
+        return candidate
+    if value.startswith(("./", "../")) or (root is not None and (root / candidate).exists()):
+        return ((root or Path.cwd()) / candidate).resolve()
+    return None
+
+
+def _resolve_ref(value: str | None, root: Path | None) -> str | None:
+    if value is None:
+        return None
+    local = _looks_local(value, root)
+    return str(local) if local is not None else value
+
+
+def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
+    where = f"task {name!r} in {source}"
+    if not isinstance(entry, Mapping):
+        raise FeatcalError(f"{where}: expected a mapping, got {type(entry).__name__}.")
+    unknown = set(entry) - {"dataset", "classnames", "templates", "expert", "reference_accuracy"}
+    if unknown:
+        raise FeatcalError(f"{where}: unknown field(s) {sorted(unknown)}.")
+    dataset = entry.get("dataset")
+    if isinstance(dataset, str):
+        dataset = {"path": dataset}
+    if not isinstance(dataset, Mapping) or not isinstance(dataset.get("path"), str):
+        raise FeatcalError(f"{where}: 'dataset' needs a 'path' (a Hub dataset id or a local folder).")
+    allowed = {f for f in DatasetSpec.__dataclass_fields__}
+    bad = set(dataset) - allowed
+    if bad:
+        raise FeatcalError(f"{where}: unknown dataset field(s) {sorted(bad)}; allowed: {sorted(allowed)}.")
+    spec = DatasetSpec(**{**dataset, "path": _resolve_ref(dataset["path"], root)})
+    classnames = entry.get("classnames")
+    if not isinstance(classnames, list) or len(classnames) < 2 or not all(isinstance(c, str) for c in classnames):
+        raise FeatcalError(f"{where}: 'classnames' must be a list of at least two strings.")
+    templates = entry.get("templates")
+    if not isinstance(templates, list) or not templates or not all(isinstance(t, str) for t in templates):
+        raise FeatcalError(f"{where}: 'templates' must be a non-empty list of strings.")
+    for template in templates:
+        if template.count("{}") != 1:
+            raise FeatcalError(f"{where}: template {template!r} must contain exactly one '{{}}'.")
+    expert = entry.get("expert")
+    if expert is not None and not isinstance(expert, str):
+        raise FeatcalError(f"{where}: 'expert' must be a model id or folder.")
+    reference = entry.get("reference_accuracy") or {}
+    if not isinstance(reference, Mapping):
+        raise FeatcalError(f"{where}: 'reference_accuracy' must map method names to accuracies.")
+    return Task(
+        name=name,
+        dataset=spec,
+        classnames=tuple(classnames),
+        templates=tuple(templates),
+        expert=_resolve_ref(expert, root),
+        reference_accuracy={str(k): float(v) for k, v in reference.items()},
+    )
+
+
+def parse_task_table(data: Any, *, root: Path | None = None, source: str = "tasks file") -> TaskTable:
+    """Validate a task table given as plain data (``{"tasks": {...}}`` or a bare mapping of tasks)."""
+    if not isinstance(data, Mapping):
+        raise FeatcalError(f"{source}: expected a mapping of task names to entries.")
+    entries = data["tasks"] if "tasks" in data else data
+    if not isinstance(entries, Mapping) or not entries:
+        raise FeatcalError(f"{source}: 'tasks' must be a non-empty mapping of task names to entries.")
+    tasks = {str(name): _parse_task(str(name), entry, root, source) for name, entry in entries.items()}
+    return TaskTable(
+        tasks=tasks,
+        base_model=_resolve_ref(data.get("base_model"), root) if "tasks" in data else None,
+        expert_model_pattern=data.get("expert_model_pattern") if "tasks" in data else None,
+        reference_average=dict(data.get("reference_average") or {}) if "tasks" in data else {},
+        source=source,
+    )
+
+
+def load_task_file(path: str | Path) -> TaskTable:
+    """Read and validate a JSON or YAML tasks file; relative local paths resolve against its folder."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FeatcalError(f"Tasks file {path} does not exist.")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise FeatcalError(f"Tasks file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+    return parse_task_table(data, root=path.parent.resolve(), source=str(path))
+
+
+def builtin_tasks() -> TaskTable:
+    """The eight TA8 tasks of the FeatCal reference run."""
+    text = resources.files("featcal.resources").joinpath(BUILTIN_TABLE).read_text(encoding="utf-8")
+    return parse_task_table(json.loads(text), root=None, source="built-in TA8")
+
+
+def task_table(tasks_file: str | Path | None = None, *, replace: bool = False) -> TaskTable:
+    """The built-in table, extended (or replaced, with ``replace``) by a tasks file."""
+    if tasks_file is None:
+        return builtin_tasks()
+    user = load_task_file(tasks_file)
+    return user if replace else builtin_tasks().merged_with(user)
