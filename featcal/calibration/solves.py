@@ -1,0 +1,112 @@
+"""FeatCal's closed-form updates: pure functions of statistics, expert parameters and λ, ρ, α, ε.
+
+Tasks are folded into a normal-equation system one at a time (``add_task``), so memory does not grow
+with the number of tasks; ``solve`` then returns the calibrated parameters. The maths is in
+``featcal-method.md``; symbols below follow it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from featcal.calibration.statistics import LayerNormMoments, LinearMoments
+
+logger = logging.getLogger(__name__)
+
+
+def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
+    """A(P) = ρ·P_m + (1−ρ)·P_0."""
+    return rho * merged + (1.0 - rho) * base
+
+
+@dataclass
+class LinearSystem:
+    """Σ_t s_t·C_ss,t (``lhs``), Σ_t s_t·C_sτ,t·W_tᵀ (``rhs``) and the bias terms, for one nn.Linear."""
+
+    lhs: torch.Tensor
+    rhs: torch.Tensor
+    bias_rhs: torch.Tensor | None
+    scaled_mean_student: torch.Tensor
+    scale_sum: torch.Tensor
+
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, has_bias: bool, *, device, dtype=torch.float64) -> LinearSystem:
+        z = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)  # noqa: E731
+        return cls(z(in_features, in_features), z(in_features, out_features),
+                   z(out_features) if has_bias else None, z(in_features), z(()))
+
+    def add_task(self, moments: LinearMoments, weight: torch.Tensor, bias: torch.Tensor | None,
+                 *, alpha: float, eps: float) -> None:
+        """Fold one task's statistics and expert parameters (W_t, b_t) into the system."""
+        dtype = self.lhs.dtype
+        w_t = weight.to(device=self.lhs.device, dtype=dtype)
+        c_ss = moments.cov_student().to(dtype)
+        scale = 1.0 / c_ss.norm().clamp_min(eps)
+        self.lhs += scale * c_ss
+        self.rhs += scale * (moments.cross_teacher(alpha).to(dtype) @ w_t.T)
+        if self.bias_rhs is not None:
+            b_t = bias.to(device=self.lhs.device, dtype=dtype)
+            self.bias_rhs += scale * (b_t + w_t @ moments.mean_teacher(alpha).to(dtype))
+        self.scaled_mean_student += scale * moments.mean_student().to(dtype)
+        self.scale_sum += scale
+
+    def solve(self, anchor_weight: torch.Tensor, anchor_bias: torch.Tensor | None,
+              *, lam: float, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W = argmin Σ_t s_t E‖W x_s − W_t x_τ‖² + λ‖W − A(W)‖², then b given W."""
+        dtype, device = self.lhs.dtype, self.lhs.device
+        a_w = anchor_weight.to(device=device, dtype=dtype)
+        eye = torch.eye(self.lhs.shape[0], device=device, dtype=dtype)
+        lhs = self.lhs + (lam + eps) * eye
+        rhs = self.rhs + lam * a_w.T
+        try:
+            weight_t = torch.linalg.solve(lhs, rhs)
+        except RuntimeError:  # singular: fall back to the pseudo-inverse
+            logger.warning("FeatCal linear system is singular; using the pseudo-inverse")
+            weight_t = torch.linalg.pinv(lhs) @ rhs
+        weight = weight_t.T
+        if self.bias_rhs is None:
+            return weight, None
+        a_b = anchor_bias.to(device=device, dtype=dtype)
+        bias = (self.bias_rhs - weight @ self.scaled_mean_student + lam * a_b) / (self.scale_sum + lam)
+        return weight, bias
+
+
+@dataclass
+class LayerNormSystem:
+    """Per-dimension sums of the 2×2 LayerNorm affine system, for one nn.LayerNorm."""
+
+    energy: torch.Tensor
+    mean: torch.Tensor
+    count: torch.Tensor
+    rhs_gamma: torch.Tensor
+    rhs_beta: torch.Tensor
+
+    @classmethod
+    def empty(cls, dim: int, *, device, dtype=torch.float64) -> LayerNormSystem:
+        z = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)  # noqa: E731
+        return cls(z(dim), z(dim), z(()), z(dim), z(dim))
+
+    def add_task(self, moments: LayerNormMoments, gamma: torch.Tensor, beta: torch.Tensor) -> None:
+        dtype, device = self.energy.dtype, self.energy.device
+        g, b = gamma.to(device=device, dtype=dtype), beta.to(device=device, dtype=dtype)
+        e, m = moments.energy().to(dtype), moments.mean().to(dtype)
+        self.energy += e
+        self.mean += m
+        self.count += 1
+        self.rhs_gamma += e * g + m * b
+        self.rhs_beta += m * g + b
+
+    def solve(self, anchor_gamma: torch.Tensor, anchor_beta: torch.Tensor,
+              *, lam: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype, device = self.energy.dtype, self.energy.device
+        a_g, a_b = anchor_gamma.to(device=device, dtype=dtype), anchor_beta.to(device=device, dtype=dtype)
+        a11 = self.energy + lam
+        a12 = self.mean
+        a22 = self.count + lam
+        r1 = self.rhs_gamma + lam * a_g
+        r2 = self.rhs_beta + lam * a_b
+        det = (a11 * a22 - a12 * a12).clamp_min(eps)
+        return (a22 * r1 - a12 * r2) / det, (a11 * r2 - a12 * r1) / det

@@ -1,0 +1,103 @@
+"""Task images as tensors: calibration subsets and evaluation loaders over Hub-format datasets."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from featcal.errors import FeatcalError
+from featcal.loading import load_dataset_split
+from featcal.tasks import Task
+
+logger = logging.getLogger(__name__)
+
+ImageProcessor = Callable[..., dict]
+
+
+def load_task_split(task: Task, split: str):
+    """The ``train`` or ``test`` split of a task's dataset, with its columns checked."""
+    spec = task.dataset
+    split_name = spec.train_split if split == "train" else spec.test_split
+    ds = load_dataset_split(spec.path, split_name, name=spec.name, task=task.name)
+    missing = [c for c in (spec.image_column, spec.label_column) if c not in ds.column_names]
+    if missing:
+        raise FeatcalError(
+            f"Task {task.name!r}: dataset {spec.path!r} split {split_name!r} has no column(s) {missing}; "
+            f"it has {ds.column_names}. Set image_column/label_column in the tasks file."
+        )
+    if len(ds) == 0:
+        raise FeatcalError(f"Task {task.name!r}: split {split_name!r} of {spec.path!r} is empty.")
+    return ds
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any PIL image (grayscale, palette, RGBA, CMYK, 16-bit) as 8-bit RGB."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in {"I;16", "I;16B", "I;16L", "I"}:
+        arr = torch.from_numpy(__import__("numpy").asarray(image, dtype="float32"))
+        hi = float(arr.max()) or 1.0
+        image = Image.fromarray((arr / hi * 255).clamp(0, 255).byte().numpy(), mode="L")
+    if image.mode in {"RGBA", "LA", "P", "PA"}:
+        rgba = image.convert("RGBA")
+        canvas = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(canvas, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def pixel_values(processor: ImageProcessor, images: list[Image.Image]) -> torch.Tensor:
+    """Pixel tensors [N, C, H, W] for a list of PIL images."""
+    return processor(images=[to_rgb(im) for im in images], return_tensors="pt")["pixel_values"]
+
+
+def calibration_indices(num_rows: int, n: int, seed: int) -> list[int]:
+    """The first ``n`` rows of the split after one shuffle with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(num_rows, generator=generator)[:n].tolist()
+
+
+def calibration_pixels(task: Task, processor: ImageProcessor, n: int, seed: int, batch_size: int = 64) -> torch.Tensor:
+    """The calibration images of a task, from its train split only, as pixel tensors."""
+    ds = load_task_split(task, "train")
+    if n > len(ds):
+        logger.warning("Task %s: asked for %d calibration images, the train split has %d; using all.",
+                       task.name, n, len(ds))
+    rows = calibration_indices(len(ds), n, seed)
+    column = task.dataset.image_column
+    chunks = []
+    for start in range(0, len(rows), batch_size):
+        batch = ds.select(rows[start:start + batch_size])[column]
+        chunks.append(pixel_values(processor, batch))
+    return torch.cat(chunks)
+
+
+class LabelledImages(Dataset):
+    """(pixel_values, label) pairs from a Hub-format dataset split."""
+
+    def __init__(self, dataset, processor: ImageProcessor, image_column: str, label_column: str) -> None:
+        self.dataset = dataset
+        self.processor = processor
+        self.image_column = image_column
+        self.label_column = label_column
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        row = self.dataset[index]
+        return pixel_values(self.processor, [row[self.image_column]])[0], int(row[self.label_column])
+
+
+def evaluation_loader(task: Task, processor: ImageProcessor, *, batch_size: int, num_workers: int,
+                      max_samples: int | None = None) -> DataLoader:
+    """Batches of the task's test split, in order (the first ``max_samples`` rows if given)."""
+    ds = load_task_split(task, "test")
+    if max_samples is not None:
+        ds = ds.select(range(min(max_samples, len(ds))))
+    wrapped = LabelledImages(ds, processor, task.dataset.image_column, task.dataset.label_column)
+    return DataLoader(wrapped, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                      persistent_workers=False)

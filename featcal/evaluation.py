@@ -1,0 +1,107 @@
+"""Zero-shot evaluation: class heads from the base CLIP text tower, accuracy per task and average."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from featcal.data import evaluation_loader
+from featcal.tasks import Task
+
+logger = logging.getLogger(__name__)
+
+
+def count_parameters(model: nn.Module) -> dict[str, float | int]:
+    """Parameter counts in the reference run's ``model_info`` format."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"trainable_params": trainable, "all_params": total,
+            "trainable_percentage": trainable / total if total else 0.0}
+
+
+def load_base_clip(folder: str | Path, device: torch.device | str = "cpu"):
+    """The base `CLIPModel` (text tower, projections, logit scale), its tokenizer and image processor."""
+    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
+
+    model = CLIPModel.from_pretrained(str(folder)).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    processor = CLIPImageProcessor.from_pretrained(str(folder))
+    return model, tokenizer, processor
+
+
+class ZeroShotClassifier:
+    """Zero-shot heads of one base CLIP model, applied to any vision tower of the same family."""
+
+    def __init__(self, clip_model: nn.Module, tokenizer, device: torch.device | str = "cpu",
+                 text_batch_size: int = 256) -> None:
+        self.clip = clip_model
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.text_batch_size = text_batch_size
+        self._heads: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def text_embeddings(self, texts: Sequence[str]) -> torch.Tensor:
+        """L2-normalised projected text embeddings."""
+        out = []
+        for start in range(0, len(texts), self.text_batch_size):
+            batch = self.tokenizer(list(texts[start:start + self.text_batch_size]), padding=True,
+                                   truncation=True, return_tensors="pt").to(self.device)
+            pooled = self.clip.text_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).pooler_output
+            out.append(F.normalize(self.clip.text_projection(pooled), dim=-1))
+        return torch.cat(out)
+
+    def head(self, task: Task) -> torch.Tensor:
+        """[classes, dim]: per class, the normalised mean of its normalised template embeddings."""
+        if task.name not in self._heads:
+            texts = [p for c in task.classnames for p in task.prompts(c)]
+            emb = self.text_embeddings(texts).view(len(task.classnames), len(task.templates), -1)
+            self._heads[task.name] = F.normalize(emb.mean(1), dim=-1)
+        return self._heads[task.name]
+
+    @torch.no_grad()
+    def image_embeddings(self, vision_model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+        pooled = vision_model(pixel_values=pixel_values.to(self.device)).pooler_output
+        return F.normalize(self.clip.visual_projection(pooled), dim=-1)
+
+    @torch.no_grad()
+    def logits(self, vision_model: nn.Module, pixel_values: torch.Tensor, task: Task) -> torch.Tensor:
+        return self.clip.logit_scale.exp() * self.image_embeddings(vision_model, pixel_values) @ self.head(task).T
+
+    @torch.no_grad()
+    def evaluate_task(self, vision_model: nn.Module, task: Task, processor, *, batch_size: int = 256,
+                      num_workers: int = 0, max_samples: int | None = None, progress: bool = True) -> dict[str, float]:
+        loader = evaluation_loader(task, processor, batch_size=batch_size, num_workers=num_workers, max_samples=max_samples)
+        correct, seen, loss_sum = 0, 0, 0.0
+        for pixels, labels in tqdm(loader, desc=f"Evaluating {task.name}", leave=False, disable=not progress):
+            labels = labels.to(self.device)
+            logits = self.logits(vision_model, pixels, task)
+            if int(labels.max()) >= logits.shape[1] or int(labels.min()) < 0:
+                from featcal.errors import FeatcalError
+
+                raise FeatcalError(f"Task {task.name!r}: labels run to {int(labels.max())} but the task has "
+                                   f"{logits.shape[1]} class names; fix 'classnames' in the tasks file.")
+            loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
+            correct += int((logits.argmax(-1) == labels).sum())
+            seen += int(labels.numel())
+        return {"accuracy": correct / seen, "loss": loss_sum / seen, "num_samples": seen}
+
+    def evaluate(self, vision_model: nn.Module, tasks: Sequence[Task], processor, *, batch_size: int = 256,
+                 num_workers: int = 0, max_samples: int | None = None, progress: bool = True) -> dict:
+        """The report the reference run writes as metrics.json: per task, average, model_info."""
+        vision_model = vision_model.to(self.device).eval()
+        report: dict = {"model_info": count_parameters(vision_model)}
+        for task in tqdm(tasks, desc="Evaluating tasks", disable=not progress):
+            report[task.name] = self.evaluate_task(vision_model, task, processor, batch_size=batch_size,
+                                                   num_workers=num_workers, max_samples=max_samples, progress=progress)
+            logger.info("%s: accuracy %.4f", task.name, report[task.name]["accuracy"])
+        accs = [report[t.name]["accuracy"] for t in tasks]
+        losses = [report[t.name]["loss"] for t in tasks]
+        report["average"] = {"accuracy": sum(accs) / len(accs), "loss": sum(losses) / len(losses)}
+        return report

@@ -1,0 +1,71 @@
+"""Files that appear whole or not at all: atomic JSON/text writes and model folders."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | Path, data: Any, *, indent: int | None = 2) -> None:
+    atomic_write_text(path, json.dumps(data, indent=indent) + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def config_hash(data: Mapping[str, Any]) -> str:
+    """A stable SHA-256 of a JSON-able mapping (sorted keys), naming a recipe."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished temporary folder into place, replacing any previous one."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+
+
+def save_vision_model(state: Mapping[str, torch.Tensor], vision_config, folder: str | Path) -> Path:
+    """Save a vision-tower state dict as a `transformers.CLIPVisionModel` folder, atomically."""
+    from transformers import CLIPVisionModel
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    model = CLIPVisionModel(vision_config)
+    model.load_state_dict(dict(state), strict=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        model.save_pretrained(tmp)
+        replace_dir(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
