@@ -20,7 +20,7 @@ import torch
 from featcal import __version__
 from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.checkpoint import Checkpoint, check_compatible
-from featcal.data import calibration_pixels
+from featcal.data import calibration_pixels, load_task_split
 from featcal.errors import FeatcalError
 from featcal.evaluation import ZeroShotClassifier, load_base_clip
 from featcal.io import atomic_write_json, config_hash, read_json, save_vision_model
@@ -149,6 +149,13 @@ def resolve_setup(config: RunConfig, *, need_experts: bool = True) -> Setup:
     return Setup(tasks, base_ref, base_folder, refs, experts, base, method.resolved_params(**config.merge_params))
 
 
+def validate_datasets(tasks: list[Task], splits: tuple[str, ...] = ("train", "test")) -> None:
+    """Load each task's splits once, so a missing split or column fails before anything is written."""
+    for task in tasks:
+        for split in splits:
+            load_task_split(task, split)
+
+
 def check_finite(state: Mapping[str, torch.Tensor], what: str, experts: Mapping[str, Checkpoint] | None = None) -> None:
     """Raise naming the first non-finite tensor (and the expert that holds one, if any)."""
     for key, value in state.items():
@@ -210,16 +217,21 @@ def run_pipeline(config: RunConfig) -> dict[str, dict]:
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     setup = resolve_setup(config, need_experts=not (config.skip_ta and config.skip_featcal and not config.eval_experts))
+    validate_datasets(setup.tasks, splits=("test",) if config.skip_featcal else ("train", "test"))
     out = Path(config.output_dir)
     recipe = config.recipe(setup)
     run_id = config_hash(recipe)
+    merge_name = stage_dir_name(config.merge_method)
+    start = time.perf_counter()
+    merged_state = None if config.skip_ta else merge(setup, config.merge_method)
+    timings: dict[str, float] = {"merge_s": time.perf_counter() - start}
+    # Everything is validated and merged: from here on, files are written.
     atomic_write_json(out / "run_config.json", {**recipe, "run_id": run_id})
     clip, tokenizer, processor = load_base_clip(setup.base_folder, device)
     classifier = ZeroShotClassifier(clip, tokenizer, device)
     eval_kwargs = dict(batch_size=config.eval_batch_size, num_workers=config.eval_num_workers,
                        max_samples=config.max_eval_samples, progress=config.progress)
     results: dict[str, dict] = {}
-    timings: dict[str, float] = {}
 
     if config.eval_zero_shot:
         results["zero-shot"] = classifier.evaluate(clip.vision_model, setup.tasks, processor, **eval_kwargs)
@@ -233,15 +245,12 @@ def run_pipeline(config: RunConfig) -> dict[str, dict]:
         results["experts"] = report
         _write_report(out / "experts", report, run_id)
 
-    merge_name = stage_dir_name(config.merge_method)
     merge_dir = out / merge_name
-    start = time.perf_counter()
     if config.skip_ta:
         merged_model = load_vision_folder(config.ta_model_path)
     else:
-        merged_model = build_vision_model(setup, merge(setup, config.merge_method))
-        save_vision_model(merged_model.state_dict(), setup.vision_config, merge_dir)
-    timings["merge_s"] = time.perf_counter() - start
+        merged_model = build_vision_model(setup, merged_state)
+        save_vision_model(merged_state, setup.vision_config, merge_dir)
     if not config.skip_eval_ta:
         start = time.perf_counter()
         results[merge_name] = classifier.evaluate(merged_model, setup.tasks, processor, **eval_kwargs)

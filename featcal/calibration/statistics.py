@@ -13,14 +13,15 @@ import torch.nn.functional as F
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1])
+    """[..., d] → [tokens, d], in float32 at least (bf16/fp16 models still get float32 sums)."""
+    return x.reshape(-1, x.shape[-1]).to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _token_weights(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor | None:
     """Per-row weights for the flattened ``x`` (shape [..., seq, d]), or None for all ones."""
     if weights is None:
         return None
-    w = weights.to(device=x.device, dtype=torch.float32)
+    w = weights.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
     return w.expand(x.shape[:-1]).reshape(-1)
 
 
@@ -57,7 +58,7 @@ class LinearMoments(_Sums):
     def add(self, xs: torch.Tensor, xe: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Accumulate a batch of student and expert inputs ([..., d]) with per-position ``weights``."""
         acc = self.sum_ss.dtype
-        s, e = _flat(xs).float(), _flat(xe).float()
+        s, e = _flat(xs), _flat(xe)
         w = _token_weights(xs, weights)
         if w is None:
             self.sum_w += s.shape[0]
@@ -104,7 +105,8 @@ class LayerNormMoments(_Sums):
     @torch.no_grad()
     def add(self, xs: torch.Tensor, eps: float, weights: torch.Tensor | None = None) -> None:
         acc = self.sum_z.dtype
-        z = _flat(F.layer_norm(xs.float(), (xs.shape[-1],), eps=eps))
+        x = _flat(xs)
+        z = F.layer_norm(x, (x.shape[-1],), eps=eps)
         w = _token_weights(xs, weights)
         if w is None:
             self.sum_w += z.shape[0]

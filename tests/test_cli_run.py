@@ -1,0 +1,181 @@
+"""`featcal run` end to end on tiny local Hub-format folders, and its errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import CLIPImageProcessor, CLIPVisionModel
+
+from featcal.cli import main
+from featcal.data import calibration_pixels
+from featcal.tasks import load_task_file
+
+FAST = ["--num-calibration-examples", "8", "--calibration-batch-size", "4", "--eval-num-workers", "0",
+        "--eval-batch-size", "4", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(world, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "out"
+    code = main(["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST])
+    assert code == 0
+    return out
+
+
+def test_run_writes_the_reference_layout(run_dir, world):
+    for stage in ("ta", "featcal-ta"):
+        folder = run_dir / stage
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "metrics.json", "model.safetensors", "run.log"]
+        metrics = json.loads((folder / "metrics.json").read_text())
+        assert set(world["tasks"]) < set(metrics)
+        assert metrics["average"]["accuracy"] == pytest.approx(
+            sum(metrics[t]["accuracy"] for t in world["tasks"]) / len(world["tasks"]))
+        assert metrics["model_info"]["all_params"] > 0
+        assert json.loads((folder / "run.log").read_text()) == metrics
+        assert "\n" not in (folder / "run.log").read_text().strip()
+    config = json.loads((run_dir / "run_config.json").read_text())
+    assert config["tasks"] == world["tasks"]
+    assert config["featcal"]["num_calibration_examples"] == 8
+    assert config["merge"] == {"method": "task_arithmetic", "params": {"scaling_factor": 0.3}, "from": None}
+    assert config["run_id"] == json.loads((run_dir / "featcal-ta" / "metrics.json").read_text())["run_id"]
+
+
+def feature_drift(model, world):
+    """Mean over tasks of ‖h_model − h_expert‖² / ‖h_expert‖² on the pooled (CLS) outputs."""
+    table = load_task_file(world["tasks_file"])
+    processor = CLIPImageProcessor.from_pretrained(str(world["base"]))
+    drifts = []
+    for name in world["tasks"]:
+        expert = CLIPVisionModel.from_pretrained(str(world["root"] / "experts" / name))
+        pixels = calibration_pixels(table.tasks[name], processor, 8, 42)
+        with torch.no_grad():
+            h_m = model(pixel_values=pixels).pooler_output
+            h_e = expert(pixel_values=pixels).pooler_output
+        drifts.append(float((h_m - h_e).pow(2).sum() / h_e.pow(2).sum()))
+    return sum(drifts) / len(drifts)
+
+
+def test_featcal_weights_are_finite_differ_from_ta_and_lower_drift(run_dir, world):
+    ta = load_file(str(run_dir / "ta" / "model.safetensors"))
+    cal = load_file(str(run_dir / "featcal-ta" / "model.safetensors"))
+    assert set(ta) == set(cal)
+    assert all(torch.isfinite(v).all() for v in cal.values())
+    changed = [k for k in cal if not torch.equal(cal[k], ta[k])]
+    assert changed and all("encoder.layers." in k for k in changed)
+    ta_model = CLIPVisionModel.from_pretrained(str(run_dir / "ta")).eval()
+    cal_model = CLIPVisionModel.from_pretrained(str(run_dir / "featcal-ta")).eval()
+    assert feature_drift(cal_model, world) < 0.9 * feature_drift(ta_model, world)
+
+
+def test_single_stages_match_run(run_dir, world, tmp_path):
+    common = ["--tasks-file", str(world["tasks_file"])]
+    assert main(["-q", "merge", "--output", str(tmp_path / "m"), *common]) == 0
+    merged = load_file(str(tmp_path / "m" / "model.safetensors"))
+    ta = load_file(str(run_dir / "ta" / "model.safetensors"))
+    assert all(torch.equal(merged[k], ta[k]) for k in ta)
+    assert main(["-q", "calibrate", "--merged", str(tmp_path / "m"), "--output", str(tmp_path / "c"), *common,
+                 "--num-calibration-examples", "8", "--calibration-batch-size", "4", "--device", "cpu"]) == 0
+    cal = load_file(str(tmp_path / "c" / "model.safetensors"))
+    ref = load_file(str(run_dir / "featcal-ta" / "model.safetensors"))
+    assert all(torch.allclose(cal[k], ref[k], atol=1e-6) for k in ref)
+    assert main(["-q", "evaluate", "--model", str(tmp_path / "c"), *common, "--eval-num-workers", "0"]) == 0
+    metrics = json.loads((tmp_path / "c" / "metrics.json").read_text())
+    expected = json.loads((run_dir / "featcal-ta" / "metrics.json").read_text())
+    assert metrics["average"]["accuracy"] == pytest.approx(expected["average"]["accuracy"])
+
+
+def test_skip_ta_starts_from_a_merged_folder(run_dir, world, tmp_path):
+    out = tmp_path / "resumed"
+    assert main(["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST,
+                 "--skip-ta", "--ta-model-path", str(run_dir / "ta"), "--skip-eval-ta"]) == 0
+    assert not (out / "ta").exists()
+    cal = load_file(str(out / "featcal-ta" / "model.safetensors"))
+    ref = load_file(str(run_dir / "featcal-ta" / "model.safetensors"))
+    assert all(torch.allclose(cal[k], ref[k], atol=1e-6) for k in ref)
+
+
+def run_error(capsys, argv):
+    code = main(["-q", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err[-1] if err else ""
+
+
+def test_unknown_task(world, tmp_path, capsys):
+    code, err = run_error(capsys, ["run", "--tasks-file", str(world["tasks_file"]), "--tasks", "nope",
+                                   "--output-dir", str(tmp_path / "o"), *FAST])
+    assert code == 2 and "Unknown task(s) ['nope']" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_invalid_tasks_file(tmp_path, capsys):
+    bad = tmp_path / "tasks.yaml"
+    bad.write_text("tasks:\n  a:\n    dataset: {path: x}\n    classnames: [one]\n    templates: ['{}']\n")
+    code, err = run_error(capsys, ["run", "--tasks-file", str(bad), "--output-dir", str(tmp_path / "o")])
+    assert code == 2 and "'classnames' must be a list of at least two strings" in err and str(bad) in err
+    assert not (tmp_path / "o").exists()
+
+
+def copy_world(world, tmp_path):
+    root = tmp_path / "w"
+    shutil.copytree(world["root"], root)
+    return root
+
+
+def test_expert_with_other_shapes(world, tmp_path, capsys):
+    root = copy_world(world, tmp_path)
+    path = root / "experts" / "task1" / "model.safetensors"
+    state = load_file(str(path))
+    key = next(k for k in state if k.endswith("encoder.layers.0.mlp.fc1.weight"))
+    state[key] = torch.zeros(5, 5)
+    save_file(state, str(path), metadata={"format": "pt"})
+    code, err = run_error(capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST])
+    assert code == 2 and "task1" in err and "encoder.layers.0.mlp.fc1.weight" in err and "shape" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_non_finite_expert(world, tmp_path, capsys):
+    root = copy_world(world, tmp_path)
+    path = root / "experts" / "task0" / "model.safetensors"
+    state = load_file(str(path))
+    state[next(k for k in state if k.endswith("post_layernorm.weight"))][0] = float("nan")
+    save_file(state, str(path), metadata={"format": "pt"})
+    code, err = run_error(capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST])
+    assert code == 2 and "post_layernorm.weight" in err and "'task0'" in err and "not finite" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_dataset_without_named_column(world, tmp_path, capsys):
+    root = copy_world(world, tmp_path)
+    table = json.loads((root / "tasks.json").read_text())
+    table["tasks"]["task1"]["dataset"]["label_column"] = "fine_label"
+    (root / "tasks.json").write_text(json.dumps(table))
+    code, err = run_error(capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST])
+    assert code == 2 and "'task1'" in err and "['fine_label']" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_pickle_only_expert_is_refused(world, tmp_path, capsys):
+    root = copy_world(world, tmp_path)
+    folder = root / "experts" / "task0"
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"not loaded")
+    code, err = run_error(capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST])
+    assert code == 2 and "never loads pickles" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_offline_hub_id_fails_fast_with_a_hint(tmp_path, capsys):
+    code, err = run_error(capsys, ["merge", "--output", str(tmp_path / "m"), "--tasks", "mnist", "svhn"])
+    assert code == 2 and "openai/clip-vit-base-patch32" in err and "HF_HUB_OFFLINE" in err
+    assert not (tmp_path / "m").exists()
+
+
+def test_module_entry_points():
+    for module in ("featcal", "featcal.run_ta8"):
+        result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "--output-dir" in result.stdout or "run" in result.stdout
