@@ -27,12 +27,22 @@ def count_parameters(model: nn.Module) -> dict[str, float | int]:
 
 def load_base_clip(folder: str | Path, device: torch.device | str = "cpu"):
     """The base `CLIPModel` (text tower, projections, logit scale), its tokenizer and image processor."""
-    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
+    from transformers import AutoTokenizer, CLIPModel
 
     model = CLIPModel.from_pretrained(str(folder)).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    processor = CLIPImageProcessor.from_pretrained(str(folder))
-    return model, tokenizer, processor
+    return model, tokenizer, load_image_processor(folder)
+
+
+def load_image_processor(folder: str | Path):
+    """The model's CLIP image processor: the torchvision backend when it imports, else the PIL one."""
+    import importlib.util
+
+    from transformers import CLIPImageProcessor
+
+    if importlib.util.find_spec("torchvision") is None:
+        from transformers import CLIPImageProcessorPil as CLIPImageProcessor
+    return CLIPImageProcessor.from_pretrained(str(folder))
 
 
 class ZeroShotClassifier:

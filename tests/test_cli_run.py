@@ -179,3 +179,33 @@ def test_module_entry_points():
         result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert "--output-dir" in result.stdout or "run" in result.stdout
+
+
+def test_recipe_values_apply_and_flags_win(world, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"tasks-file: {world['tasks_file']}\nskip-featcal: true\neval-num-workers: 0\n"
+                      "merge-param: {scaling_factor: 0.5}\ntasks: task1\n")
+    assert main(["-q", "run", "--recipe", str(recipe), "--output-dir", str(tmp_path / "a")]) == 0
+    config = json.loads((tmp_path / "a" / "run_config.json").read_text())
+    assert config["merge"]["params"] == {"scaling_factor": 0.5} and config["tasks"] == ["task1"]
+    assert config["featcal"] is None and not (tmp_path / "a" / "featcal-ta").exists()
+    assert main(["-q", "run", "--recipe", str(recipe), "--output-dir", str(tmp_path / "b"), "--ta-scaling-factor", "0.1"]) == 0
+    assert json.loads((tmp_path / "b" / "run_config.json").read_text())["merge"]["params"] == {"scaling_factor": 0.1}
+    recipe.write_text("lambda: 3\n")
+    code, err = run_error(capsys, ["run", "--recipe", str(recipe)])
+    assert code == 2 and "unknown option 'lambda'" in err
+
+
+def test_shipped_recipes_are_valid():
+    from pathlib import Path
+
+    from featcal.cli import build_parser
+    from featcal.recipes import load_recipe
+
+    parser = build_parser()
+    run = parser._subparsers._group_actions[0].choices["run"]
+    known = {a.dest: a for a in run._actions}
+    recipes = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+    assert recipes
+    for path in recipes:
+        assert load_recipe(path, known)

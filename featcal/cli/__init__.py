@@ -35,12 +35,21 @@ def _configure_logging(quiet: bool, verbose: bool) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("httpx", "urllib3", "filelock", "datasets", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    if quiet:
+        import datasets
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        datasets.disable_progress_bars()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `featcal` console script; returns the exit status."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv_flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     _configure_logging(args.quiet, args.verbose)
     try:
         return int(args.func(args) or 0)

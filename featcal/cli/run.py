@@ -18,6 +18,8 @@ from featcal.pipeline import (
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
     """The reference run's options, under the same names."""
+    parser.add_argument("--recipe", default=None, metavar="FILE",
+                        help="YAML recipe: option names (without --) mapped to values; flags given here win")
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"run folder (default {DEFAULT_OUTPUT_DIR})")
     add_model_args(parser)
     add_merge_args(parser)
@@ -46,7 +48,20 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     )
 
 
+def apply_recipe(args: argparse.Namespace, parser: argparse.ArgumentParser, argv_flags: set[str]) -> None:
+    """Fill ``args`` from the YAML recipe, except for options given on the command line."""
+    from featcal.recipes import load_recipe
+
+    known = {a.dest: a for a in parser._actions if a.dest not in {"help", "recipe", "func"}}
+    for key, value in load_recipe(args.recipe, known).items():
+        flags = set(known[key].option_strings)
+        if not flags & argv_flags:
+            setattr(args, key, value)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.recipe:
+        apply_recipe(args, args.parser, args.argv_flags)
     config = config_from_args(args)
     results = run_pipeline(config)
     if results:
@@ -120,7 +135,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("run", help="merge → evaluate → FeatCal → evaluate, into a run folder",
                               description="The whole pipeline, with the FeatCal reference run's options.")
     add_run_args(p)
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, parser=p)
 
     p = subparsers.add_parser("merge", help="merge experts into one model folder")
     p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
