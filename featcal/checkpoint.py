@@ -7,7 +7,6 @@ stream experts without ever holding a whole model in memory.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -15,8 +14,6 @@ import torch
 from safetensors import safe_open
 
 from featcal.errors import FeatcalError
-
-logger = logging.getLogger(__name__)
 
 VISION_PREFIX = "vision_model."
 _INDEX_NAME = "model.safetensors.index.json"
@@ -69,7 +66,6 @@ class Checkpoint(Mapping[str, torch.Tensor]):
                 self._where[key] = (i, key)
         if not self._where:
             raise FeatcalError(f"{self.name}: the checkpoint holds no tensors.")
-        self.extra_keys = sorted(k for k in raw if has_prefix and not k.startswith(VISION_PREFIX))
 
     def __getitem__(self, key: str) -> torch.Tensor:
         try:
@@ -78,20 +74,9 @@ class Checkpoint(Mapping[str, torch.Tensor]):
             raise KeyError(f"{self.name} has no tensor {key!r}") from None
         return self._handles[i].get_tensor(raw_key)
 
-    def get_raw(self, raw_key: str) -> torch.Tensor:
-        """A tensor by its key as stored on disk (e.g. ``visual_projection.weight``)."""
-        for handle in self._handles:
-            if raw_key in handle.keys():
-                return handle.get_tensor(raw_key)
-        raise KeyError(f"{self.name} has no tensor {raw_key!r}")
-
     def shape(self, key: str) -> tuple[int, ...]:
         i, raw_key = self._where[key]
         return tuple(self._handles[i].get_slice(raw_key).get_shape())
-
-    def dtype_name(self, key: str) -> str:
-        i, raw_key = self._where[key]
-        return self._handles[i].get_slice(raw_key).get_dtype()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

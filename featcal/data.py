@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
@@ -39,9 +40,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "RGB":
         return image
     if image.mode in {"I;16", "I;16B", "I;16L", "I"}:
-        arr = torch.from_numpy(__import__("numpy").asarray(image, dtype="float32"))
+        arr = torch.from_numpy(np.asarray(image, dtype=np.float32))
         hi = float(arr.max()) or 1.0
-        image = Image.fromarray((arr / hi * 255).clamp(0, 255).byte().numpy(), mode="L")
+        image = Image.fromarray((arr / hi * 255).clamp(0, 255).byte().numpy())
     if image.mode in {"RGBA", "LA", "P", "PA"}:
         rgba = image.convert("RGBA")
         canvas = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

@@ -23,7 +23,7 @@ from featcal.checkpoint import Checkpoint, check_compatible
 from featcal.data import calibration_pixels, load_task_split
 from featcal.errors import FeatcalError
 from featcal.evaluation import ZeroShotClassifier, load_base_clip
-from featcal.io import atomic_write_json, config_hash, read_json, save_vision_model
+from featcal.io import atomic_write_json, config_hash, save_vision_model
 from featcal.loading import resolve_model_folder
 from featcal.merging import get_method
 from featcal.tasks import Task, task_table
@@ -271,10 +271,3 @@ def run_pipeline(config: RunConfig) -> dict[str, dict]:
         _write_report(out / cal_name, results[cal_name], run_id)
     atomic_write_json(out / "timings.json", {k: round(v, 3) for k, v in timings.items()})
     return results
-
-
-def read_metrics(folder: str | Path) -> dict:
-    path = Path(folder) / "metrics.json"
-    if not path.is_file():
-        raise FeatcalError(f"No metrics.json in {folder}; run `featcal evaluate` on it first.")
-    return read_json(path)

@@ -11,7 +11,7 @@ from featcal.cli.common import (
 )
 from featcal.io import atomic_write_json
 from featcal.pipeline import (
-    DEFAULT_OUTPUT_DIR, RunConfig, build_vision_model, calibrate, load_vision_folder, merge,
+    DEFAULT_OUTPUT_DIR, RunConfig, calibrate, load_vision_folder, merge,
     resolve_device, resolve_setup, run_pipeline, stage_dir_name,
 )
 
