@@ -55,13 +55,17 @@ def resolve_model_folder(ref: str, *, what: str = "model", cache_dir: str | Path
     if ref.startswith(("/", "./", "../", "~")):
         raise FeatcalError(f"The {what} folder {ref} does not exist.")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError,
+    )
 
     offline = is_offline() or not hub_reachable()
     try:
         folder = snapshot_download(
             ref, allow_patterns=MODEL_FILE_PATTERNS, cache_dir=cache_dir, local_files_only=offline
         )
+    except HFValidationError:
+        raise FeatcalError(f"The {what} {ref!r} is neither an existing folder nor a Hub id ('namespace/name').") from None
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if is_offline() else "the Hub cannot be reached"
         raise FeatcalError(f"Cannot load {what} {ref!r}: {why} and it is not in the cache. {OFFLINE_HINT}") from None

@@ -135,6 +135,8 @@ def resolve_setup(config: RunConfig, *, need_experts: bool = True) -> Setup:
     base_ref = config.base_model_id or table.base_model
     if not base_ref:
         raise FeatcalError("No base model: give --base-model-id or 'base_model' in the tasks file.")
+    local = Path(base_ref).expanduser()
+    base_ref = str(local.resolve()) if local.exists() else base_ref
     base_folder = resolve_model_folder(base_ref, what="base model", cache_dir=config.cache_dir)
     base = Checkpoint(base_folder, name=f"base model {base_ref}")
     refs: dict[str, str] = {}

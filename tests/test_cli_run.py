@@ -37,6 +37,8 @@ def test_run_writes_the_reference_layout(run_dir, world):
         assert metrics["model_info"]["all_params"] > 0
         assert json.loads((folder / "run.log").read_text()) == metrics
         assert "\n" not in (folder / "run.log").read_text().strip()
+    release = run_dir / "release"  # the last stage: the release folder, exactly what `featcal push` uploads
+    assert {"README.md", "config.json", "model.safetensors", "metrics.json", "run_config.json"} <= {p.name for p in release.iterdir()}
     config = json.loads((run_dir / "run_config.json").read_text())
     assert config["tasks"] == world["tasks"]
     assert config["featcal"]["num_calibration_examples"] == 8

@@ -33,6 +33,7 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-featcal", action="store_true", help="merge (and evaluate) only")
     g.add_argument("--eval-zero-shot", action="store_true", help="also evaluate the base model zero-shot")
     g.add_argument("--eval-experts", action="store_true", help="also evaluate each expert on its own task")
+    g.add_argument("--no-export", action="store_true", help="do not write the release folder (<output-dir>/release)")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -68,6 +69,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         tasks = [k for k in next(iter(results.values())) if k not in {"model_info", "average", "run_id"}]
         print(format_results(results, tasks))
     print(f"Run folder: {Path(config.output_dir).resolve()}")
+    released_stage_evaluated = not config.skip_featcal or not (config.skip_ta or config.skip_eval_ta)
+    if released_stage_evaluated and not args.no_export:
+        from featcal.release import export_release
+
+        print(f"Release folder: {export_release(config.output_dir)}")
     return 0
 
 

@@ -1,0 +1,290 @@
+"""The model card: Hub metadata (``ModelCardData`` with a ``model-index``) and a Jinja-rendered body.
+
+The template ships as package data (``featcal/resources/model_card.md.j2``); pass ``template=`` to
+use your own. Everything in the card comes from the run folder's own files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from featcal import __version__
+from featcal.errors import FeatcalError
+from featcal.io import atomic_write_text
+from featcal.release.plot import PLOT_FILE, save_results_plot
+from featcal.release.results import ResultRow, results_rows
+from featcal.pipeline import stage_dir_name
+from featcal.release.run import RunFolder, read_run
+from featcal.tasks import Task
+
+logger = logging.getLogger(__name__)
+
+TEMPLATE = "model_card.md.j2"
+CARD_FILE = "README.md"
+DEFAULT_LICENSE = "mit"  # the license of OpenAI's CLIP weights, which the TA8 base model carries
+TAGS = ["merge", "featcal", "model-merging", "clip", "vision", "image-classification"]
+FEATCAL_PARAMS = {
+    "num_calibration_examples": ("n", "training images per task used for calibration"),
+    "calibration_batch_size": ("", "images per forward batch while collecting statistics"),
+    "lambda_ratio": ("λ", "strength of the pull towards the anchor weights"),
+    "anchor_blend_rho": ("ρ", "anchor = ρ·merged + (1−ρ)·base"),
+    "teacher_interp_alpha": ("α", "teacher input = α·expert + (1−α)·merged features"),
+    "covariance_eps": ("ε", "ridge added to the covariance solves"),
+}
+TIMING_LABELS = {"merge_s": "merge", "calibrate_s": "FeatCal calibration", "eval_s": "evaluation"}
+
+
+def timing_label(key: str) -> str:
+    """A readable name for a timings.json entry (``eval_<stage>_s`` is the evaluation of a stage)."""
+    if key in TIMING_LABELS:
+        return TIMING_LABELS[key]
+    if key.startswith("eval_") and key.endswith("_s"):
+        return f"evaluation of `{key[5:-2]}/`"
+    return key
+
+
+def is_hub_id(ref: str | None) -> bool:
+    """Whether ``ref`` names a Hub repository rather than a local folder."""
+    if not ref or ref.startswith((".", "~", "/")) or Path(ref).expanduser().exists():
+        return False
+    try:
+        validate_repo_id(ref)
+    except HFValidationError:
+        return False
+    return True
+
+
+def check_repo_id(repo_id: str) -> str:
+    """``repo_id`` if it is a valid Hub repository id, else a FeatcalError."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise FeatcalError(f"{repo_id!r} is not a valid Hub repository id ({exc}); use 'namespace/name'.") from None
+    return repo_id
+
+
+def default_model_name(run: RunFolder) -> str:
+    """A repository name for the release, e.g. ``clip-vit-base-patch32-ta-featcal``."""
+    base = Path(run.base_model.rstrip("/")).name
+    suffix = "-featcal" if run.calibrated else ""
+    return f"{base}-{stage_dir_name(run.method)}{suffix}"
+
+
+def _method_info(method: str) -> tuple[str, str | None]:
+    """Pretty name and reference URL from the merging registry (the bare name if not registered)."""
+    from featcal.merging import get_method
+
+    try:
+        registered = get_method(method)
+    except FeatcalError:
+        return method, None
+    return registered.pretty_name, registered.reference_url
+
+
+def card_data(run: RunFolder, *, model_name: str, license: str) -> ModelCardData:
+    """The card's YAML metadata: Hub relations, tags, datasets and one accuracy per task."""
+    released = run.released
+    refs = [run.base_model, *(run.experts.get(t.name) for t in run.tasks)]
+    base_models = list(dict.fromkeys(r for r in refs if is_hub_id(r)))
+    datasets = list(dict.fromkeys(t.dataset.path for t in run.tasks if is_hub_id(t.dataset.path)))
+    results = [
+        EvalResult(
+            task_type="image-classification",
+            task_name="Image Classification",
+            dataset_type=t.dataset.path if is_hub_id(t.dataset.path) else t.name,
+            dataset_name=t.name,
+            dataset_config=t.dataset.name,
+            dataset_split=evaluated_split(t, run.max_eval_samples),
+            metric_type="accuracy",
+            metric_name="accuracy",
+            metric_value=float(released.metrics[t.name]["accuracy"]),
+        )
+        for t in run.tasks
+    ]
+    return ModelCardData(
+        model_name=model_name,
+        library_name="transformers",
+        license=license,
+        pipeline_tag="zero-shot-image-classification",
+        base_model=base_models or None,
+        base_model_relation="merge" if base_models else None,
+        tags=[*TAGS, run.method.replace("_", "-")],
+        datasets=datasets or None,
+        eval_results=results,
+    )
+
+
+def evaluated_split(task: Task, max_eval_samples: int | None) -> str:
+    """The split the accuracy was measured on, in ``datasets`` slicing notation when it was a prefix."""
+    split = task.dataset.test_split
+    return f"{split}[:{max_eval_samples}]" if max_eval_samples else split
+
+
+def _snippet_task(tasks: tuple[Task, ...]) -> Task:
+    """The task shown in the usage snippet: a Hub dataset when there is one, with the fewest classes."""
+    candidates = [t for t in tasks if is_hub_id(t.dataset.path)] or list(tasks)
+    return min(candidates, key=lambda t: len(t.classnames))
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.2f}"
+
+
+def _reference(row: ResultRow) -> str:
+    values = [v for v in (row.reference_merged, row.reference_calibrated) if v is not None]
+    return " → ".join(_pct(v) for v in values) or "–"
+
+
+def _link(ref: str | None, kind: str) -> str:
+    if not ref:
+        return "–"
+    if is_hub_id(ref):
+        prefix = "datasets/" if kind == "dataset" else ""
+        return f"[{ref}](https://huggingface.co/{prefix}{ref})"
+    return f"`{Path(ref).name}` (local folder)"
+
+
+def _environment(template: str | Path | None) -> tuple[jinja2.Environment, str]:
+    if template is None:
+        source = resources.files("featcal.resources").joinpath(TEMPLATE).read_text(encoding="utf-8")
+    else:
+        path = Path(template).expanduser()
+        if not path.is_file():
+            raise FeatcalError(f"Model card template {path} does not exist.")
+        source = path.read_text(encoding="utf-8")
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    env.filters.update(
+        pct=_pct,
+        reference=_reference,
+        model_link=lambda ref: _link(ref, "model"),
+        dataset_link=lambda ref: _link(ref, "dataset"),
+        tojson=lambda value: json.dumps(value, ensure_ascii=False),
+    )
+    return env, source
+
+
+def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | None) -> dict[str, Any]:
+    pretty_name, url = _method_info(run.method)
+    rows = results_rows(run)
+    model_name = repo_id or default_model_name(run)
+    snippet = _snippet_task(run.tasks)
+    featcal = run.featcal_params
+    return {
+        "card_data": card_data(run, model_name=model_name, license=license).to_yaml(),
+        "title": model_name.split("/")[-1],
+        "repo_id": repo_id or f"<namespace>/{model_name}",
+        "repo_id_known": repo_id is not None,
+        "base_model": run.base_model,
+        "base_is_hub": is_hub_id(run.base_model),
+        "featcal_version": __version__,
+        "recipe_sha256": run.recipe_sha256,
+        "released_stage": run.released.name,
+        "seed": run.config.get("seed", "–"),
+        "calibrated": run.calibrated is not None,
+        "method": {"name": run.method, "pretty_name": pretty_name, "url": url, "params": dict(run.merge_params),
+                   "source": run.config["merge"].get("from")},
+        "featcal": [
+            {"name": k, "symbol": FEATCAL_PARAMS.get(k, ("", ""))[0], "value": v,
+             "meaning": FEATCAL_PARAMS.get(k, ("", ""))[1]}
+            for k, v in featcal.items()
+        ] if featcal else None,
+        "tasks": [
+            {"name": t.name, "dataset": t.dataset.path, "config": t.dataset.name,
+             "test_split": evaluated_split(t, run.max_eval_samples),
+             "classes": len(t.classnames), "expert": run.experts.get(t.name)}
+            for t in run.tasks
+        ],
+        "rows": rows,
+        "has_base": any(r.base is not None for r in rows),
+        "has_merged": any(r.merged is not None for r in rows),
+        "has_reference": any(r.reference_merged is not None or r.reference_calibrated is not None for r in rows),
+        "plot": plot,
+        "snippet": {
+            "task": snippet.name,
+            "classnames": list(snippet.classnames),
+            "templates": list(snippet.templates),
+            "dataset": snippet.dataset.path,
+            "config": snippet.dataset.name,
+            "split": snippet.dataset.test_split,
+            "image_column": snippet.dataset.image_column,
+        },
+        "timings": [(timing_label(k), float(v)) for k, v in run.timings.items() if isinstance(v, (int, float))],
+        "max_eval_samples": run.max_eval_samples,
+        "has_expert": any(r.expert is not None for r in rows),
+    }
+
+
+def render_card(
+    run: RunFolder,
+    *,
+    repo_id: str | None = None,
+    license: str = DEFAULT_LICENSE,
+    template: str | Path | None = None,
+    plot: str | None = PLOT_FILE,
+) -> ModelCard:
+    """The model card of ``run``; ``plot`` is the image file the card shows (None for no image)."""
+    if repo_id is not None:
+        check_repo_id(repo_id)
+    env, source = _environment(template)
+    try:
+        text = env.from_string(source).render(**_context(run, repo_id=repo_id, license=license, plot=plot))
+    except jinja2.TemplateError as exc:
+        raise FeatcalError(f"Model card template {template or TEMPLATE} failed to render: {exc}") from None
+    try:
+        return ModelCard(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise FeatcalError(f"Model card template {template or TEMPLATE} gives invalid metadata: {exc}") from None
+
+
+def write_card(
+    run_dir: str | Path,
+    out_dir: str | Path | None = None,
+    *,
+    repo_id: str | None = None,
+    license: str = DEFAULT_LICENSE,
+    template: str | Path | None = None,
+) -> Path:
+    """Write ``README.md`` and the results plot for the run into ``out_dir`` (default ``<run>/release``).
+
+    Only the card and its image change; the weights and the rest of the folder are left as they are.
+    """
+    run = read_run(run_dir)
+    out = Path(out_dir).expanduser() if out_dir is not None else run.path / "release"
+    out.mkdir(parents=True, exist_ok=True)
+    card = write_card_files(run, out, repo_id=repo_id, license=license, template=template)
+    logger.info("Wrote the model card %s", card)
+    return card
+
+
+def write_card_files(
+    run: RunFolder, out: Path, *, repo_id: str | None, license: str, template: str | Path | None
+) -> Path:
+    """Write the plot (when matplotlib is there) and ``README.md`` into the existing folder ``out``."""
+    pretty_name, _ = _method_info(run.method)
+    plot_path, plot_tmp = out / PLOT_FILE, out / f".{PLOT_FILE}.tmp"
+    has_plot = save_results_plot(results_rows(run), plot_tmp, merged_label=pretty_name)
+    try:
+        card = render_card(
+            run, repo_id=repo_id, license=license, template=template, plot=PLOT_FILE if has_plot else None
+        )
+    except BaseException:
+        plot_tmp.unlink(missing_ok=True)
+        raise
+    if has_plot:
+        os.replace(plot_tmp, plot_path)
+    else:
+        plot_path.unlink(missing_ok=True)
+    path = out / CARD_FILE
+    atomic_write_text(path, str(card))
+    return path

@@ -1,0 +1,117 @@
+"""Check that a folder is a complete, self-consistent release before anything is uploaded."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from huggingface_hub import ModelCard
+
+from featcal.errors import FeatcalError
+from featcal.release.card import CARD_FILE
+from featcal.release.export import REQUIRED_FILES, WEIGHTS, load_vision_model
+from featcal.release.run import METRICS, RUN_CONFIG, read_json_file, recipe_sha256
+
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class ReleaseFile:
+    """One file of a release: its path in the repository, on disk, and its size."""
+
+    path_in_repo: str
+    local: Path
+    size: int
+
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        with self.local.open("rb") as f:
+            while chunk := f.read(CHUNK):
+                digest.update(chunk)
+        return digest.hexdigest()
+
+    def git_blob_sha1(self) -> str:
+        """The git object id of the file (what the Hub lists for files not stored in LFS)."""
+        digest = hashlib.sha1(f"blob {self.size}\0".encode())
+        with self.local.open("rb") as f:
+            while chunk := f.read(CHUNK):
+                digest.update(chunk)
+        return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Release:
+    """A checked release folder."""
+
+    folder: Path
+    files: tuple[ReleaseFile, ...]
+    recipe_sha256: str
+    card: ModelCard
+
+    @property
+    def model_name(self) -> str | None:
+        """The repository the card was rendered for (the name in its ``model-index``)."""
+        return self.card.data.model_name
+
+
+def release_files(folder: Path) -> tuple[ReleaseFile, ...]:
+    """Every file under ``folder`` that is uploaded (hidden files and folders are skipped)."""
+    files = []
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if path.is_file() and not any(part.startswith(".") for part in rel.parts):
+            files.append(ReleaseFile(rel.as_posix(), path, path.stat().st_size))
+    return tuple(files)
+
+
+def _weights_recipe(path: Path) -> str:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except Exception as exc:  # safetensors raises its own error type for corrupt headers
+        raise FeatcalError(f"{path} is not a readable safetensors file ({exc}).") from None
+    recipe = metadata.get("recipe_sha256")
+    if not recipe:
+        raise FeatcalError(f"{path} carries no recipe_sha256 in its metadata: it was not written by `featcal export`.")
+    return recipe
+
+
+def check_release(folder: str | Path) -> Release:
+    """The release in ``folder``, or a FeatcalError naming what is missing or inconsistent.
+
+    Checks that the card, metrics, recipe and weights are all there; that the weights load as a
+    ``CLIPVisionModel``; that the card's metadata parses; and that ``metrics.json`` (its ``run_id``),
+    ``run_config.json`` (its hash) and the weights (``recipe_sha256`` metadata) name the same run.
+    """
+    folder = Path(folder).expanduser()
+    fix = "rebuild it with `featcal export RUN_FOLDER`"
+    if not folder.is_dir():
+        raise FeatcalError(f"Release folder {folder} does not exist: {fix}.")
+    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    if missing:
+        raise FeatcalError(f"{folder} is not a complete release: {', '.join(missing)} missing; {fix}.")
+    recipe = _weights_recipe(folder / WEIGHTS)
+    load_vision_model(folder, f"Release {folder}")
+    try:
+        card = ModelCard.load(folder / CARD_FILE)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise FeatcalError(f"The model card {folder / CARD_FILE} has invalid metadata ({exc}); {fix}.") from None
+    if not card.data.to_dict():
+        raise FeatcalError(f"The model card {folder / CARD_FILE} has no metadata header; {fix}.")
+    metrics = read_json_file(folder / METRICS, f"Release {folder}")
+    if metrics.get("run_id") != recipe:
+        raise FeatcalError(
+            f"{folder / METRICS} (run_id {metrics.get('run_id')}) does not describe the weights in "
+            f"{folder / WEIGHTS} (recipe {recipe[:12]}); {fix}."
+        )
+    config = read_json_file(folder / RUN_CONFIG, f"Release {folder}")
+    if recipe_sha256(config) != recipe:
+        raise FeatcalError(
+            f"{folder / RUN_CONFIG} is not the recipe of the weights in {folder / WEIGHTS} "
+            f"(hash {recipe_sha256(config)[:12]} vs {recipe[:12]}); {fix}."
+        )
+    return Release(folder=folder, files=release_files(folder), recipe_sha256=recipe, card=card)

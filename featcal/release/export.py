@@ -1,0 +1,141 @@
+"""Turn a finished run into a release folder: exactly the files that `featcal push` uploads."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+from featcal import __version__
+from featcal.errors import FeatcalError
+from featcal.io import atomic_write_json, replace_dir
+from featcal.loading import resolve_model_folder
+from featcal.release.card import DEFAULT_LICENSE, check_repo_id, is_hub_id, write_card_files
+from featcal.release.plot import PLOT_FILE
+from featcal.release.run import METRICS, RUN_CONFIG, RunFolder, read_run
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS = "model.safetensors"
+REQUIRED_FILES = ("config.json", WEIGHTS, "preprocessor_config.json", "README.md", METRICS, RUN_CONFIG)
+RELEASE_FILES = frozenset({*REQUIRED_FILES, PLOT_FILE})
+
+
+def load_vision_model(folder: Path, what: str):
+    """A `CLIPVisionModel` from ``folder``, refusing missing or unexpected weights."""
+    from transformers import CLIPVisionModel
+
+    try:
+        model, info = CLIPVisionModel.from_pretrained(str(folder), dtype="auto", output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise FeatcalError(f"{what}: {folder} does not load as a transformers CLIPVisionModel ({exc}).") from None
+    problems = [f"{kind} {sorted(map(str, keys))[:3]}" for kind, keys in info.items() if keys]
+    if problems:
+        raise FeatcalError(f"{what}: the weights in {folder} do not match a CLIPVisionModel: {'; '.join(problems)}.")
+    return model.eval()
+
+
+def stamp_safetensors(path: Path, metadata: dict[str, str]) -> None:
+    """Rewrite a safetensors file with ``metadata`` added to its header (same tensors).
+
+    safetensors writes metadata keys in hash order; they are sorted here so that exporting the same
+    run twice gives the same bytes (and pushing it again is a no-op).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+        merged = {**(f.metadata() or {}), **metadata}
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata=merged)
+    with tmp.open("r+b") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        canonical = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(canonical) <= size:  # same keys and values: same length, padded with spaces like safetensors
+            f.seek(8)
+            f.write(canonical.ljust(size))
+    os.replace(tmp, path)
+
+
+def _write_weights(run: RunFolder, out: Path) -> None:
+    model = load_vision_model(run.released.path, f"Stage {run.released.name!r}")
+    model.save_pretrained(str(out))
+    stamp_safetensors(
+        out / WEIGHTS,
+        {"format": "pt", "featcal_version": __version__, "recipe_sha256": run.recipe_sha256},
+    )
+
+
+def _write_processor(run: RunFolder, out: Path) -> None:
+    from featcal.evaluation import load_image_processor
+
+    if not is_hub_id(run.base_model) and not Path(run.base_model).expanduser().exists():
+        raise FeatcalError(
+            f"The base model folder {run.base_model!r} named in {run.path / RUN_CONFIG} does not exist here "
+            "(a relative path is relative to where `featcal run` ran): export from there, or fix the path."
+        )
+    folder = resolve_model_folder(run.base_model, what="base model")
+    try:
+        processor = load_image_processor(folder)
+    except (OSError, ValueError) as exc:
+        raise FeatcalError(f"The base model {run.base_model} has no usable image processor config ({exc}).") from None
+    processor.save_pretrained(str(out))
+
+
+def _check_replaceable(out: Path) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FeatcalError(f"Release folder {out} exists and is not a folder: choose another output.")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in RELEASE_FILES)
+    if foreign:
+        raise FeatcalError(
+            f"{out} exists and holds files that are not part of a release ({', '.join(foreign[:5])}): "
+            "choose another output folder, or remove them."
+        )
+
+
+def export_release(
+    run_dir: str | Path,
+    out_dir: str | Path | None = None,
+    *,
+    repo_id: str | None = None,
+    license: str = DEFAULT_LICENSE,
+    template: str | Path | None = None,
+) -> Path:
+    """Write the release folder of a run (default ``<run>/release``) and return its path.
+
+    The folder holds the released model (calibrated when present, else merged) as a
+    ``CLIPVisionModel`` with featcal's version and the recipe hash in its safetensors metadata, the
+    base model's image processor config, the model card (``README.md``) and its plot, the evaluation
+    report (``metrics.json``) and the recipe (``run_config.json``). It is written in a temporary folder
+    beside it and renamed into place, so it is never seen half-written. ``repo_id`` names the Hub
+    repository in the card (its usage snippet and ``model-index``).
+    """
+    run = read_run(run_dir)
+    if repo_id is not None:
+        check_repo_id(repo_id)
+    out = Path(out_dir).expanduser() if out_dir is not None else run.path / "release"
+    _check_replaceable(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a release folder is meant to be shared
+    try:
+        _write_weights(run, tmp)
+        _write_processor(run, tmp)
+        shutil.copyfile(run.path / RUN_CONFIG, tmp / RUN_CONFIG)
+        atomic_write_json(tmp / METRICS, {**run.released.metrics, "run_id": run.recipe_sha256})
+        write_card_files(run, tmp, repo_id=repo_id, license=license, template=template)
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("Exported %s (stage %s, recipe %s) to %s", run.path, run.released.name, run.recipe_sha256[:12], out)
+    return out

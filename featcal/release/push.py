@@ -1,0 +1,230 @@
+"""Publish a release folder to the Hugging Face Hub as one commit, then check what the Hub lists.
+
+Nothing reaches the Hub before the folder has been checked (:func:`check_release`), the token has
+been found and accepted, and the repository's namespace is the token owner's or one of their
+organisations'. The token is passed to ``huggingface_hub`` and never logged or put in a message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from huggingface_hub import CommitOperationAdd, HfApi, get_token
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+from huggingface_hub.hf_api import RepoFile
+
+from featcal import __version__
+from featcal.errors import FeatcalError
+from featcal.loading import is_offline
+from featcal.release.card import CARD_FILE, check_repo_id
+from featcal.release.check import ReleaseFile, check_release
+from featcal.release.export import WEIGHTS, export_release
+from featcal.release.run import RUN_CONFIG
+
+try:
+    from httpx2 import TransportError
+except ImportError:  # huggingface_hub 1.x talks through httpx
+    from httpx import TransportError
+
+logger = logging.getLogger(__name__)
+
+NOTHING_PUBLISHED = "Nothing was published."
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What a push did (or, for a dry run, would do)."""
+
+    repo_id: str
+    folder: Path
+    files: tuple[ReleaseFile, ...]
+    dry_run: bool = False
+    repo_url: str | None = None
+    commit_url: str | None = None
+    commit_oid: str | None = None
+    pr_url: str | None = None
+    changed: bool = False
+
+
+def resolve_release_folder(folder: str | Path, repo_id: str) -> Path:
+    """The release folder to push: ``folder`` itself, or the ``release/`` of a run folder.
+
+    A run folder without a release yet is exported first, with its card naming ``repo_id``. An
+    existing release is never modified: it is exactly what gets uploaded.
+    """
+    path = Path(folder).expanduser()
+    if (path / WEIGHTS).is_file():
+        return path
+    if not (path / RUN_CONFIG).is_file():
+        raise FeatcalError(
+            f"{path} is neither a release folder (with {WEIGHTS}, {CARD_FILE}, metrics.json) nor a run folder "
+            f"(with {RUN_CONFIG}): point at the output of `featcal run` or `featcal export`."
+        )
+    release = path / "release"
+    if not (release / WEIGHTS).is_file():
+        logger.info("No release in %s yet: exporting it", path)
+        export_release(path, release, repo_id=repo_id)
+    return release
+
+
+def _token(token: str | None) -> str:
+    token = token or get_token()
+    if not token:
+        raise FeatcalError(
+            "No Hugging Face token: pass --token, set HF_TOKEN, or log in once with `hf auth login`. "
+            f"{NOTHING_PUBLISHED}"
+        )
+    return token
+
+
+def _check_namespace(repo_id: str, whoami: dict) -> None:
+    namespace = repo_id.split("/")[0]
+    user = whoami.get("name")
+    orgs = [org.get("name") for org in whoami.get("orgs") or []]
+    if namespace != user and namespace not in orgs:
+        owned = ", ".join([user or "?", *orgs])
+        raise FeatcalError(
+            f"The repository {repo_id} belongs to someone else: the token is {user!r}'s, who can push to "
+            f"{owned}. Use --repo {user}/{repo_id.split('/')[1]}, or a token of {namespace!r}. {NOTHING_PUBLISHED}"
+        )
+    access = (whoami.get("auth") or {}).get("accessToken") or {}
+    if access.get("role") == "read":
+        raise FeatcalError(
+            f"The token is read-only: create a token with write access at https://huggingface.co/settings/tokens "
+            f"to push to {repo_id}. {NOTHING_PUBLISHED}"
+        )
+
+
+@contextmanager
+def _hub_errors(repo_id: str, endpoint: str) -> Iterator[None]:
+    """Turn huggingface_hub and network errors into FeatcalErrors that say what to do."""
+    try:
+        yield
+    except OfflineModeIsEnabled:
+        raise FeatcalError(f"HF_HUB_OFFLINE is set: unset it to push to the Hub. {NOTHING_PUBLISHED}") from None
+    except TransportError as exc:
+        raise FeatcalError(
+            f"Cannot reach the Hub at {endpoint} ({type(exc).__name__}: {exc}). Check the network or --endpoint."
+        ) from None
+    except RepositoryNotFoundError:
+        raise FeatcalError(
+            f"The Hub does not let this token see {repo_id}: check the id and that the token may write to it."
+        ) from None
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        detail = exc.server_message or str(exc).splitlines()[0]
+        if status == 401:
+            raise FeatcalError(
+                f"The Hub rejected the token (401: {detail}): log in again with `hf auth login` or pass a valid "
+                "--token."
+            ) from None
+        if status == 403:
+            raise FeatcalError(
+                f"The token cannot write to {repo_id} (403: {detail}): use a token with write access to "
+                f"{repo_id.split('/')[0]}."
+            ) from None
+        raise FeatcalError(f"The Hub refused the push to {repo_id} ({status}: {detail}).") from None
+    except ValueError as exc:  # e.g. README.md metadata rejected by /api/validate-yaml
+        raise FeatcalError(f"The Hub refused the push to {repo_id}: {exc}") from None
+
+
+def _ensure_repo(api: HfApi, repo_id: str, *, private: bool, revision: str | None) -> str | None:
+    """Create the repository (and the branch) when missing; return the target revision's head commit."""
+    try:
+        info = api.repo_info(repo_id)
+    except RepositoryNotFoundError:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = None
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+        info = None
+    return (info or api.repo_info(repo_id, revision=revision)).sha
+
+
+def _verify(files: tuple[ReleaseFile, ...], listed: dict[str, RepoFile], where: str) -> None:
+    """Raise unless every file sent is listed by the Hub with the same size and content hash."""
+    problems = []
+    for f in files:
+        remote = listed.get(f.path_in_repo)
+        if remote is None:
+            problems.append(f"{f.path_in_repo} is missing")
+        elif remote.size != f.size:
+            problems.append(f"{f.path_in_repo} has {remote.size} bytes, {f.size} were sent")
+        else:
+            kind, listed_hash, local_hash = (
+                ("LFS sha256", remote.lfs.sha256, f.sha256()) if remote.lfs is not None
+                else ("git oid", remote.blob_id, f.git_blob_sha1())
+            )
+            if listed_hash != local_hash:
+                problems.append(f"{f.path_in_repo} has {kind} {listed_hash[:12]}, {local_hash[:12]} was sent")
+    if problems:
+        raise FeatcalError(f"After the push, {where} differs from the release folder: {'; '.join(problems)}.")
+
+
+def push_release(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+    token: str | None = None,
+    dry_run: bool = False,
+    endpoint: str | None = None,
+) -> PushResult:
+    """Upload a release (or a run folder's release, exported if missing) to ``repo_id`` in one commit.
+
+    Creates the repository (and the ``revision`` branch) when missing, commits every file of the
+    folder, then lists the repository to check that each file arrived with the same size and hash.
+    Pushing an unchanged folder makes no commit (``changed`` is False). ``dry_run`` checks the folder
+    and returns the files that would be uploaded without contacting the Hub.
+
+    Example:
+        >>> push_release("runs/ta8", "me/clip-vit-b32-ta8-featcal", private=True)  # doctest: +SKIP
+    """
+    if "/" not in repo_id:
+        raise FeatcalError(f"--repo {repo_id!r} needs a namespace: use 'your-user-or-org/{repo_id}'.")
+    check_repo_id(repo_id)
+    release = check_release(resolve_release_folder(folder, repo_id))
+    if release.model_name != repo_id:
+        logger.warning(
+            "The card in %s was rendered for %r, not %s: its usage snippet names the wrong repository "
+            "(re-render it with `featcal card RUN --repo %s`).", release.folder, release.model_name, repo_id, repo_id
+        )
+    if dry_run:
+        return PushResult(repo_id=repo_id, folder=release.folder, files=release.files, dry_run=True)
+    if is_offline():
+        raise FeatcalError(f"HF_HUB_OFFLINE is set: unset it to push to the Hub. {NOTHING_PUBLISHED}")
+    api = HfApi(endpoint=endpoint, token=_token(token))
+    name = repo_id.split("/")[1]
+    message = commit_message or f"Upload {name} (featcal {__version__}, recipe {release.recipe_sha256[:12]})"
+    with _hub_errors(repo_id, api.endpoint):
+        _check_namespace(repo_id, api.whoami())
+        head = _ensure_repo(api, repo_id, private=private, revision=revision)
+        operations = [CommitOperationAdd(f.path_in_repo, f.local) for f in release.files]
+        info = api.create_commit(
+            repo_id, operations, commit_message=message, revision=revision, create_pr=create_pr
+        )
+        listed_revision = info.pr_revision or revision
+        listed = {
+            entry.path: entry
+            for entry in api.list_repo_tree(repo_id, revision=listed_revision, recursive=True)
+            if isinstance(entry, RepoFile)
+        }
+    _verify(release.files, listed, f"{repo_id}@{listed_revision or 'main'}")
+    logger.info("Pushed %s to %s: %s", release.folder, repo_id, info.commit_url)
+    return PushResult(
+        repo_id=repo_id,
+        folder=release.folder,
+        files=release.files,
+        repo_url=f"{api.endpoint}/{repo_id}",
+        commit_url=info.commit_url,
+        commit_oid=info.oid,
+        pr_url=info.pr_url,
+        changed=info.oid != head,
+    )
