@@ -8,32 +8,23 @@ organisations'. The token is passed to ``huggingface_hub`` and never logged or p
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, HfApi, get_token
-from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.hf_api import RepoFile
 
 from featcal import __version__
 from featcal.errors import FeatcalError
+from featcal.hub import NOTHING_PUBLISHED, check_namespace, hub_errors, hub_token
 from featcal.loading import is_offline
 from featcal.release.card import CARD_FILE, check_repo_id
 from featcal.release.check import ReleaseFile, check_release
 from featcal.release.export import WEIGHTS, export_release
 from featcal.release.run import RUN_CONFIG
 
-try:
-    from httpx2 import TransportError
-except ImportError:  # huggingface_hub 1.x talks through httpx
-    from httpx import TransportError
-
 logger = logging.getLogger(__name__)
-
-NOTHING_PUBLISHED = "Nothing was published."
-
 
 @dataclass(frozen=True)
 class PushResult:
@@ -69,67 +60,6 @@ def resolve_release_folder(folder: str | Path, repo_id: str) -> Path:
         logger.info("No release in %s yet: exporting it", path)
         export_release(path, release, repo_id=repo_id)
     return release
-
-
-def _token(token: str | None) -> str:
-    token = token or get_token()
-    if not token:
-        raise FeatcalError(
-            "No Hugging Face token: pass --token, set HF_TOKEN, or log in once with `hf auth login`. "
-            f"{NOTHING_PUBLISHED}"
-        )
-    return token
-
-
-def _check_namespace(repo_id: str, whoami: dict) -> None:
-    namespace = repo_id.split("/")[0]
-    user = whoami.get("name")
-    orgs = [org.get("name") for org in whoami.get("orgs") or []]
-    if namespace != user and namespace not in orgs:
-        owned = ", ".join([user or "?", *orgs])
-        raise FeatcalError(
-            f"The repository {repo_id} belongs to someone else: the token is {user!r}'s, who can push to "
-            f"{owned}. Use --repo {user}/{repo_id.split('/')[1]}, or a token of {namespace!r}. {NOTHING_PUBLISHED}"
-        )
-    access = (whoami.get("auth") or {}).get("accessToken") or {}
-    if access.get("role") == "read":
-        raise FeatcalError(
-            f"The token is read-only: create a token with write access at https://huggingface.co/settings/tokens "
-            f"to push to {repo_id}. {NOTHING_PUBLISHED}"
-        )
-
-
-@contextmanager
-def _hub_errors(repo_id: str, endpoint: str) -> Iterator[None]:
-    """Turn huggingface_hub and network errors into FeatcalErrors that say what to do."""
-    try:
-        yield
-    except OfflineModeIsEnabled:
-        raise FeatcalError(f"HF_HUB_OFFLINE is set: unset it to push to the Hub. {NOTHING_PUBLISHED}") from None
-    except TransportError as exc:
-        raise FeatcalError(
-            f"Cannot reach the Hub at {endpoint} ({type(exc).__name__}: {exc}). Check the network or --endpoint."
-        ) from None
-    except RepositoryNotFoundError:
-        raise FeatcalError(
-            f"The Hub does not let this token see {repo_id}: check the id and that the token may write to it."
-        ) from None
-    except HfHubHTTPError as exc:
-        status = exc.response.status_code if exc.response is not None else None
-        detail = exc.server_message or str(exc).splitlines()[0]
-        if status == 401:
-            raise FeatcalError(
-                f"The Hub rejected the token (401: {detail}): log in again with `hf auth login` or pass a valid "
-                "--token."
-            ) from None
-        if status == 403:
-            raise FeatcalError(
-                f"The token cannot write to {repo_id} (403: {detail}): use a token with write access to "
-                f"{repo_id.split('/')[0]}."
-            ) from None
-        raise FeatcalError(f"The Hub refused the push to {repo_id} ({status}: {detail}).") from None
-    except ValueError as exc:  # e.g. README.md metadata rejected by /api/validate-yaml
-        raise FeatcalError(f"The Hub refused the push to {repo_id}: {exc}") from None
 
 
 def _ensure_repo(api: HfApi, repo_id: str, *, private: bool, revision: str | None) -> str | None:
@@ -200,11 +130,11 @@ def push_release(
         return PushResult(repo_id=repo_id, folder=release.folder, files=release.files, dry_run=True)
     if is_offline():
         raise FeatcalError(f"HF_HUB_OFFLINE is set: unset it to push to the Hub. {NOTHING_PUBLISHED}")
-    api = HfApi(endpoint=endpoint, token=_token(token))
+    api = HfApi(endpoint=endpoint, token=hub_token(token))
     name = repo_id.split("/")[1]
     message = commit_message or f"Upload {name} (featcal {__version__}, recipe {release.recipe_sha256[:12]})"
-    with _hub_errors(repo_id, api.endpoint):
-        _check_namespace(repo_id, api.whoami())
+    with hub_errors(repo_id, api.endpoint):
+        check_namespace(repo_id, api.whoami())
         head = _ensure_repo(api, repo_id, private=private, revision=revision)
         operations = [CommitOperationAdd(f.path_in_repo, f.local) for f in release.files]
         info = api.create_commit(

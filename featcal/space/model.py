@@ -1,0 +1,150 @@
+"""The Space's classifier: the released vision tower, the base CLIP, and every task's class head.
+
+Text heads come from :class:`featcal.evaluation.ZeroShotClassifier` (so the Space scores an image
+exactly as ``featcal evaluate`` does), all computed once when the model loads (or read from the disk
+cache a previous start left, see :mod:`featcal.space.heads`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from featcal.data import pixel_values
+from featcal.errors import FeatcalError
+from featcal.evaluation import ZeroShotClassifier, load_base_clip
+from featcal.io import read_json
+from featcal.loading import resolve_model_folder
+from featcal.pipeline import load_vision_folder, resolve_device
+from featcal.space.heads import default_cache_dir, task_heads
+from featcal.space.settings import DEFAULT_BASE_MODEL_ID, SpaceSettings
+from featcal.tasks import Task, builtin_tasks, task_table
+
+logger = logging.getLogger(__name__)
+
+RUN_CONFIG = "run_config.json"
+RELEASE_DIR = "release"
+ALL_TASKS = "all"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the Space's vision tower comes from, and the run that made it (if known)."""
+
+    ref: str
+    folder: Path
+    run_folder: Path | None = None
+
+    def recipe(self) -> dict:
+        """The run's ``run_config.json`` (empty when there is none)."""
+        for where in (self.folder, self.run_folder):
+            if where is not None and (where / RUN_CONFIG).is_file():
+                return read_json(where / RUN_CONFIG)
+        return {}
+
+
+def resolve_model_source(ref: str) -> ModelSource:
+    """The vision-tower folder ``ref`` names: a model folder, a release folder, a run folder or a Hub id.
+
+    A run folder gives its ``release/`` when it has one, else its single ``featcal-*/`` stage.
+    """
+    path = Path(ref).expanduser()
+    if not path.is_dir():
+        return ModelSource(ref, resolve_model_folder(ref, what="Space model"))
+    if (path / RELEASE_DIR / "config.json").is_file():
+        return ModelSource(ref, path / RELEASE_DIR, path)
+    if (path / "config.json").is_file():
+        return ModelSource(ref, path, path if (path / RUN_CONFIG).is_file() else None)
+    if not (path / RUN_CONFIG).is_file():
+        raise FeatcalError(f"{path} is neither a model folder (config.json, model.safetensors), a release folder "
+                           f"nor a run folder ({RUN_CONFIG}): point --model at the output of `featcal run`.")
+    stages = sorted(p for p in path.glob("featcal-*") if (p / "config.json").is_file())
+    if not stages:
+        raise FeatcalError(f"The run folder {path} has no calibrated model (featcal-*/) and no {RELEASE_DIR}/ yet: "
+                           "finish the run, or pass a model folder with --model.")
+    if len(stages) > 1:
+        names = ", ".join(p.name for p in stages)
+        raise FeatcalError(f"The run folder {path} holds several calibrated models ({names}): "
+                           f"pass one of them, e.g. --model {stages[0]}.")
+    return ModelSource(ref, stages[0], path)
+
+
+def base_model_ref(settings: SpaceSettings, source: ModelSource) -> str:
+    """The base CLIP to use: the setting, else the run's own base when usable here, else the default."""
+    if settings.base_model_id:
+        return settings.base_model_id
+    recorded = source.recipe().get("base_model_id")
+    if isinstance(recorded, str) and (Path(recorded).is_dir() or not recorded.startswith(("/", ".", "~"))):
+        return recorded
+    return DEFAULT_BASE_MODEL_ID
+
+
+def space_tasks(settings: SpaceSettings) -> list[Task]:
+    """The tasks the Space offers: those of its tasks file, else the built-in eight."""
+    if settings.tasks_file is None:
+        return list(builtin_tasks().tasks.values())
+    return list(task_table(settings.path(settings.tasks_file), replace=True).tasks.values())
+
+
+class SpaceModel:
+    """The vision tower under test beside the base CLIP, with the class heads of every task."""
+
+    def __init__(self, settings: SpaceSettings, *, progress: bool = True) -> None:
+        self.settings = settings
+        self.device = resolve_device(settings.device)
+        self.source = resolve_model_source(settings.model_id)
+        self.base_ref = base_model_ref(settings, self.source)
+        self.tasks = {task.name: task for task in space_tasks(settings)}
+        unoffered = [name for name in self.source.recipe().get("tasks") or [] if name not in self.tasks]
+        if unoffered:
+            logger.warning("The model was made for task(s) %s, which this Space does not offer: give their tasks "
+                           "file with --tasks-file (TASKS_FILE in a Space).", ", ".join(unoffered))
+        base_folder = resolve_model_folder(self.base_ref, what="base CLIP model")
+        logger.info("Loading the base CLIP from %s and the vision tower from %s", base_folder, self.source.folder)
+        self.clip, tokenizer, self.processor = load_base_clip(base_folder, self.device)
+        self.vision = load_vision_folder(self.source.folder).to(self.device)
+        self._check_compatible()
+        self.classifier = ZeroShotClassifier(self.clip, tokenizer, self.device)
+        cache = Path(settings.heads_cache).expanduser() if settings.heads_cache else default_cache_dir()
+        self.heads = task_heads(self.classifier, self.tasks.values(), base_folder, cache, progress=progress)
+
+    def _check_compatible(self) -> None:
+        ours, base = self.vision.config, self.clip.vision_model.config
+        mismatched = [k for k in ("hidden_size", "num_hidden_layers", "image_size", "patch_size")
+                      if getattr(ours, k) != getattr(base, k)]
+        if mismatched:
+            raise FeatcalError(
+                f"The model {self.settings.model_id} does not fit the base {self.base_ref}: they differ in "
+                f"{', '.join(mismatched)}. Set BASE_MODEL_ID (--base-model-id) to the CLIP it was merged from."
+            )
+
+    def task_names(self, choice: str) -> list[str]:
+        """The tasks a dropdown choice stands for: one task, or all of them for ``"all"``."""
+        if choice == ALL_TASKS:
+            return list(self.tasks)
+        if choice not in self.tasks:
+            raise FeatcalError(f"Unknown task {choice!r}: pick one of {', '.join(self.tasks)} or {ALL_TASKS!r}.")
+        return [choice]
+
+    @torch.no_grad()
+    def probabilities(self, image: Image.Image, task_names: list[str], *, base: bool = False) -> dict[str, torch.Tensor]:
+        """Per task, the softmax over its classes of the zero-shot logits (of the base tower if ``base``)."""
+        vision = self.clip.vision_model if base else self.vision
+        embedding = self.classifier.image_embeddings(vision, pixel_values(self.processor, [image]))
+        scale = self.clip.logit_scale.exp()
+        return {name: (scale * embedding @ self.heads[name].T)[0].softmax(-1).cpu()
+                for name in task_names}
+
+    def top_classes(self, image: Image.Image, task_names: list[str], top_k: int, *, base: bool = False
+                    ) -> dict[str, dict[str, float]]:
+        """Per task, its ``top_k`` most probable classes (most probable first) with their probabilities."""
+        result = {}
+        for name, probs in self.probabilities(image, task_names, base=base).items():
+            values, indices = probs.topk(min(top_k, probs.numel()))
+            classnames = self.tasks[name].classnames
+            result[name] = {classnames[i]: round(float(v), 6) for v, i in zip(values, indices.tolist())}
+        return result

@@ -1,0 +1,169 @@
+"""`featcal space push`: stage exactly the files the Space needs, then upload them as one commit.
+
+The staged folder holds ``app.py``, ``requirements.txt``, ``README.md`` (the Space header, with the
+model in ``models:``), ``space_config.json`` (which sets the model: ``MODEL_ID`` in the Space, no
+Space variable needed), the ``featcal/`` package source (featcal is not on PyPI: the app imports it
+from there), the tasks file if one is given, and one example image per task in ``examples/``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import featcal
+from featcal.errors import FeatcalError
+from featcal.io import atomic_write_json
+from featcal.space.examples import collect_examples
+from featcal.space.model import space_tasks
+from featcal.space.settings import CONFIG_FILE, DEFAULT_BASE_MODEL_ID, DEFAULT_MODEL_ID, EXAMPLES_DIR, SpaceSettings
+
+logger = logging.getLogger(__name__)
+
+SOURCE_FILES = ("app.py", "requirements.txt")
+CARD = "README.md"
+PACKAGE_DIR = "featcal"
+# Folders the push owns: files there that are no longer staged are deleted from the Space.
+OWNED_PATTERNS = [f"{PACKAGE_DIR}/**", f"{EXAMPLES_DIR}/**"]
+SKIPPED = ("__pycache__", "*.pyc", "*.pyo", ".*")
+
+
+@dataclass(frozen=True)
+class SpaceFile:
+    """One file of the staged Space, by its path in the repository."""
+
+    path_in_repo: str
+    size: int
+
+
+@dataclass(frozen=True)
+class SpacePushResult:
+    """What a push did (or, for a dry run, would upload)."""
+
+    repo_id: str
+    files: tuple[SpaceFile, ...]
+    folder: Path | None
+    dry_run: bool
+    space_url: str | None = None
+    commit_url: str | None = None
+
+
+def space_source() -> Path:
+    """The ``space/`` folder of the featcal source tree (app.py, requirements.txt, README.md)."""
+    source = Path(featcal.__file__).resolve().parents[1] / "space"
+    missing = [name for name in (*SOURCE_FILES, CARD) if not (source / name).is_file()]
+    if missing:
+        raise FeatcalError(f"The Space sources are missing from {source} ({', '.join(missing)}): "
+                           "run `featcal space push` from a featcal source checkout (pip install -e .).")
+    return source
+
+
+def _hub_id(value: str, option: str) -> str:
+    """``value`` if it names a Hub repository rather than a local folder, else a FeatcalError."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(value)
+        valid = not Path(value).expanduser().exists()
+    except HFValidationError:
+        valid = False
+    if not valid:
+        raise FeatcalError(f"{option} {value!r} must be a Hub model id (namespace/name): the Space downloads it and "
+                           "cannot see folders on this machine. Publish the model first with `featcal push`.")
+    return value
+
+
+def list_space_files(folder: Path) -> tuple[SpaceFile, ...]:
+    """Every file under ``folder``, sorted, as it will land in the repository."""
+    return tuple(SpaceFile(p.relative_to(folder).as_posix(), p.stat().st_size)
+                 for p in sorted(folder.rglob("*")) if p.is_file())
+
+
+def stage_space(out: str | Path, *, model_id: str = DEFAULT_MODEL_ID, base_model_id: str | None = None,
+                tasks_file: str | Path | None = None, examples: bool = True, progress: bool = True) -> Path:
+    """Write the Space's files into ``out`` (created; it must not exist or be empty)."""
+    from huggingface_hub import SpaceCard
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FeatcalError(f"{out} is not empty: pick a new folder for the staged Space.")
+    model_id = _hub_id(model_id, "--model-id")
+    base_model_id = _hub_id(base_model_id, "--base-model-id") if base_model_id else None
+    tasks_path = Path(tasks_file).expanduser() if tasks_file is not None else None
+    tasks = space_tasks(SpaceSettings(tasks_file=str(tasks_path) if tasks_path else None))  # validates the file
+    source = space_source()
+    out.mkdir(parents=True, exist_ok=True)
+    for name in SOURCE_FILES:
+        shutil.copy2(source / name, out / name)
+    card = SpaceCard.load(source / CARD)
+    card.data.models = [model_id, base_model_id or DEFAULT_BASE_MODEL_ID]
+    card.save(out / CARD)
+    shipped_tasks = f"tasks{tasks_path.suffix}" if tasks_path else None
+    if tasks_path:
+        shutil.copy2(tasks_path, out / shipped_tasks)
+    settings = SpaceSettings(model_id=model_id, base_model_id=base_model_id, tasks_file=shipped_tasks)
+    atomic_write_json(out / CONFIG_FILE, settings.to_config())
+    shutil.copytree(Path(featcal.__file__).resolve().parent, out / PACKAGE_DIR, ignore=shutil.ignore_patterns(*SKIPPED))
+    if examples:
+        found = collect_examples(tasks, out / EXAMPLES_DIR, remote=True, progress=progress)
+        logger.info("Example images for %d of %d tasks", len(found), len(tasks))
+    return out
+
+
+def push_space(repo_id: str, *, model_id: str = DEFAULT_MODEL_ID, base_model_id: str | None = None,
+               tasks_file: str | Path | None = None, private: bool = False, token: str | None = None,
+               dry_run: bool = False, endpoint: str | None = None, output: str | Path | None = None,
+               examples: bool = True, progress: bool = True) -> SpacePushResult:
+    """Stage the Space (into ``output``, else a temporary folder) and upload it to ``repo_id`` in one commit.
+
+    Creates the Space (Gradio SDK) if it does not exist. A dry run stages and lists the files
+    without contacting the Hub.
+
+    Example:
+        >>> push_space("me/featcal-demo", model_id="me/clip-vit-b32-ta8-featcal")  # doctest: +SKIP
+    """
+    from featcal.release.card import check_repo_id
+
+    if "/" not in repo_id:
+        raise FeatcalError(f"--repo {repo_id!r} needs a namespace: use 'your-user-or-org/{repo_id}'.")
+    check_repo_id(repo_id)
+    api = None if dry_run else _hub_api(token, endpoint)  # token and offline problems show before staging
+    with tempfile.TemporaryDirectory(prefix="featcal-space-") as tmp:
+        folder = stage_space(Path(output) if output else Path(tmp) / "space", model_id=model_id,
+                             base_model_id=base_model_id, tasks_file=tasks_file, examples=examples, progress=progress)
+        files = list_space_files(folder)
+        kept = folder if output else None
+        if api is None:
+            return SpacePushResult(repo_id, files, kept, dry_run=True)
+        space_url, commit_url = _upload(api, folder, repo_id, private=private)
+    return SpacePushResult(repo_id, files, kept, dry_run=False, space_url=space_url, commit_url=commit_url)
+
+
+def _hub_api(token: str | None, endpoint: str | None):
+    from huggingface_hub import HfApi
+
+    from featcal.loading import is_offline
+    from featcal.hub import NOTHING_PUBLISHED, hub_token
+
+    if is_offline():
+        raise FeatcalError(f"HF_HUB_OFFLINE is set: unset it to push the Space. {NOTHING_PUBLISHED}")
+    return HfApi(endpoint=endpoint, token=hub_token(token))
+
+
+def _upload(api, folder: Path, repo_id: str, *, private: bool) -> tuple[str, str]:
+    """Create the Space if needed and commit ``folder`` to it; returns the Space and commit URLs."""
+    from featcal import __version__
+    from featcal.hub import check_namespace, hub_errors
+
+    with hub_errors(repo_id, api.endpoint):
+        check_namespace(repo_id, api.whoami())
+        url = api.create_repo(repo_id, repo_type="space", space_sdk="gradio", private=private, exist_ok=True)
+        info = api.upload_folder(repo_id=repo_id, repo_type="space", folder_path=folder,
+                                 commit_message=f"featcal {__version__}: Space for {repo_id}",
+                                 delete_patterns=OWNED_PATTERNS)
+    logger.info("Pushed the Space %s: %s", repo_id, info.commit_url)
+    return str(url), info.commit_url

@@ -1,0 +1,19 @@
+"""The featcal Space: zero-shot CLIP classification with a FeatCal-calibrated vision tower.
+
+Settings come from space_config.json (written by `featcal space push`), overridden by the Space
+variables MODEL_ID, BASE_MODEL_ID and TASKS_FILE. Run it locally with `featcal space`.
+"""
+
+import logging
+from pathlib import Path
+
+from featcal.space import SpaceSettings, create_space
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+settings = SpaceSettings.from_app_dir(Path(__file__).parent)
+space = create_space(settings)
+demo = space.demo  # for `gradio app.py` (reload mode)
+
+if __name__ == "__main__":
+    # Address and port come from GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (set by Hugging Face Spaces).
+    space.launch()

@@ -1,0 +1,247 @@
+"""The Space served on 127.0.0.1 and called through gradio_client, on the tiny 3-task fixture.
+
+The model is the fixture's expert t0 (a CLIPVisionModel folder), the base its tiny CLIPModel, the
+tasks its tasks.json with local parquet datasets: nothing touches the network.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+from featcal.data import load_task_split, pixel_values, to_rgb
+from featcal.errors import FeatcalError
+from featcal.evaluation import ZeroShotClassifier, load_base_clip
+from featcal.pipeline import load_vision_folder
+from featcal.space import SpaceModel, SpaceSettings, classify, create_space, resolve_model_source
+from featcal.space.model import base_model_ref
+from featcal.tasks import task_table
+
+gradio_client = pytest.importorskip("gradio_client")
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-clip-3task"
+MODEL = FIXTURE / "experts" / "t0"
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory) -> SpaceSettings:
+    return SpaceSettings(model_id=str(MODEL), base_model_id=str(FIXTURE / "base"), tasks_file=str(FIXTURE / "tasks.json"),
+                         device="cpu", heads_cache=str(tmp_path_factory.mktemp("heads")))
+
+
+@pytest.fixture(scope="module")
+def served(settings):
+    space = create_space(settings, progress=False)
+    space.launch(host="127.0.0.1", prevent_thread_lock=True)
+    client = gradio_client.Client(space.demo.local_url, verbose=False)
+    yield space.model, client
+    space.close()
+
+
+@pytest.fixture(scope="module")
+def library():
+    """The library's own zero-shot classifier on the same model: what the Space must agree with."""
+    clip, tokenizer, processor = load_base_clip(FIXTURE / "base")
+    return ZeroShotClassifier(clip, tokenizer), processor, load_vision_folder(MODEL), clip.vision_model
+
+
+def _save(image: Image.Image, path: Path, **kwargs) -> Path:
+    image.save(path, **kwargs)
+    return path
+
+
+def test_probabilities_match_the_library_evaluation(served, library, tmp_path):
+    model, client = served
+    classifier, processor, vision, base_vision = library
+    task = task_table(FIXTURE / "tasks.json", replace=True).tasks["t1"]
+    path = _save(load_task_split(task, "test")[3]["image"], tmp_path / "t1.png")
+
+    reply = client.predict(gradio_client.handle_file(str(path)), "all", 20, True, api_name="/predict")
+
+    assert reply["error"] is None and list(reply["results"]) == ["t0", "t1", "t2"]
+    pixels = pixel_values(processor, [to_rgb(Image.open(path))])
+    for name, table in task_table(FIXTURE / "tasks.json", replace=True).tasks.items():
+        for key, tower in (("model", vision), ("base", base_vision)):
+            expected = classifier.logits(tower, pixels, table)[0].softmax(-1)
+            got = reply["results"][name][key]
+            assert list(got) == [table.classnames[i] for i in expected.argsort(descending=True).tolist()]
+            torch.testing.assert_close(torch.tensor([got[c] for c in table.classnames]), expected, atol=2e-6, rtol=0)
+    # The expert differs from the base, so the two columns must too.
+    assert reply["results"]["t0"]["model"] != reply["results"]["t0"]["base"]
+
+
+def test_one_task_top_k_and_no_comparison(served, tmp_path):
+    _, client = served
+    path = _save(Image.new("RGB", (40, 30), (200, 30, 30)), tmp_path / "red.png")
+    reply = client.predict(gradio_client.handle_file(str(path)), "t2", 2, False, api_name="/predict")
+    assert reply["error"] is None
+    assert list(reply["results"]) == ["t2"] and list(reply["results"]["t2"]) == ["model"]
+    probs = list(reply["results"]["t2"]["model"].values())
+    assert len(probs) == 2 and probs[0] >= probs[1] > 0
+    assert reply["image"] == {"width": 40, "height": 30, "mode": "RGB"}
+
+
+def test_unknown_task_and_missing_image_are_messages(served, tmp_path):
+    model, client = served
+    path = _save(Image.new("RGB", (8, 8)), tmp_path / "x.png")
+    reply = client.predict(gradio_client.handle_file(str(path)), "sun397", 5, False, api_name="/predict")
+    assert "Unknown task 'sun397'" in reply["error"] and reply["results"] == {}
+    assert "upload or paste an image" in classify(model, None, "all")["error"]
+
+
+def _odd_images(folder: Path) -> dict[str, tuple[Path, str, str]]:
+    """name → (file, 'ok' or 'error', text the reply's notes or error must contain)."""
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    gradient = np.linspace(0, 255, 5000, dtype=np.float32)
+    huge = Image.fromarray(np.stack([np.add.outer(gradient, gradient) / 2] * 3, -1).astype(np.uint8))
+    jpeg = io.BytesIO()
+    Image.fromarray(noise).save(jpeg, "JPEG")
+    rotated = Image.fromarray(noise)
+    exif = rotated.getexif()
+    exif[0x0112] = 6
+    frames = [Image.fromarray(noise).convert("P"), Image.fromarray(255 - noise).convert("P")]
+    cases = {
+        "grayscale": (_save(Image.fromarray(noise[..., 0]), folder / "gray.png"), "ok", "grayscale"),
+        "rgba": (_save(Image.fromarray(np.dstack([noise, noise[..., :1]])), folder / "rgba.png"), "ok", "RGBA"),
+        "cmyk": (_save(Image.fromarray(noise).convert("CMYK"), folder / "cmyk.jpg"), "ok", "CMYK"),
+        "16-bit": (_save(Image.fromarray((noise[..., 0].astype(np.uint16) * 257)), folder / "deep.png"), "ok", "16-bit"),
+        "1x1": (_save(Image.new("RGB", (1, 1), (9, 99, 199)), folder / "dot.png"), "ok", "only 1×1"),
+        "5000x5000": (_save(huge, folder / "huge.jpg", quality=80), "ok", ""),
+        "exif-rotated": (_save(rotated, folder / "rot.jpg", exif=exif), "ok", "Rotated"),
+        "animated": (_save(frames[0], folder / "anim.gif", save_all=True, append_images=frames[1:]), "ok", "first frame"),
+        "corrupt": (folder / "corrupt.png", "error", "not an image"),
+        "truncated": (folder / "truncated.jpg", "error", "corrupt or truncated"),
+        "text": (folder / "notes.jpg", "error", "not an image"),
+        "empty": (folder / "empty.png", "error", "empty"),
+        "strip": (_save(Image.new("RGB", (3000, 10)), folder / "strip.png"), "error", "crop"),
+        "48 MP": (_save(Image.new("L", (8000, 6000)), folder / "big.png"), "error", "megapixels"),
+    }
+    (folder / "corrupt.png").write_bytes(rng.integers(0, 256, 4000, dtype=np.uint8).tobytes())
+    (folder / "truncated.jpg").write_bytes(jpeg.getvalue()[: len(jpeg.getvalue()) // 3])
+    (folder / "notes.jpg").write_text("not a picture\n")
+    (folder / "empty.png").write_bytes(b"")
+    return cases
+
+
+def test_odd_images_are_converted_or_explained_never_a_crash(served, library, tmp_path):
+    model, client = served
+    classifier, processor, vision, _ = library
+    t0 = model.tasks["t0"]
+    for name, (path, outcome, text) in _odd_images(tmp_path).items():
+        reply = client.predict(gradio_client.handle_file(str(path)), "t0", 3, False, api_name="/predict")
+        if outcome == "ok":
+            assert reply["error"] is None, (name, reply["error"])
+            assert text in " ".join(reply["notes"]), (name, reply["notes"])
+            # Converted as the library converts dataset images (featcal.data.to_rgb), after EXIF rotation.
+            image = ImageOps.exif_transpose(Image.open(path))
+            expected = classifier.logits(vision, pixel_values(processor, [to_rgb(image)]), t0)[0].softmax(-1)
+            values, indices = expected.topk(3)
+            assert reply["results"]["t0"]["model"] == pytest.approx(
+                {t0.classnames[i]: float(v) for v, i in zip(values, indices.tolist())}, abs=2e-6), name
+        else:
+            assert reply["results"] == {} and text in reply["error"], (name, reply["error"])
+    # The server still answers normally afterwards.
+    ok = client.predict(gradio_client.handle_file(str(tmp_path / "dot.png")), "all", 1, True, api_name="/predict")
+    assert ok["error"] is None and len(ok["results"]) == 3
+
+
+def test_file_size_limit(served, settings, tmp_path):
+    model, client = served
+    path = _save(Image.new("RGB", (64, 64)), tmp_path / "small.png")
+    strict = copy.copy(model)
+    strict.settings = replace(model.settings, max_file_mb=path.stat().st_size / 2e6)
+    assert "accepts images up to" in classify(strict, str(path), "t0")["error"]
+    # Gradio refuses uploads over max_file_size before the endpoint runs; the server stays up.
+    big = tmp_path / "big.png"
+    big.write_bytes(path.read_bytes() + bytes(int(settings.max_file_mb * 1e6) + 1))
+    with pytest.raises(Exception, match="(?i)size|large|413"):
+        client.predict(gradio_client.handle_file(str(big)), "t0", 3, False, api_name="/predict")
+    assert client.predict(gradio_client.handle_file(str(path)), "t0", 3, False, api_name="/predict")["error"] is None
+
+
+def test_data_url_upload(served, tmp_path):
+    model, _ = served
+    buffer = io.BytesIO()
+    Image.new("L", (20, 20), 128).save(buffer, "PNG")
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    reply = classify(model, {"path": None, "url": url}, "t1", 5, True)
+    assert reply["error"] is None and set(reply["results"]["t1"]) == {"model", "base"}
+    assert "not valid base64" in classify(model, {"url": "data:image/png;base64,@@@"}, "t1")["error"]
+
+
+def test_run_and_release_folders_resolve(settings, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(MODEL, run / "featcal-ta")
+    (run / "run_config.json").write_text(json.dumps({"base_model_id": str(FIXTURE / "base")}))
+    source = resolve_model_source(str(run))
+    assert source.folder == run / "featcal-ta" and source.run_folder == run
+    assert base_model_ref(replace(settings, base_model_id=None), source) == str(FIXTURE / "base")
+    assert base_model_ref(settings, source) == settings.base_model_id
+    # A recorded base that is a folder of another machine falls back to the default CLIP.
+    (run / "run_config.json").write_text(json.dumps({"base_model_id": "/elsewhere/clip"}))
+    assert base_model_ref(replace(settings, base_model_id=None), source) == "openai/clip-vit-base-patch32"
+
+    shutil.copytree(MODEL, run / "featcal-ties")
+    with pytest.raises(FeatcalError, match="several calibrated models"):
+        resolve_model_source(str(run))
+    shutil.copytree(MODEL, run / "release")
+    assert resolve_model_source(str(run)).folder == run / "release"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FeatcalError, match="neither a model folder"):
+        resolve_model_source(str(tmp_path / "empty"))
+
+
+def test_settings_from_space_config_and_environment(tmp_path):
+    (tmp_path / "space_config.json").write_text(json.dumps({"model_id": "me/model", "tasks_file": "tasks.json",
+                                                            "max_file_mb": 5}))
+    settings = SpaceSettings.from_app_dir(tmp_path, environ={})
+    assert (settings.model_id, settings.max_file_mb, settings.base_model_id) == ("me/model", 5, None)
+    assert settings.path(settings.tasks_file) == tmp_path.resolve() / "tasks.json"
+    settings = SpaceSettings.from_app_dir(tmp_path, environ={"MODEL_ID": "you/other", "BASE_MODEL_ID": "b/c"})
+    assert (settings.model_id, settings.base_model_id) == ("you/other", "b/c")
+    (tmp_path / "space_config.json").write_text(json.dumps({"modle_id": "typo"}))
+    with pytest.raises(FeatcalError, match="keys among"):
+        SpaceSettings.from_app_dir(tmp_path, environ={})
+
+
+def test_mismatched_base_is_refused(settings, tmp_path):
+    from builders import save_base
+
+    save_base(tmp_path / "other-base")  # hidden size 32, the fixture's model has 64
+    with pytest.raises(FeatcalError, match="does not fit the base"):
+        create_space(replace(settings, base_model_id=str(tmp_path / "other-base")), progress=False)
+
+
+def test_class_embeddings_are_cached_on_disk(settings, tmp_path, monkeypatch):
+    cached = replace(settings, heads_cache=str(tmp_path / "heads"))
+    first = SpaceModel(cached, progress=False)
+    assert len(list((tmp_path / "heads").glob("t*-*.safetensors"))) == 3
+
+    def no_text_tower(self, task):
+        raise AssertionError(f"recomputed the head of {task.name}")
+
+    monkeypatch.setattr(ZeroShotClassifier, "head", no_text_tower)
+    second = SpaceModel(cached, progress=False)
+    for name, head in first.heads.items():
+        torch.testing.assert_close(second.heads[name], head, rtol=0, atol=0)
+    # Other templates make another key: that task is computed again.
+    table = json.loads((FIXTURE / "tasks.json").read_text())
+    table["tasks"]["t2"]["templates"] = ["a blurry photo of a {}."]
+    for entry in table["tasks"].values():
+        entry["dataset"]["path"] = str(FIXTURE / entry["dataset"]["path"])
+    (tmp_path / "tasks.json").write_text(json.dumps(table))
+    with pytest.raises(AssertionError, match="recomputed the head of t2"):
+        SpaceModel(replace(cached, tasks_file=str(tmp_path / "tasks.json")), progress=False)
