@@ -1,0 +1,49 @@
+"""Helpers shared by the merging methods: task vectors read one tensor at a time, in float32."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TypeVar
+
+import torch
+from tqdm.auto import tqdm
+
+from featcal.merging.registry import StateDict
+
+T = TypeVar("T")
+
+
+def read_task_vectors(base: StateDict, experts: Sequence[StateDict], key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(θ0, τ)`` for one tensor: the base in float32 and the stacked task vectors ``θ_t − θ0``.
+
+    Only this key of each expert is read, so memory stays bounded by ``len(experts)`` copies of one
+    tensor.
+    """
+    theta0 = base[key].to(torch.float32, copy=True)
+    stacked = torch.stack([expert[key].to(torch.float32) for expert in experts])
+    return theta0, stacked.sub_(theta0)
+
+
+def is_matrix(tensor: torch.Tensor) -> bool:
+    """The tensors the SVD and interference methods treat as linear maps: exactly two dimensions.
+
+    As in FusionBench this includes ``position_embedding.weight`` and excludes the 4-D patch
+    embedding convolution.
+    """
+    return tensor.dim() == 2
+
+
+def progress(items: Iterable[T], desc: str, *, unit: str = "tensor") -> Iterator[T]:
+    """Iterate over ``items`` with a progress bar that disappears when done."""
+    return iter(tqdm(items, desc=desc, unit=unit, leave=False))
+
+
+def numerical_rank(singular_values: torch.Tensor, shape: Sequence[int]) -> int:
+    """How many of the (descending) singular values of a ``shape`` matrix are not rounding noise.
+
+    The tolerance is ``torch.linalg.matrix_rank``'s default: σ_max · max(shape) · eps.
+    """
+    if singular_values.numel() == 0:
+        return 0
+    tol = singular_values[0] * max(shape) * torch.finfo(singular_values.dtype).eps
+    return int((singular_values > tol).sum())

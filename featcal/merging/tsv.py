@@ -1,0 +1,64 @@
+"""Task Singular Vectors merging, TSV-M (Gargiulo et al., CVPR 2025), as FusionBench defines it.
+
+For each 2-D tensor, every task keeps the top ``⌊r/T⌋`` singular triplets of its task vector
+(r = min(rows, cols), T tasks). The kept left vectors of all tasks are concatenated into U, the right
+ones into V, and both are replaced by their closest orthonormal matrices (the polar factors
+U_⊥ = PQᵀ from U = PΣQᵀ), which removes the interference between tasks' subspaces. The merged task
+matrix is U_⊥ diag(σ) V_⊥ᵀ with the concatenated singular values σ. Other tensors get the mean of the
+task vectors. θ = θ0 + α · merged.
+
+Singular triplets that are rounding noise (below ``torch.linalg.matrix_rank``'s tolerance) are
+dropped before orthogonalising; FusionBench keeps them, which only matters for rank-deficient task
+vectors, where their arbitrary directions would leak into the polar factors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from featcal.merging.common import is_matrix, numerical_rank, progress, read_task_vectors
+from featcal.merging.registry import StateDict, is_mergeable, merge_method
+
+
+@merge_method(
+    "tsv",
+    pretty_name="Task Singular Vectors (TSV-M)",
+    reference_url="https://arxiv.org/abs/2412.00081",
+)
+def tsv(base: StateDict, experts: Sequence[StateDict], *, scaling_factor: float = 1.0) -> dict[str, torch.Tensor]:
+    """θ = θ0 + ``scaling_factor`` · TSV-M task matrix (2-D tensors) or mean task vector (others)."""
+    merged: dict[str, torch.Tensor] = {}
+    for key in progress(list(base), "TSV-M"):
+        theta0 = base[key]
+        if not is_mergeable(theta0):
+            merged[key] = theta0.clone()
+            continue
+        base32, tvs = read_task_vectors(base, experts, key)
+        delta = merge_matrix(tvs) if is_matrix(theta0) else tvs.mean(dim=0)
+        merged[key] = (base32 + scaling_factor * delta).to(theta0.dtype)
+    return merged
+
+
+def merge_matrix(task_vectors: torch.Tensor) -> torch.Tensor:
+    """The TSV-M merge of ``task_vectors`` (T, rows, cols)."""
+    count, rows, cols = task_vectors.shape
+    per_task = int(min(rows, cols) * (1 / count))
+    lefts, values, rights = [], [], []
+    for tv in task_vectors:
+        u, s, vh = torch.linalg.svd(tv, full_matrices=False)
+        kept = min(per_task, numerical_rank(s, tv.shape))
+        lefts.append(u[:, :kept])
+        values.append(s[:kept])
+        rights.append(vh[:kept])
+    sigma = torch.cat(values)
+    if sigma.numel() == 0:
+        return torch.zeros(rows, cols, dtype=task_vectors.dtype)
+    return (polar_factor(torch.cat(lefts, dim=1)) * sigma) @ polar_factor(torch.cat(rights, dim=0))
+
+
+def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
+    """The matrix with orthonormal columns (or rows) closest to ``matrix`` in Frobenius norm: PQᵀ."""
+    p, _, qh = torch.linalg.svd(matrix, full_matrices=False)
+    return p @ qh

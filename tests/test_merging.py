@@ -1,0 +1,312 @@
+"""Merging methods: FusionBench's outputs on the tiny fixture, and properties from the papers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from featcal.checkpoint import Checkpoint
+from featcal.errors import FeatcalError
+from featcal.merging import available_methods, get_method
+from featcal.merging.iso_c import isotropic
+from featcal.merging.wudi import interference_gradient, interference_loss, interference_moments, solve
+
+F = Path(__file__).parent / "fixtures" / "tiny-clip-3task"
+ALL_METHODS = ["iso_c", "simple_average", "task_arithmetic", "ties", "tsv", "wudi"]
+
+
+@pytest.fixture(scope="module")
+def fixture_models() -> tuple[Checkpoint, list[Checkpoint]]:
+    return Checkpoint(F / "base"), [Checkpoint(F / "experts" / f"t{i}") for i in range(3)]
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """5,200 Adam steps on 64-wide matrices gain nothing from threads, and on a busy machine OpenMP's
+    thread synchronisation made them 30× slower (8 s instead of 0.25 s per 400 steps): use one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_models(seed: int = 0, tasks: int = 3) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """A small state dict with matrices, a vector, a 4-D tensor and an integer buffer, plus experts."""
+    g = torch.Generator().manual_seed(seed)
+    base = {
+        "proj.weight": torch.randn(6, 5, generator=g),
+        "proj.bias": torch.randn(6, generator=g),
+        "conv.weight": torch.randn(4, 3, 2, 2, generator=g),
+        "pos.weight": torch.randn(3, 5, generator=g),
+        "position_ids": torch.arange(3),
+    }
+
+    def expert() -> dict[str, torch.Tensor]:
+        noise = {k: 0.1 * torch.randn(v.shape, generator=g) for k, v in base.items() if v.is_floating_point()}
+        return {k: v + noise[k] if k in noise else v.clone() for k, v in base.items()}
+
+    return base, [expert() for _ in range(tasks)]
+
+
+def test_all_methods_registered() -> None:
+    assert set(ALL_METHODS) <= set(available_methods())
+
+
+# --- FusionBench 0.2.33 on the tiny fixture ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "expected", "params"),
+    [
+        ("simple_average", "fusionbench_simple_average", {}),
+        ("task_arithmetic", "fusionbench_task_arithmetic", {"scaling_factor": 0.3}),
+        ("ties", "fusionbench_ties", {"scaling_factor": 0.3, "top_k": 20, "merge_func": "sum"}),
+    ],
+)
+def test_matches_fusionbench_to_float32_rounding(fixture_models, method: str, expected: str, params: dict) -> None:
+    base, experts = fixture_models
+    merged = get_method(method)(base, experts, **params)
+    reference = load_file(F / "expected" / f"{expected}.safetensors")
+    assert set(merged) == set(reference)
+    for key, want in reference.items():
+        torch.testing.assert_close(merged[key], want, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_wudi_matches_fusionbench(fixture_models, one_thread) -> None:
+    """400 Adam steps; one step fewer is 1e-3 away on this measure, so 1e-5 pins the trajectory."""
+    base, experts = fixture_models
+    merged = get_method("wudi")(base, experts)
+    reference = load_file(F / "expected" / "fusionbench_wudi.safetensors")
+    assert set(merged) == set(reference)
+    for key, want in reference.items():
+        update = (want - base[key]).norm()
+        assert (merged[key] - want).norm() <= 1e-5 * update, key
+
+
+# --- Properties shared by all methods ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_inputs_not_mutated_and_buffers_copied(method: str) -> None:
+    base, experts = random_models()
+    base_copy = {k: v.clone() for k, v in base.items()}
+    experts_copy = [{k: v.clone() for k, v in e.items()} for e in experts]
+    merged = get_method(method)(base, experts)
+    for original, copy in zip([base, *experts], [base_copy, *experts_copy]):
+        for key in copy:
+            assert torch.equal(original[key], copy[key]), (method, key)
+    assert set(merged) == set(base)
+    assert torch.equal(merged["position_ids"], base["position_ids"])
+    assert all(merged[k].dtype == base[k].dtype and merged[k].shape == base[k].shape for k in base)
+    merged["position_ids"] += 1
+    assert torch.equal(base["position_ids"], torch.arange(3))
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_unknown_hyper_parameter_raises(method: str) -> None:
+    base, experts = random_models()
+    with pytest.raises(FeatcalError, match="no parameter"):
+        get_method(method)(base, experts, not_a_parameter=1)
+
+
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [("ties", {"merge_func": "median"}), ("ties", {"top_k": 0}), ("ties", {"top_k": 120}),
+     ("wudi", {"iterations": -1}), ("wudi", {"lr": 0.0})],
+)
+def test_bad_hyper_parameter_value_raises(method: str, params: dict) -> None:
+    base, experts = random_models()
+    with pytest.raises(FeatcalError, match=next(iter(params))):
+        get_method(method)(base, experts, **params)
+
+
+def test_half_precision_is_kept() -> None:
+    base, experts = random_models()
+    base = {k: v.half() if v.is_floating_point() else v for k, v in base.items()}
+    experts = [{k: v.half() if v.is_floating_point() else v for k, v in e.items()} for e in experts]
+    for method in ALL_METHODS:
+        merged = get_method(method)(base, experts, **({"iterations": 3} if method == "wudi" else {}))
+        assert merged["proj.weight"].dtype == torch.float16, method
+
+
+# --- One expert -------------------------------------------------------------------------------------
+
+
+def test_one_expert_average_is_the_expert_and_ta_is_base_plus_scaled_vector() -> None:
+    base, (expert,) = random_models(tasks=1)
+    averaged = get_method("simple_average")(base, [expert])
+    ta = get_method("task_arithmetic")(base, [expert], scaling_factor=0.7)
+    for key in base:
+        assert torch.equal(averaged[key], expert[key])
+        if base[key].is_floating_point():
+            torch.testing.assert_close(ta[key], base[key] + 0.7 * (expert[key] - base[key]))
+
+
+def test_one_expert_tsv_is_base_plus_scaled_vector() -> None:
+    """With T = 1 each task keeps all r singular triplets, already orthonormal: TSV-M is TA."""
+    base, (expert,) = random_models(tasks=1)
+    merged = get_method("tsv")(base, [expert], scaling_factor=0.6)
+    for key in ("proj.weight", "pos.weight", "proj.bias", "conv.weight"):
+        torch.testing.assert_close(merged[key], base[key] + 0.6 * (expert[key] - base[key]), rtol=1e-5, atol=1e-6)
+
+
+# --- TIES -------------------------------------------------------------------------------------------
+
+
+def ties_case() -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Three tasks, 6 entries each (a 2×2 matrix and a 2-vector), worked by hand in the tests below.
+
+    top_k = 50 %: int(6 · 0.5) = 3 entries, threshold = the 3rd smallest magnitude, and |τ| >= it is
+    kept: 4 entries per task (FusionBench keeps one more than the percentage on distinct values).
+    Task 1 keeps 4, −1, 2 | 3; task 2 keeps −2, −3, 5 | 1; task 3 keeps 1, 2, −6 | −4. The magnitudes
+    that decide are spread over both tensors, so a per-tensor threshold would keep other entries.
+    """
+    base = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+    vectors = [
+        ([[4.0, -1.0], [2.0, 0.5]], [3.0, -0.1]),
+        ([[-2.0, -3.0], [0.2, 5.0]], [-0.3, 1.0]),
+        ([[1.0, 2.0], [-0.1, -6.0]], [-4.0, 0.05]),
+    ]
+    experts = [{"w": base["w"] + torch.tensor(w), "b": base["b"] + torch.tensor(b)} for w, b in vectors]
+    return base, experts
+
+
+@pytest.mark.parametrize(
+    ("merge_func", "w", "b"),
+    [
+        # kept sums: w = [[3, −2], [2, −1]], b = [−1, 1] → elected signs [[+, −], [+, −]], [−, +]
+        ("sum", [[4 + 1, -1 - 3], [2, -6]], [-4, 1]),
+        ("mean", [[(4 + 1) / 2, (-1 - 3) / 2], [2, -6]], [-4, 1]),
+        ("max", [[4, -3], [2, -6]], [-4, 1]),
+    ],
+)
+def test_ties_known_answer(merge_func: str, w: list, b: list) -> None:
+    base, experts = ties_case()
+    merged = get_method("ties")(base, experts, scaling_factor=0.5, top_k=50, merge_func=merge_func)
+    torch.testing.assert_close(merged["w"], 1 + 0.5 * torch.tensor(w, dtype=torch.float32))
+    torch.testing.assert_close(merged["b"], 1 + 0.5 * torch.tensor(b, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_ties_exact_cancellation_takes_the_global_majority_sign(sign: float) -> None:
+    """Entry z cancels exactly (−0.5 + 0.5); the elected signs of tensor a (all ``sign``) decide it."""
+    base = {"a": torch.zeros(3), "z": torch.zeros(1)}
+    experts = [
+        {"a": sign * torch.tensor([1.0, 2.0, 3.0]), "z": torch.tensor([-0.5])},
+        {"a": sign * torch.tensor([2.0, 1.0, 1.0]), "z": torch.tensor([0.5])},
+    ]
+    merged = get_method("ties")(base, experts, scaling_factor=1.0, top_k=100)
+    torch.testing.assert_close(merged["a"], sign * torch.tensor([3.0, 3.0, 4.0]))
+    torch.testing.assert_close(merged["z"], torch.tensor([sign * 0.5]))
+
+
+# --- WUDI -------------------------------------------------------------------------------------------
+
+
+def test_wudi_closed_form_gradient_equals_autograd() -> None:
+    g = torch.Generator().manual_seed(1)
+    tvs = torch.randn(4, 7, 5, generator=g, dtype=torch.float64)
+    merged = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    interference_loss(merged, tvs).backward()
+    a, b = interference_moments(tvs)
+    torch.testing.assert_close(interference_gradient(merged.detach(), a, b), merged.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_wudi_follows_the_autograd_adam_trajectory_and_the_loss_decreases() -> None:
+    """FusionBench's loop (autograd + torch Adam) and the closed form give the same iterates."""
+    g = torch.Generator().manual_seed(2)
+    tvs = 1e-3 * torch.randn(3, 6, 4, generator=g, dtype=torch.float64)
+    reference = torch.nn.Parameter(tvs.sum(dim=0))
+    optimizer = torch.optim.Adam([reference], lr=1e-5, weight_decay=0)
+    losses = [interference_loss(tvs.sum(dim=0), tvs).item()]
+    for step in range(1, 31):
+        loss = interference_loss(reference, tvs)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        ours = solve(tvs, iterations=step, lr=1e-5)
+        torch.testing.assert_close(ours, reference.detach(), rtol=1e-10, atol=1e-14)
+        losses.append(interference_loss(ours, tvs).item())
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:]))
+    assert losses[-1] < 0.9 * losses[0]
+
+
+def test_wudi_zero_steps_is_sum_on_matrices_and_mean_elsewhere() -> None:
+    base, experts = random_models()
+    merged = get_method("wudi")(base, experts, iterations=0)
+    for key in ("proj.weight", "pos.weight"):
+        torch.testing.assert_close(merged[key], base[key] + sum(e[key] - base[key] for e in experts))
+    for key in ("proj.bias", "conv.weight"):
+        torch.testing.assert_close(merged[key], base[key] + sum(e[key] - base[key] for e in experts) / 3)
+
+
+def test_wudi_ignores_a_task_that_left_a_tensor_unchanged() -> None:
+    base, experts = random_models()
+    experts[0]["proj.weight"] = base["proj.weight"].clone()
+    merged = get_method("wudi")(base, experts, iterations=5)
+    assert torch.isfinite(merged["proj.weight"]).all()
+
+
+# --- TSV-M ------------------------------------------------------------------------------------------
+
+
+def orthogonal_blocks(rows: int, cols: int, tasks: int, rank: int, seed: int) -> torch.Tensor:
+    """Task matrices of rank ``rank`` whose singular subspaces are mutually orthogonal."""
+    g = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(rows, tasks * rank, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(cols, tasks * rank, generator=g, dtype=torch.float64))
+    s = torch.rand(tasks, rank, generator=g, dtype=torch.float64) + 0.5
+    return torch.stack(
+        [u[:, i * rank : (i + 1) * rank] @ torch.diag(s[i]) @ v[:, i * rank : (i + 1) * rank].T for i in range(tasks)]
+    ).float()
+
+
+def test_tsv_on_orthogonal_low_rank_tasks_is_task_arithmetic() -> None:
+    """Nothing to decorrelate and nothing truncated (rank 2 ≤ ⌊8/3⌋): TSV-M is the plain sum."""
+    tvs = orthogonal_blocks(10, 8, tasks=3, rank=2, seed=3)
+    base = {"w": torch.zeros(10, 8)}
+    experts = [{"w": tv} for tv in tvs]
+    merged = get_method("tsv")(base, experts, scaling_factor=1.0)
+    torch.testing.assert_close(merged["w"], tvs.sum(dim=0), rtol=1e-5, atol=1e-5)
+
+
+def test_tsv_spectrum_is_the_union_of_each_tasks_top_singular_values() -> None:
+    base, experts = random_models(seed=4, tasks=2)
+    merged = get_method("tsv")(base, experts, scaling_factor=1.0)
+    update = merged["proj.weight"] - base["proj.weight"]
+    per_task = 5 // 2
+    kept = torch.cat([torch.linalg.svdvals(e["proj.weight"] - base["proj.weight"])[:per_task] for e in experts])
+    spectrum = torch.linalg.svdvals(update)
+    torch.testing.assert_close(spectrum[: kept.numel()], kept.sort(descending=True).values, rtol=1e-5, atol=1e-5)
+    assert spectrum[kept.numel() :].abs().max() < 1e-5
+    mean_bias = sum(e["proj.bias"] - base["proj.bias"] for e in experts) / 2
+    torch.testing.assert_close(merged["proj.bias"], base["proj.bias"] + mean_bias)
+
+
+# --- Iso-C ------------------------------------------------------------------------------------------
+
+
+def test_iso_c_flat_spectrum_with_the_sums_singular_vectors() -> None:
+    base, experts = random_models(seed=5)
+    merged = get_method("iso_c")(base, experts, scaling_factor=1.5)
+    total = sum(e["proj.weight"] - base["proj.weight"] for e in experts)
+    u, s, vh = torch.linalg.svd(total, full_matrices=False)
+    update = (merged["proj.weight"] - base["proj.weight"]) / 1.5
+    torch.testing.assert_close(u.T @ update @ vh.T, s.mean() * torch.eye(5), rtol=1e-5, atol=1e-5)
+    mean_bias = sum(e["proj.bias"] - base["proj.bias"] for e in experts) / 3
+    torch.testing.assert_close(merged["proj.bias"], base["proj.bias"] + 1.5 * mean_bias)
+
+
+def test_iso_c_rank_deficient_sum_keeps_its_direction_space() -> None:
+    tvs = orthogonal_blocks(9, 7, tasks=2, rank=2, seed=6)
+    flat = isotropic(tvs.sum(dim=0))
+    total = tvs.sum(dim=0)
+    assert torch.linalg.matrix_rank(flat) == torch.linalg.matrix_rank(total) == 4
+    col = torch.linalg.svd(total).U[:, :4]
+    torch.testing.assert_close(col @ (col.T @ flat), flat, rtol=1e-5, atol=1e-5)
+    s = torch.linalg.svdvals(flat)
+    torch.testing.assert_close(s[:4], torch.linalg.svdvals(total)[:4].mean().expand(4), rtol=1e-5, atol=1e-5)
