@@ -1,15 +1,21 @@
 """The FeatCal driver: layer by layer, in forward order, statistics then closed-form solves.
 
 Architecture-agnostic: everything model-specific comes from an adapter
-(:mod:`featcal.calibration.adapters`). Feature streams stay on the compute device; experts are read
-one layer at a time from (memory-mapped) state dicts, so memory does not grow with their size.
+(:mod:`featcal.calibration.adapters`). Feature streams stay on the compute device and are advanced in
+place; experts are read one layer at a time from (memory-mapped) state dicts, and tasks are folded
+into the normal equations one at a time, so memory does not grow with the number of tasks.
+
+Per layer and task, the submodules' recorded inputs are copied into large joint buffers
+(``[x_s | x_e]`` per distinct input) and multiplied in chunks of about ``STATISTICS_CHUNK_TOKENS``
+rows, whatever the forward batch; inputs that several submodules read (q, k, v) are counted once.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -17,14 +23,17 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter, TokenWeighting
-from featcal.calibration.solves import LayerNormSystem, LinearSystem, anchor
-from featcal.calibration.statistics import LayerNormMoments, LinearMoments
+from featcal.calibration.layer_state import LayerPlan, LayerState, Recorder, StopForward, plan_layer
+from featcal.calibration.solves import anchor
+from featcal.calibration.statistics import product_dtype
+from featcal.checkpoint import Checkpoint
 from featcal.errors import FeatcalError
 
 logger = logging.getLogger(__name__)
 
 StateDict = Mapping[str, torch.Tensor]
-Moments = LinearMoments | LayerNormMoments
+
+STATISTICS_CHUNK_TOKENS = 4096  # rows per statistics product: large enough for full-speed matmuls
 
 
 @dataclass(frozen=True)
@@ -48,33 +57,37 @@ class FeatCalParams:
         return asdict(self)
 
 
+@contextmanager
+def _reading(source: StateDict) -> Iterator[StateDict]:
+    """``source`` for one short read. A :class:`Checkpoint` keeps every page it has read mapped, and
+    counted in the RSS, for as long as it lives; reading through a short-lived re-opening releases
+    them, so memory stays flat in the number of experts."""
+    yield Checkpoint(source.path, name=source.name) if isinstance(source, Checkpoint) else source
+
+
 def _load_params(module: nn.Module, source: StateDict, prefix: str) -> None:
     """Copy ``source[prefix + name]`` into each parameter and buffer of ``module`` (strict)."""
-    own = module.state_dict()
-    state = {}
-    for name, current in own.items():
-        key = prefix + name
-        if key not in source:
-            raise FeatcalError(f"Checkpoint has no tensor {key!r} needed for calibration.")
-        state[name] = source[key].to(device=current.device, dtype=current.dtype)
-    module.load_state_dict(state, strict=True)
+    with _reading(source) as tensors:
+        with torch.no_grad():
+            for name, current in module.state_dict().items():
+                key = prefix + name
+                if key not in tensors:
+                    raise FeatcalError(f"Checkpoint has no tensor {key!r} needed for calibration.")
+                current.copy_(tensors[key])
 
 
-class _InputRecorder:
-    """Forward pre-hooks that keep the latest input of each named submodule."""
+def _cat_params(modules: Mapping[str, nn.Module], names: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights (and biases, zeros where a module has none) of ``names`` stacked along the outputs."""
+    if len(names) == 1:
+        return modules[names[0]].weight, modules[names[0]].bias
+    weights = [modules[n].weight for n in names]
+    if all(modules[n].bias is None for n in names):
+        return torch.cat(weights), None
+    return torch.cat(weights), torch.cat([_bias(modules[n]) for n in names])
 
-    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
-        self.inputs: dict[str, torch.Tensor] = {}
-        self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in modules.items()]
 
-    def _hook(self, name: str):
-        def hook(_module: nn.Module, args: tuple) -> None:
-            self.inputs[name] = args[0]
-        return hook
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+def _bias(module: nn.Module) -> torch.Tensor:
+    return module.bias if module.bias is not None else module.weight.new_zeros(module.weight.shape[0])
 
 
 class FeatCalibrator:
@@ -98,12 +111,16 @@ class FeatCalibrator:
             _load_params(getattr(expert_stem, prefix.rstrip(".")), expert, prefix)
         bs = self.params.calibration_batch_size
         dtype = next(model.parameters()).dtype
-        student, teacher = [], []
+        student = teacher = None
         for start in range(0, pixels.shape[0], bs):
             px = pixels[start:start + bs].to(self.device, dtype)
-            student.append(self.adapter.run_stem(stem, px))
-            teacher.append(self.adapter.run_stem(expert_stem, px))
-        return torch.cat(student), torch.cat(teacher)
+            s, t = self.adapter.run_stem(stem, px), self.adapter.run_stem(expert_stem, px)
+            if student is None:
+                student = s.new_empty(pixels.shape[0], *s.shape[1:])
+                teacher = t.new_empty(pixels.shape[0], *t.shape[1:])
+            student[start:start + bs] = s
+            teacher[start:start + bs] = t
+        return student, teacher
 
     @torch.no_grad()
     def _advance(self, layer: nn.Module, stream: torch.Tensor) -> None:
@@ -114,58 +131,71 @@ class FeatCalibrator:
 
     # -- statistics ------------------------------------------------------------------------
     @torch.no_grad()
-    def _collect(self, layer: nn.Module, expert_layer: nn.Module, student: torch.Tensor, expert: torch.Tensor,
-                 weighting: Mapping[str, TokenWeighting]) -> dict[str, Moments]:
-        """One task's statistics for every calibrated submodule of one layer; advances ``expert``.
-
-        Submodules that read the same input tensor with the same token weights (q, k, v) share
-        one set of sums.
-        """
-        modules = self.adapter.calibrated_modules(layer)
-        rec_s = _InputRecorder(modules)
-        rec_e = _InputRecorder(self.adapter.calibrated_modules(expert_layer))
-        leader: dict[str, str] = {}
-        moments: dict[str, Moments] = {}
-        bs = self.params.calibration_batch_size
+    def _discover(self, layer: nn.Module, expert_layer: nn.Module, student: torch.Tensor, expert: torch.Tensor,
+                  weighting: Mapping[str, TokenWeighting]) -> LayerPlan:
+        """The layer's plan, from one full forward of one image (the streams are left as they are)."""
+        rec_s = Recorder(self.adapter.calibrated_modules(layer))
+        rec_e = Recorder(self.adapter.calibrated_modules(expert_layer), outputs=True)
         try:
-            for start in range(0, student.shape[0], bs):
-                self.adapter.run_layer(layer, student[start:start + bs])
-                out_e = self.adapter.run_layer(expert_layer, expert[start:start + bs])
-                if not leader:
-                    leader = self._group(modules, rec_s.inputs, rec_e.inputs, weighting)
-                for name, module in modules.items():
-                    if leader[name] != name:
-                        continue
-                    xs, xe = rec_s.inputs[name], rec_e.inputs[name]
-                    w = weighting[name].weights
-                    if isinstance(module, nn.LayerNorm):
-                        acc = moments.setdefault(name, LayerNormMoments.zeros(xs.shape[-1], device=self.device, dtype=self.stats_dtype))
-                        acc.add(xs, module.eps, w)
-                    else:
-                        acc = moments.setdefault(name, LinearMoments.zeros(xs.shape[-1], device=self.device, dtype=self.stats_dtype))
-                        acc.add(xs, xe, w)
-                expert[start:start + bs] = out_e
+            self.adapter.run_layer(layer, student[:1])
+            self.adapter.run_layer(expert_layer, expert[:1])
         finally:
             rec_s.remove()
             rec_e.remove()
-        return {name: moments[leader[name]] for name in modules}
+        return plan_layer(self.adapter.calibrated_modules(layer), rec_s, rec_e, weighting)
 
-    @staticmethod
-    def _group(modules, inputs_s, inputs_e, weighting) -> dict[str, str]:
-        """Map each submodule to the first submodule that reads the very same inputs and weights."""
-        seen: dict[tuple, str] = {}
-        leader = {}
-        for name, module in modules.items():
-            key = (type(module), id(inputs_s[name]), id(inputs_e[name]), weighting[name].key)
-            leader[name] = seen.setdefault(key, name)
-        return leader
+    def _new_state(self, plan: LayerPlan, streams: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> LayerState:
+        """Working memory for a layer; joint buffers hold whole forward batches, about
+        STATISTICS_CHUNK_TOKENS rows, never more than the largest task's tokens."""
+        student = next(iter(streams.values()))[0]
+        num_images, seq_len = max(s.shape[0] for s, _ in streams.values()), student.shape[1]
+        bs = min(self.params.calibration_batch_size, num_images)
+        batches = max(1, STATISTICS_CHUNK_TOKENS // (bs * seq_len))
+        capacity = min(batches, -(-num_images // bs)) * bs * seq_len
+        return LayerState(plan, capacity, seq_len, self.device, product_dtype(student.dtype), self.stats_dtype)
+
+    @torch.no_grad()
+    def _collect(self, layer: nn.Module, expert_layer: nn.Module, student: torch.Tensor, expert: torch.Tensor,
+                 state: LayerState) -> None:
+        """One task's statistics for every calibrated submodule of one layer, folded into ``state``'s
+        systems with the expert's parameters; advances ``expert`` through its layer."""
+        p = self.params
+        modules = self.adapter.calibrated_modules(layer)
+        modules_e = self.adapter.calibrated_modules(expert_layer)
+        eps = {name: m.eps for name, m in modules.items() if isinstance(m, nn.LayerNorm)}
+        rec_s, rec_e = Recorder(modules), Recorder(modules_e, outputs=True)
+        rec_s.stop_at = state.plan.stop_at
+        state.start_task()
+        bs = p.calibration_batch_size
+        try:
+            for start in range(0, student.shape[0], bs):
+                try:
+                    self.adapter.run_layer(layer, student[start:start + bs])
+                except StopForward:
+                    pass
+                out_e = self.adapter.run_layer(expert_layer, expert[start:start + bs])
+                state.add(out_e.shape[0] * student.shape[1], rec_s, rec_e, modules_e, eps)
+                rec_s.clear()
+                rec_e.clear()
+                expert[start:start + bs] = out_e
+            state.finish_task()
+        finally:
+            rec_s.remove()
+            rec_e.remove()
+        for i, group in enumerate(state.plan.groups):
+            system, moments = state.systems[i], state.moments[i]
+            if group.kind == "layernorm":
+                module = modules_e[group.names[0]]
+                system.add_task(moments, module.weight, module.bias)
+            else:
+                weight, bias = _cat_params(modules_e, group.names)
+                system.add_task(moments, weight, bias, alpha=p.teacher_interp_alpha, eps=p.covariance_eps)
 
     # -- the layer loop --------------------------------------------------------------------
     @torch.no_grad()
     def calibrate(self, merged: nn.Module, base: StateDict, experts: Mapping[str, StateDict],
                   load_images: Callable[[str], torch.Tensor]) -> nn.Module:
         """A calibrated copy of ``merged``; ``load_images(task)`` gives the task's calibration pixels."""
-        p = self.params
         model = copy.deepcopy(merged).to(self.device).eval()
         tasks = list(experts)
         streams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -174,56 +204,63 @@ class FeatCalibrator:
         layers = self.adapter.layers(model)
         num_layers = len(layers)
         expert_layer = copy.deepcopy(layers[0])
+        state: LayerState | None = None
         for index in tqdm(range(num_layers), desc="FeatCal: layers", disable=not self.progress):
             layer, prefix = layers[index], self.adapter.layer_prefix(index)
             modules = self.adapter.calibrated_modules(layer)
             seq_len = streams[tasks[0]][0].shape[1]
             weighting = {n: self.adapter.token_weighting(n, index, num_layers, seq_len) for n in modules}
-            systems = {
-                name: LayerNormSystem.empty(m.normalized_shape[0], device=self.device, dtype=self.stats_dtype)
-                if isinstance(m, nn.LayerNorm)
-                else LinearSystem.empty(m.out_features, m.in_features, m.bias is not None, device=self.device, dtype=self.stats_dtype)
-                for name, m in modules.items()
-            }
-            for task in tqdm(tasks, desc=f"layer {index}: statistics", leave=False, disable=not self.progress):
+            for t, task in enumerate(tqdm(tasks, desc=f"layer {index}: statistics", leave=False,
+                                          disable=not self.progress)):
                 _load_params(expert_layer, experts[task], prefix)
                 student, expert = streams[task]
-                moments = self._collect(layer, expert_layer, student, expert, weighting)
-                expert_modules = self.adapter.calibrated_modules(expert_layer)
-                for name, system in systems.items():
-                    em = expert_modules[name]
-                    if isinstance(system, LayerNormSystem):
-                        system.add_task(moments[name], em.weight, em.bias)
+                if t == 0:
+                    plan = self._discover(layer, expert_layer, student, expert, weighting)
+                    if state is not None and state.plan.key() == plan.key():
+                        state.start_layer(plan)
                     else:
-                        system.add_task(moments[name], em.weight, em.bias, alpha=p.teacher_interp_alpha, eps=p.covariance_eps)
-            self._solve_into(modules, systems, base, prefix)
+                        state = None  # free the previous layer's memory before allocating
+                        state = self._new_state(plan, streams)
+                self._collect(layer, expert_layer, student, expert, state)
+            self._solve_into(modules, state, base, prefix)
             if index < num_layers - 1:
                 for student, _ in streams.values():
                     self._advance(layer, student)
             logger.debug("FeatCal: layer %d calibrated", index)
         return model
 
-    def _solve_into(self, modules: Mapping[str, nn.Module], systems: Mapping[str, LinearSystem | LayerNormSystem],
-                    base: StateDict, prefix: str) -> None:
+    def _solve_into(self, modules: Mapping[str, nn.Module], state: LayerState, base: StateDict, prefix: str) -> None:
         """Solve every submodule of one layer from the un-updated values, then write all at once."""
         p = self.params
         solved: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        for name, module in modules.items():
-            base_w = base[f"{prefix}{name}.weight"].to(self.device)
-            a_w = anchor(module.weight.to(self.stats_dtype), base_w.to(self.stats_dtype), p.anchor_blend_rho)
-            a_b = None
-            if module.bias is not None:
-                base_b = base[f"{prefix}{name}.bias"].to(self.device)
-                a_b = anchor(module.bias.to(self.stats_dtype), base_b.to(self.stats_dtype), p.anchor_blend_rho)
-            solved[name] = systems[name].solve(a_w, a_b, lam=p.lambda_ratio, eps=p.covariance_eps)
+        with _reading(base) as base_tensors:
+            for i, group in enumerate(state.plan.groups):
+                merged_w, merged_b = _cat_params(modules, group.names)
+                dtype = product_dtype(merged_w.dtype)
+                base_w = torch.cat([base_tensors[f"{prefix}{n}.weight"] for n in group.names])
+                a_w = anchor(merged_w.to(dtype), base_w.to(self.device, dtype), p.anchor_blend_rho)
+                a_b = None
+                if merged_b is not None:
+                    base_b = torch.cat([base_tensors[f"{prefix}{n}.bias"] if modules[n].bias is not None
+                                        else _bias(modules[n]).cpu() for n in group.names])
+                    a_b = anchor(merged_b.to(dtype), base_b.to(self.device, dtype), p.anchor_blend_rho)
+                weight, bias = state.systems[i].solve(a_w, a_b, lam=p.lambda_ratio, eps=p.covariance_eps)
+                sizes = [modules[n].weight.shape[0] for n in group.names]
+                biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
+                for name, w, b in zip(group.names, weight.split(sizes), biases):
+                    solved[name] = (w, b if modules[name].bias is not None else None)
+        # A sum is non-finite exactly when some entry is (finite float64 weights cannot overflow it):
+        # one reduction per tensor and a single device-to-host read per layer.
+        sums = torch.stack([t.sum() for pair in solved.values() for t in pair if t is not None])
+        if not torch.isfinite(sums).all():
+            bad = next(n for n, pair in solved.items() if not all(torch.isfinite(t).all() for t in pair if t is not None))
+            raise FeatcalError(f"FeatCal produced non-finite values for {prefix}{bad}; check the inputs "
+                               "(non-finite expert weights or features) or raise --lambda-ratio.")
         for name, (weight, bias) in solved.items():
             module = modules[name]
-            if not torch.isfinite(weight).all() or (bias is not None and not torch.isfinite(bias).all()):
-                raise FeatcalError(f"FeatCal produced non-finite values for {prefix}{name}; check the inputs "
-                                   "(non-finite expert weights or features) or raise --lambda-ratio.")
-            module.weight.copy_(weight.to(module.weight.dtype))
+            module.weight.copy_(weight)
             if bias is not None:
-                module.bias.copy_(bias.to(module.bias.dtype))
+                module.bias.copy_(bias)
 
 
 def featcal_calibrate(merged: nn.Module, base: StateDict, experts: Mapping[str, StateDict],

@@ -8,22 +8,44 @@ with the number of tasks; ``solve`` then returns the calibrated parameters. The 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from featcal.calibration.statistics import LayerNormMoments, LinearMoments
+from featcal.calibration.statistics import LayerNormMoments, PairMoments
 
 logger = logging.getLogger(__name__)
 
 
 def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
     """A(P) = ρ·P_m + (1−ρ)·P_0."""
-    return rho * merged + (1.0 - rho) * base
+    return torch.lerp(base, merged, rho)
+
+
+class _Zeroable:
+    def zero_(self) -> None:
+        """Reset every sum to zero, in place (to reuse the memory for another layer)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                value.zero_()
+
+
+def solve_spd(lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """lhs⁻¹·rhs for a symmetric positive (semi-)definite ``lhs``: Cholesky (half the work of LU),
+    then LU, then the pseudo-inverse when the matrix is not positive definite or is singular."""
+    factor, info = torch.linalg.cholesky_ex(lhs)
+    if not info.any():
+        return torch.cholesky_solve(rhs, factor)
+    try:
+        return torch.linalg.solve(lhs, rhs)
+    except RuntimeError:  # singular: fall back to the pseudo-inverse
+        logger.warning("FeatCal linear system is singular; using the pseudo-inverse")
+        return torch.linalg.pinv(lhs) @ rhs
 
 
 @dataclass
-class LinearSystem:
+class LinearSystem(_Zeroable):
     """Σ_t s_t·C_ss,t (``lhs``), Σ_t s_t·C_sτ,t·W_tᵀ (``rhs``) and the bias terms, for one nn.Linear."""
 
     lhs: torch.Tensor
@@ -38,19 +60,24 @@ class LinearSystem:
         return cls(z(in_features, in_features), z(in_features, out_features),
                    z(out_features) if has_bias else None, z(in_features), z(()))
 
-    def add_task(self, moments: LinearMoments, weight: torch.Tensor, bias: torch.Tensor | None,
+    def add_task(self, moments: PairMoments, weight: torch.Tensor, bias: torch.Tensor | None,
                  *, alpha: float, eps: float) -> None:
-        """Fold one task's statistics and expert parameters (W_t, b_t) into the system."""
-        dtype = self.lhs.dtype
-        w_t = weight.to(device=self.lhs.device, dtype=dtype)
-        c_ss = moments.cov_student().to(dtype)
-        scale = 1.0 / c_ss.norm().clamp_min(eps)
-        self.lhs += scale * c_ss
-        self.rhs += scale * (moments.cross_teacher(alpha).to(dtype) @ w_t.T)
+        """Fold one task's statistics and expert parameters (W_t, b_t) into the system.
+
+        ``moments`` is a :class:`LinearMoments` or a :class:`ProjectedLinearMoments`; the product
+        C_sτ·W_tᵀ runs in W_t's dtype (float32 at least) and is summed in the system's dtype.
+        """
+        dtype, device = self.lhs.dtype, self.lhs.device
+        w_t = weight.to(device=device)
+        sum_w = moments.sum_w.to(dtype)
+        norm = moments.sum_ss.to(dtype).norm() / sum_w
+        scale = 1.0 / norm.clamp_min(eps)
+        self.lhs.addcmul_(moments.sum_ss, scale / sum_w)
+        self.rhs.addcmul_(moments.teacher_rhs(alpha, w_t), scale)
         if self.bias_rhs is not None:
-            b_t = bias.to(device=self.lhs.device, dtype=dtype)
-            self.bias_rhs += scale * (b_t + w_t @ moments.mean_teacher(alpha).to(dtype))
-        self.scaled_mean_student += scale * moments.mean_student().to(dtype)
+            b_t = bias.to(device=device, dtype=dtype)
+            self.bias_rhs.addcmul_(b_t + moments.teacher_output_mean(alpha, w_t).to(dtype), scale)
+        self.scaled_mean_student.addcmul_(moments.mean_student().to(dtype), scale)
         self.scale_sum += scale
 
     def solve(self, anchor_weight: torch.Tensor, anchor_bias: torch.Tensor | None,
@@ -58,14 +85,10 @@ class LinearSystem:
         """W = argmin Σ_t s_t E‖W x_s − W_t x_τ‖² + λ‖W − A(W)‖², then b given W."""
         dtype, device = self.lhs.dtype, self.lhs.device
         a_w = anchor_weight.to(device=device, dtype=dtype)
-        eye = torch.eye(self.lhs.shape[0], device=device, dtype=dtype)
-        lhs = self.lhs + (lam + eps) * eye
-        rhs = self.rhs + lam * a_w.T
-        try:
-            weight_t = torch.linalg.solve(lhs, rhs)
-        except RuntimeError:  # singular: fall back to the pseudo-inverse
-            logger.warning("FeatCal linear system is singular; using the pseudo-inverse")
-            weight_t = torch.linalg.pinv(lhs) @ rhs
+        lhs = self.lhs.clone()
+        lhs.diagonal().add_(lam + eps)
+        rhs = torch.add(self.rhs, a_w.T, alpha=lam)
+        weight_t = solve_spd(lhs, rhs)
         weight = weight_t.T
         if self.bias_rhs is None:
             return weight, None
@@ -75,7 +98,7 @@ class LinearSystem:
 
 
 @dataclass
-class LayerNormSystem:
+class LayerNormSystem(_Zeroable):
     """Per-dimension sums of the 2×2 LayerNorm affine system, for one nn.LayerNorm."""
 
     energy: torch.Tensor

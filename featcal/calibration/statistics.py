@@ -1,7 +1,11 @@
 """FeatCal statistics: weighted sums over tokens, additive across batches, tasks and processes.
 
-Each class holds raw sums (never means), so two accumulators over disjoint data add exactly, and a
-``torch.distributed`` all-reduce of the sums gives the statistics of the union.
+Each moments class holds raw sums (never means), so two accumulators over disjoint data add exactly,
+and a ``torch.distributed`` all-reduce of the sums gives the statistics of the union.
+
+The products behind the sums run in float32 (or the inputs' dtype when wider) on large row chunks
+through :class:`GramAccumulator`, which computes only the upper block triangle of the symmetric
+x_sᵀx_s and flushes into the moments' own dtype (float64 by default).
 """
 
 from __future__ import annotations
@@ -12,24 +16,44 @@ import torch
 import torch.nn.functional as F
 
 
+def product_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of statistics products for inputs of ``dtype``: float32 at least."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """[..., d] → [tokens, d], in float32 at least (bf16/fp16 models still get float32 sums)."""
-    return x.reshape(-1, x.shape[-1]).to(torch.promote_types(x.dtype, torch.float32))
+    return x.reshape(-1, x.shape[-1]).to(product_dtype(x.dtype))
 
 
 def _token_weights(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor | None:
     """Per-row weights for the flattened ``x`` (shape [..., seq, d]), or None for all ones."""
     if weights is None:
         return None
-    w = weights.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+    w = weights.to(device=x.device, dtype=product_dtype(x.dtype))
     return w.expand(x.shape[:-1]).reshape(-1)
 
 
+def _add_cast(target: torch.Tensor, source: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+    """``target += source`` across dtypes. A mixed-dtype in-place add is several times slower on CPU
+    than a cast copy followed by a same-dtype add, so cast first (into ``scratch`` when given)."""
+    if source.dtype == target.dtype:
+        target += source
+    elif scratch is None:
+        target += source.to(target.dtype)
+    else:
+        target += scratch[: source.shape[0], : source.shape[1]].copy_(source)
+
+
 class _Sums:
-    """Shared behaviour: element-wise addition, in-place all-reduce, device moves."""
+    """Shared behaviour: element-wise addition, reset, in-place all-reduce."""
 
     def __add__(self, other):
         return type(self)(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def zero_(self) -> None:
+        for f in fields(self):
+            getattr(self, f.name).zero_()
 
     def all_reduce(self) -> None:
         """Sum these statistics over all processes of the default ``torch.distributed`` group."""
@@ -37,6 +61,10 @@ class _Sums:
 
         for f in fields(self):
             dist.all_reduce(getattr(self, f.name))
+
+
+def _zeros(device, dtype, *shapes):
+    return [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
 
 
 @dataclass
@@ -51,28 +79,12 @@ class LinearMoments(_Sums):
 
     @classmethod
     def zeros(cls, dim: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> LinearMoments:
-        z = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)  # noqa: E731
-        return cls(z(()), z(dim), z(dim), z(dim, dim), z(dim, dim))
+        return cls(*_zeros(device, dtype, (), dim, dim, (dim, dim), (dim, dim)))
 
     @torch.no_grad()
     def add(self, xs: torch.Tensor, xe: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Accumulate a batch of student and expert inputs ([..., d]) with per-position ``weights``."""
-        acc = self.sum_ss.dtype
-        s, e = _flat(xs), _flat(xe)
-        w = _token_weights(xs, weights)
-        if w is None:
-            self.sum_w += s.shape[0]
-            self.sum_xs += s.sum(0, dtype=acc)
-            self.sum_xe += e.sum(0, dtype=acc)
-            sw, ew = s, e
-        else:
-            self.sum_w += w.sum(dtype=acc)
-            self.sum_xs += (w @ s).to(acc)
-            self.sum_xe += (w @ e).to(acc)
-            root = w.sqrt().unsqueeze(1)
-            sw, ew = s * root, e * root
-        self.sum_ss += (sw.T @ sw).to(acc)
-        self.sum_se += (sw.T @ ew).to(acc)
+        _add_pair(self, xs, xe, weights)
 
     def mean_student(self) -> torch.Tensor:
         return self.sum_xs / self.sum_w
@@ -86,7 +98,169 @@ class LinearMoments(_Sums):
 
     def cross_teacher(self, alpha: float) -> torch.Tensor:
         """C_sτ = E_w[x_s x_τᵀ] with x_τ = α·x_e + (1−α)·x_s."""
-        return (alpha * self.sum_se + (1 - alpha) * self.sum_ss) / self.sum_w
+        cross = self.sum_ss * ((1 - alpha) / self.sum_w)
+        return cross.addcmul_(self.sum_se, alpha / self.sum_w)
+
+    def teacher_rhs(self, alpha: float, weight: torch.Tensor) -> torch.Tensor:
+        """C_sτ·W_tᵀ ([d_in, d_out]) for the expert weight W_t, as a product in W_t's dtype (float32 at least)."""
+        dtype = product_dtype(weight.dtype)
+        return (self.cross_teacher(alpha).to(dtype) @ weight.to(dtype).T).to(self.sum_ss.dtype)
+
+    def teacher_output_mean(self, alpha: float, weight: torch.Tensor) -> torch.Tensor:
+        """W_t·μ_τ."""
+        return weight.to(self.sum_xs.dtype) @ self.mean_teacher(alpha)
+
+
+@dataclass
+class ProjectedLinearMoments(_Sums):
+    """Sums for a linear whose expert outputs y_e = W_t·x_e (bias left out) are narrower than its
+    inputs: Σw, Σw·x_s, Σw·y_e, Σw·x_s x_sᵀ, Σw·x_s y_eᵀ.
+
+    Since C_sτ·W_tᵀ = α·E_w[x_s y_eᵀ] + (1−α)·C_ss·W_tᵀ, the expert's inputs are never needed, and
+    the cross product costs d_in·d_out instead of d_in² per token (fc2 of a ViT: 4× less).
+    """
+
+    sum_w: torch.Tensor
+    sum_xs: torch.Tensor
+    sum_ye: torch.Tensor
+    sum_ss: torch.Tensor
+    sum_sy: torch.Tensor
+
+    @classmethod
+    def zeros(cls, dim: int, out_dim: int, *, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float64) -> ProjectedLinearMoments:
+        return cls(*_zeros(device, dtype, (), dim, out_dim, (dim, dim), (dim, out_dim)))
+
+    @torch.no_grad()
+    def add(self, xs: torch.Tensor, ye: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Accumulate student inputs ([..., d_in]) and expert outputs without bias ([..., d_out])."""
+        _add_pair(self, xs, ye, weights)
+
+    def mean_student(self) -> torch.Tensor:
+        return self.sum_xs / self.sum_w
+
+    def cov_student(self) -> torch.Tensor:
+        return self.sum_ss / self.sum_w
+
+    def teacher_rhs(self, alpha: float, weight: torch.Tensor) -> torch.Tensor:
+        dtype = product_dtype(weight.dtype)
+        projected = (self.sum_ss.to(dtype) @ weight.to(dtype).T).to(self.sum_ss.dtype)
+        return (alpha * self.sum_sy + (1 - alpha) * projected) / self.sum_w
+
+    def teacher_output_mean(self, alpha: float, weight: torch.Tensor) -> torch.Tensor:
+        return (alpha * self.sum_ye + (1 - alpha) * (weight.to(self.sum_xs.dtype) @ self.sum_xs)) / self.sum_w
+
+
+PairMoments = LinearMoments | ProjectedLinearMoments
+
+
+def _add_pair(moments: PairMoments, a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor | None) -> None:
+    """One batch into ``moments`` through a :class:`GramAccumulator` (the simple, unbuffered path)."""
+    fa, fb = _flat(a), _flat(b).to(product_dtype(a.dtype))
+    joint = torch.cat([fa, fb], dim=1)
+    w = _token_weights(a, weights)
+    if w is not None:
+        joint.mul_(w.to(joint.dtype).sqrt().unsqueeze(1))
+    gram = GramAccumulator(fa.shape[1], fb.shape[1], device=joint.device, dtype=joint.dtype,
+                           sum_dtype=moments.sum_xs.dtype)
+    gram.add(joint, None if w is None else w.to(joint.dtype).sqrt(), fa.shape[0] if w is None else w.sum(),
+             group=a.shape[-2] if a.dim() > 2 else 1)
+    gram.flush(moments)
+
+
+def column_sums(x: torch.Tensor, weights: torch.Tensor | None, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Σ_rows w·x of a [rows, d] tensor, in ``dtype``: ``group`` consecutive rows (one sequence) are
+    summed in x's dtype, the partial sums in ``dtype``. Means enter FeatCal's bias solve as differences
+    of large numbers, and a float32 sum over thousands of rows visibly moves the calibrated biases;
+    a float64 reduction of every element would cost a tenth of the products on CPU."""
+    rows, width = x.shape
+    group = group if rows % group == 0 else 1
+    parts = x.view(rows // group, group, width)
+    if weights is None:
+        partial = parts.sum(1)
+    else:
+        partial = torch.matmul(weights.to(x.dtype).view(rows // group, 1, group), parts).squeeze(1)
+    return partial.sum(0, dtype=dtype)
+
+
+def triangle_blocks(dim: int) -> list[tuple[int, int]]:
+    """Row blocks for the upper block triangle of a dim×dim Gram matrix: wide enough that each
+    product stays efficient, narrow enough to skip a good part of the lower triangle."""
+    count = max(1, min(8, dim // 384))
+    size = -(-dim // count)
+    return [(start, min(start + size, dim)) for start in range(0, dim, size)]
+
+
+class GramAccumulator:
+    """Σ aᵀ·[a | b] over row chunks of a joint buffer ``[a | b]`` ([rows, d_a + d_b]), plus its column sums.
+
+    Only the upper block triangle of the symmetric aᵀa is computed, fused with aᵀb into one matmul per
+    row block (``addmm_`` into preallocated accumulators, no temporaries). Rows must already carry the
+    square root of their token weight. :meth:`flush` moves everything into a moments object (mirroring
+    the triangle) and restarts, so float32 products reach float64 sums every few chunks. A restarted
+    accumulator is overwritten by its next product, never zeroed.
+    """
+
+    def __init__(self, dim: int, cross: int, *, device: torch.device | str, dtype: torch.dtype = torch.float32,
+                 sum_dtype: torch.dtype = torch.float64) -> None:
+        self.dim, self.cross = dim, cross
+        self.blocks = triangle_blocks(dim)
+        self.acc = [torch.empty(stop - start, dim + cross - start, device=device, dtype=dtype) for start, stop in self.blocks]
+        self.col_sums = torch.empty(dim + cross, device=device, dtype=sum_dtype)
+        self.weight_sum: torch.Tensor | float = 0.0
+        self.rows = 0
+
+    @torch.no_grad()
+    def add(self, joint: torch.Tensor, root: torch.Tensor | None, weight_sum: torch.Tensor | float,
+            group: int = 1) -> None:
+        """Accumulate ``joint`` ([rows, d_a + d_b], rows scaled by ``root`` = √w, or unweighted when None).
+
+        ``group``: rows per sequence, for :func:`column_sums`.
+        """
+        beta = 0 if self.rows == 0 else 1
+        for (start, stop), acc in zip(self.blocks, self.acc):
+            acc.addmm_(joint[:, start:stop].T, joint[:, start:], beta=beta)
+        sums = column_sums(joint, root, group, self.col_sums.dtype)  # Σ √w·(√w·x) = Σ w·x
+        if self.rows == 0:
+            self.col_sums.copy_(sums)
+        else:
+            self.col_sums += sums
+        self.weight_sum = self.weight_sum + weight_sum
+        self.rows += joint.shape[0]
+
+    @torch.no_grad()
+    def flush(self, moments: PairMoments, scratch: torch.Tensor | None = None, *, overwrite: bool = False) -> None:
+        """Add the accumulated sums into ``moments`` (or, with ``overwrite``, replace them) and restart.
+        ``scratch``: a [max block, d_a + d_b] buffer in the moments' dtype, reused for the casts."""
+        total_w, sum_a, sum_b, gram, cross = (getattr(moments, f.name) for f in fields(moments))
+        if self.rows == 0:
+            if overwrite:
+                moments.zero_()
+            return
+        dim = self.dim
+        for (start, stop), acc in zip(self.blocks, self.acc):
+            parts = (acc[:, : dim - start], acc[:, stop - start: dim - start].T, acc[:, dim - start:])
+            targets = (gram[start:stop, start:], gram[stop:, start:stop], cross[start:stop])
+            if overwrite:  # one cast copy per element: the usual case, a task in one flush
+                for target, part in zip(targets, parts):
+                    target.copy_(part)
+                continue
+            if scratch is None or acc.dtype == gram.dtype:
+                block = acc.to(gram.dtype)
+            else:
+                block = scratch[: acc.shape[0], : acc.shape[1]].copy_(acc)
+            parts = (block[:, : dim - start], block[:, stop - start: dim - start].T, block[:, dim - start:])
+            for target, part in zip(targets, parts):
+                target += part
+        if overwrite:
+            sum_a.copy_(self.col_sums[:dim])
+            sum_b.copy_(self.col_sums[dim:])
+            total_w.zero_()
+        else:
+            _add_cast(sum_a, self.col_sums[:dim])
+            _add_cast(sum_b, self.col_sums[dim:])
+        total_w += self.weight_sum
+        self.weight_sum, self.rows = 0.0, 0
 
 
 @dataclass
@@ -99,23 +273,17 @@ class LayerNormMoments(_Sums):
 
     @classmethod
     def zeros(cls, dim: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> LayerNormMoments:
-        z = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)  # noqa: E731
-        return cls(z(()), z(dim), z(dim))
+        return cls(*_zeros(device, dtype, (), dim, dim))
 
     @torch.no_grad()
     def add(self, xs: torch.Tensor, eps: float, weights: torch.Tensor | None = None) -> None:
-        acc = self.sum_z.dtype
         x = _flat(xs)
         z = F.layer_norm(x, (x.shape[-1],), eps=eps)
         w = _token_weights(xs, weights)
-        if w is None:
-            self.sum_w += z.shape[0]
-            self.sum_z += z.sum(0, dtype=acc)
-            self.sum_z2 += z.square().sum(0, dtype=acc)
-        else:
-            self.sum_w += w.sum(dtype=acc)
-            self.sum_z += (w @ z).to(acc)
-            self.sum_z2 += (w @ z.square()).to(acc)
+        group = xs.shape[-2] if xs.dim() > 2 else 1
+        self.sum_w += z.shape[0] if w is None else w.sum()
+        self.sum_z += column_sums(z, w, group, self.sum_z.dtype)
+        self.sum_z2 += column_sums(z.square_(), w, group, self.sum_z2.dtype)
 
     def mean(self) -> torch.Tensor:
         return self.sum_z / self.sum_w

@@ -1,0 +1,226 @@
+"""One layer's statistics for the FeatCal driver: input recording, grouping, buffers and systems.
+
+A :class:`Recorder` keeps the inputs (and outputs) of the calibrated submodules during a forward and
+can cut the student's statistics pass short. :func:`plan_layer` groups the submodules that read one
+input with one set of token weights. A :class:`LayerState` holds a layer's working memory: joint
+buffers ``[x_s | x_e]`` filled batch by batch and multiplied in chunks of large matmuls, float32 Gram
+accumulators, the current task's moments and the normal-equation systems over tasks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from featcal.calibration.adapters import TokenWeighting
+from featcal.calibration.solves import LayerNormSystem, LinearSystem
+from featcal.calibration.statistics import GramAccumulator, LayerNormMoments, LinearMoments, ProjectedLinearMoments
+from featcal.errors import FeatcalError
+
+FLUSH_TOKENS = 1 << 15  # float32 product sums are flushed into the float64 moments this often
+
+
+class StopForward(Exception):
+    """Raised by a pre-hook to cut a forward short once every needed input is recorded."""
+
+
+class Recorder:
+    """Forward hooks that keep the latest input (and, with ``outputs``, output) of each named
+    submodule, in firing order; the forward stops after ``stop_at``'s input is recorded."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], *, outputs: bool = False) -> None:
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.stop_at: str | None = None
+        self._handles = [m.register_forward_pre_hook(self._pre_hook(name)) for name, m in modules.items()]
+        if outputs:
+            self._handles += [m.register_forward_hook(self._hook(name)) for name, m in modules.items()]
+
+    def _pre_hook(self, name: str):
+        def hook(_module: nn.Module, args: tuple) -> None:
+            self.inputs[name] = args[0]
+            if name == self.stop_at:
+                raise StopForward
+        return hook
+
+    def _hook(self, name: str):
+        def hook(_module: nn.Module, _args: tuple, output: torch.Tensor) -> None:
+            self.outputs[name] = output
+        return hook
+
+    def clear(self) -> None:
+        self.inputs, self.outputs = {}, {}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+@dataclass
+class Group:
+    """Submodules of one layer whose statistics are one set of sums: a LayerNorm alone, or the linears
+    that read the very same input with the same token weights (q, k, v). ``kind`` is ``"layernorm"``,
+    ``"linear"`` (crossed with the expert's inputs) or ``"projected"`` (one linear narrower than its
+    input, crossed with the expert's outputs). Linears are solved together: their outputs stack."""
+
+    kind: str
+    names: list[str]
+    dim: int
+    cross: int
+    out_features: int
+    has_bias: bool
+    weighting: TokenWeighting
+
+
+@dataclass
+class LayerPlan:
+    groups: list[Group]
+    stop_at: str  # the last submodule to fire: the student's statistics pass can stop at its input
+
+    def key(self) -> tuple:
+        """Equal for layers whose statistics and systems have the same shapes and token weights."""
+        return tuple((g.kind, tuple(g.names), g.dim, g.cross, g.out_features, g.has_bias, g.weighting.key)
+                     for g in self.groups)
+
+
+def plan_layer(modules: Mapping[str, nn.Module], rec_s: Recorder, rec_e: Recorder,
+               weighting: Mapping[str, TokenWeighting]) -> LayerPlan:
+    """Group one layer's submodules from the inputs recorded in one full forward."""
+    missing = [name for name in modules if name not in rec_s.inputs or name not in rec_e.inputs]
+    if missing:
+        raise FeatcalError(f"Calibrated submodules {missing} never ran in the layer's forward; the "
+                           "architecture adapter lists modules the layer does not call.")
+    groups: list[Group] = []
+    shared: dict[tuple, Group] = {}
+    for name in rec_s.inputs:  # firing order
+        module = modules[name]
+        if isinstance(module, nn.LayerNorm):
+            dim = module.normalized_shape[0]
+            groups.append(Group("layernorm", [name], dim, 0, dim, True, weighting[name]))
+            continue
+        key = (id(rec_s.inputs[name]), id(rec_e.inputs[name]), weighting[name].key)
+        group = shared.get(key)
+        if group is None:
+            group = shared[key] = Group("linear", [], module.in_features, module.in_features, 0, False, weighting[name])
+            groups.append(group)
+        group.names.append(name)
+        group.out_features += module.out_features
+        group.has_bias = group.has_bias or module.bias is not None
+    for group in groups:
+        if group.kind == "linear" and len(group.names) == 1 and group.out_features < group.dim:
+            group.kind, group.cross = "projected", group.out_features
+    return LayerPlan(groups, next(reversed(rec_s.inputs)))
+
+
+@dataclass
+class LayerState:
+    """One layer's working memory: per group a joint buffer, a float32 Gram accumulator, the moments
+    of the current task and the normal-equation system over tasks. Allocated once, reused for every
+    task and for every following layer with the same plan."""
+
+    plan: LayerPlan
+    capacity: int
+    seq_len: int
+    device: torch.device
+    dtype: torch.dtype
+    stats_dtype: torch.dtype
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)
+    grams: dict[int, GramAccumulator] = field(default_factory=dict)
+    moments: dict[int, LinearMoments | ProjectedLinearMoments | LayerNormMoments] = field(default_factory=dict)
+    systems: dict[int, LinearSystem | LayerNormSystem] = field(default_factory=dict)
+    weights: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    roots: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    scratch: torch.Tensor | None = None
+    filled: int = 0
+    flushed: set[int] = field(default_factory=set)  # groups whose moments hold this task's first flush
+
+    def __post_init__(self) -> None:
+        kw = dict(device=self.device, dtype=self.stats_dtype)
+        widest = 0
+        for i, g in enumerate(self.plan.groups):
+            w = g.weighting.weights
+            self.weights[i] = None if w is None else w.to(device=self.device, dtype=self.dtype)
+            self.roots[i] = None if w is None else self.weights[i].sqrt().repeat(self.capacity // self.seq_len)
+            if g.kind == "layernorm":
+                self.moments[i] = LayerNormMoments.zeros(g.dim, **kw)
+                self.systems[i] = LayerNormSystem.empty(g.dim, **kw)
+                continue
+            self.buffers[i] = torch.empty(self.capacity, g.dim + g.cross, device=self.device, dtype=self.dtype)
+            self.grams[i] = GramAccumulator(g.dim, g.cross, device=self.device, dtype=self.dtype,
+                                            sum_dtype=self.stats_dtype)
+            self.moments[i] = (LinearMoments.zeros(g.dim, **kw) if g.kind == "linear"
+                               else ProjectedLinearMoments.zeros(g.dim, g.cross, **kw))
+            self.systems[i] = LinearSystem.empty(g.out_features, g.dim, g.has_bias, **kw)
+            widest = max(widest, max(acc.numel() for acc in self.grams[i].acc))
+        if self.dtype != self.stats_dtype:
+            self.scratch = torch.empty(widest, device=self.device, dtype=self.stats_dtype)
+
+    def start_layer(self, plan: LayerPlan) -> None:
+        """Reuse this memory for another layer with the same plan key."""
+        self.plan = plan
+        for system in self.systems.values():
+            system.zero_()
+
+    def start_task(self) -> None:
+        """Linear moments are overwritten by the task's first flush; LayerNorm sums start at zero."""
+        self.flushed.clear()
+        for i, group in enumerate(self.plan.groups):
+            if group.kind == "layernorm":
+                self.moments[i].zero_()
+
+    def add(self, rows: int, rec_s: Recorder, rec_e: Recorder, modules_e: Mapping[str, nn.Module],
+            eps: Mapping[str, float]) -> None:
+        """One forward batch of ``rows`` tokens: LayerNorm sums at once, linear inputs into the buffers."""
+        if self.filled + rows > self.capacity:
+            self.multiply()
+        top = self.filled
+        for i, g in enumerate(self.plan.groups):
+            name = g.names[0]
+            xs = rec_s.inputs[name]
+            if g.kind == "layernorm":
+                self.moments[i].add(xs, eps[name], self.weights[i])
+                continue
+            buf = self.buffers[i][top:top + rows]
+            buf[:, : g.dim].copy_(xs.reshape(rows, g.dim))
+            if g.kind == "projected":  # y_e = W_t x_e, the expert's output without its bias
+                buf[:, g.dim:].copy_(rec_e.outputs[name].reshape(rows, g.cross))
+                bias = modules_e[name].bias
+                if bias is not None:
+                    buf[:, g.dim:].sub_(bias)
+            else:
+                buf[:, g.dim:].copy_(rec_e.inputs[name].reshape(rows, g.dim))
+            if self.roots[i] is not None:
+                buf.mul_(self.roots[i][:rows].unsqueeze(1))
+        self.filled += rows
+
+    def multiply(self) -> None:
+        """The statistics products of everything buffered."""
+        rows = self.filled
+        if rows == 0:
+            return
+        for i, gram in self.grams.items():
+            weights, root = self.plan.groups[i].weighting.weights, self.roots[i]  # the adapter's, on the host
+            weight_sum = rows if weights is None else rows // self.seq_len * float(weights.sum())
+            gram.add(self.buffers[i][:rows], None if root is None else root[:rows], weight_sum, self.seq_len)
+            if gram.rows >= FLUSH_TOKENS:
+                self._flush(i)
+        self.filled = 0
+
+    def finish_task(self) -> None:
+        self.multiply()
+        for i in self.grams:
+            self._flush(i)
+
+    def _flush(self, i: int) -> None:
+        gram = self.grams[i]
+        gram.flush(self.moments[i], self._scratch(gram), overwrite=i not in self.flushed)
+        self.flushed.add(i)
+
+    def _scratch(self, gram: GramAccumulator) -> torch.Tensor | None:
+        if self.scratch is None:
+            return None
+        widest = gram.acc[0].shape[1]
+        return self.scratch[: gram.acc[0].numel()].view(-1, widest)

@@ -1,0 +1,161 @@
+"""The engine's fast paths give the same numbers as the plain definitions: the block-triangle Gram
+accumulator, statistics crossed with the expert's outputs (fc2), chunked statistics with periodic
+float64 flushes, the shared q/k/v solve, the Cholesky solve and its fallbacks."""
+
+import pytest
+import torch
+from transformers import CLIPVisionModel
+
+import featcal.calibration.driver as driver
+import featcal.calibration.layer_state as layer_state
+from builders import FIXTURE
+from featcal.calibration import FeatCalParams, featcal_calibrate
+from featcal.calibration.solves import LinearSystem, solve_spd
+from featcal.calibration.statistics import (
+    GramAccumulator,
+    LinearMoments,
+    ProjectedLinearMoments,
+    column_sums,
+    triangle_blocks,
+)
+from featcal.checkpoint import Checkpoint
+
+torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("dim", [5, 768, 1000])
+def test_triangle_blocks_cover_the_rows(dim):
+    blocks = triangle_blocks(dim)
+    assert blocks[0][0] == 0 and blocks[-1][1] == dim
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    assert (len(blocks) > 1) == (dim >= 768)
+
+
+def test_gram_accumulator_equals_full_products_with_weights_and_flushes():
+    dim, cross, seq = 800, 96, 10  # 800: two row blocks, so the mirrored lower triangle is exercised
+    a, b = torch.randn(60, dim, dtype=torch.float64), torch.randn(60, cross, dtype=torch.float64)
+    w = torch.rand(seq, dtype=torch.float64).repeat(6)
+    root = w.sqrt()
+    joint = torch.cat([a, b], 1) * root[:, None]
+    moments = ProjectedLinearMoments.zeros(dim, cross)
+    gram = GramAccumulator(dim, cross, device="cpu", dtype=torch.float64)
+    for rows in (slice(0, 20), slice(20, 60)):  # two chunks, a flush after each
+        gram.add(joint[rows], root[rows], float(w[rows].sum()), group=seq)
+        gram.flush(moments)
+    torch.testing.assert_close(moments.sum_ss, (a * w[:, None]).T @ a)
+    torch.testing.assert_close(moments.sum_sy, (a * w[:, None]).T @ b)
+    torch.testing.assert_close(moments.sum_xs, w @ a)
+    torch.testing.assert_close(moments.sum_ye, w @ b)
+    torch.testing.assert_close(moments.sum_w, w.sum())
+    # a flushed accumulator restarts from nothing; overwrite replaces the moments
+    gram.add(joint[:10], root[:10], float(w[:10].sum()), group=seq)
+    gram.flush(moments, overwrite=True)
+    torch.testing.assert_close(moments.sum_ss, (a[:10] * w[:10, None]).T @ a[:10])
+    torch.testing.assert_close(moments.sum_ye, w[:10] @ b[:10])
+    torch.testing.assert_close(moments.sum_w, w[:10].sum())
+
+
+def test_column_sums_group_rows_then_sum_in_float64():
+    x = torch.randn(120, 7) * 1e3 + 5
+    w = torch.rand(120)
+    expected = (x.double() * w.double()[:, None]).sum(0)
+    out = column_sums(x, w, 12, torch.float64)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-3)
+    torch.testing.assert_close(column_sums(x, None, 7, torch.float64), x.double().sum(0), rtol=1e-6, atol=1e-3)
+
+
+def test_expert_output_statistics_fold_like_expert_input_statistics():
+    """fc2's statistics crossed with y_e = W_t x_e give the very system of the x_e-crossed ones."""
+    d_in, d_out, alpha = 12, 5, 0.25
+    xs, xe = torch.randn(4, 9, d_in, dtype=torch.float64), torch.randn(4, 9, d_in, dtype=torch.float64)
+    w_t, b_t = torch.randn(d_out, d_in, dtype=torch.float64), torch.randn(d_out, dtype=torch.float64)
+    weights = torch.rand(9, dtype=torch.float64)
+    plain, projected = LinearMoments.zeros(d_in), ProjectedLinearMoments.zeros(d_in, d_out)
+    plain.add(xs, xe, weights)
+    projected.add(xs, xe @ w_t.T, weights)
+    systems = [LinearSystem.empty(d_out, d_in, True, device="cpu") for _ in range(2)]
+    for system, moments in zip(systems, (plain, projected)):
+        system.add_task(moments, w_t, b_t, alpha=alpha, eps=1e-8)
+    for name in ("lhs", "rhs", "bias_rhs", "scaled_mean_student", "scale_sum"):
+        torch.testing.assert_close(getattr(systems[1], name), getattr(systems[0], name))
+
+
+def test_stacked_outputs_solve_like_separate_linears():
+    """q, k and v share one system with stacked outputs; each block equals its own solve."""
+    d_in = 6
+    moments = LinearMoments.zeros(d_in)
+    moments.add(torch.randn(50, d_in, dtype=torch.float64), torch.randn(50, d_in, dtype=torch.float64))
+    ws = [torch.randn(4, d_in, dtype=torch.float64) for _ in range(3)]
+    bs = [torch.randn(4, dtype=torch.float64) for _ in range(3)]
+    anchors_w = [torch.randn(4, d_in, dtype=torch.float64) for _ in range(3)]
+    anchors_b = [torch.randn(4, dtype=torch.float64) for _ in range(3)]
+    stacked = LinearSystem.empty(12, d_in, True, device="cpu")
+    stacked.add_task(moments, torch.cat(ws), torch.cat(bs), alpha=0.25, eps=1e-8)
+    weight, bias = stacked.solve(torch.cat(anchors_w), torch.cat(anchors_b), lam=0.05, eps=1e-8)
+    for i in range(3):
+        single = LinearSystem.empty(4, d_in, True, device="cpu")
+        single.add_task(moments, ws[i], bs[i], alpha=0.25, eps=1e-8)
+        w_i, b_i = single.solve(anchors_w[i], anchors_b[i], lam=0.05, eps=1e-8)
+        torch.testing.assert_close(weight[4 * i:4 * i + 4], w_i)
+        torch.testing.assert_close(bias[4 * i:4 * i + 4], b_i)
+
+
+def test_solve_spd_falls_back_when_not_positive_definite():
+    spd = torch.randn(5, 5, dtype=torch.float64)
+    spd = spd @ spd.T + torch.eye(5, dtype=torch.float64)
+    rhs = torch.randn(5, 2, dtype=torch.float64)
+    torch.testing.assert_close(solve_spd(spd, rhs), torch.linalg.solve(spd, rhs))
+    indefinite = torch.diag(torch.tensor([2.0, -1.0, 3.0], dtype=torch.float64))
+    torch.testing.assert_close(solve_spd(indefinite, torch.ones(3, 1, dtype=torch.float64)),
+                               torch.tensor([[0.5], [-1.0], [1 / 3]], dtype=torch.float64))
+    singular = torch.zeros(3, 3, dtype=torch.float64)
+    assert torch.equal(solve_spd(singular, torch.ones(3, 1, dtype=torch.float64)), torch.zeros(3, 1, dtype=torch.float64))
+
+
+def test_chunk_and_flush_sizes_do_not_change_the_result(monkeypatch):
+    """Tiny statistics chunks (several products per task) and a flush after every chunk match one
+    chunk per task to float32 rounding; so does another forward batch size."""
+    base = Checkpoint(FIXTURE / "base")
+    experts = {t: Checkpoint(FIXTURE / "experts" / t) for t in ("t0", "t1")}
+    merged = CLIPVisionModel.from_pretrained(str(FIXTURE / "experts" / "t2")).eval()
+    gen = torch.Generator().manual_seed(0)
+    pixels = {t: torch.randn(10, 3, 32, 32, generator=gen) for t in experts}
+
+    def run(batch: int) -> dict[str, torch.Tensor]:
+        params = FeatCalParams(num_calibration_examples=10, calibration_batch_size=batch)
+        return featcal_calibrate(merged, base, experts, pixels.__getitem__, params, progress=False).state_dict()
+
+    whole = run(10)
+    monkeypatch.setattr(driver, "STATISTICS_CHUNK_TOKENS", 40)
+    monkeypatch.setattr(layer_state, "FLUSH_TOKENS", 1)
+    chunked = run(3)
+    start = merged.state_dict()
+    for key, value in whole.items():
+        update = (value - start[key]).norm()
+        assert (chunked[key] - value).norm() <= 1e-4 * update + 1e-7, key
+
+
+def test_tasks_with_different_image_counts_match_the_plain_implementation():
+    """A task with fewer images than the forward batch first, a larger one after: the buffers fit both."""
+    import copy
+
+    from reference_featcal import plain_featcal
+
+    base = Checkpoint(FIXTURE / "base")
+    experts = {t: Checkpoint(FIXTURE / "experts" / t) for t in ("t0", "t1")}
+    merged = CLIPVisionModel.from_pretrained(str(FIXTURE / "experts" / "t2")).eval()
+    gen = torch.Generator().manual_seed(1)
+    pixels = {"t0": torch.randn(3, 3, 32, 32, generator=gen), "t1": torch.randn(11, 3, 32, 32, generator=gen)}
+    params = FeatCalParams(num_calibration_examples=11, calibration_batch_size=4)
+    fast = featcal_calibrate(merged, base, experts, pixels.__getitem__, params, progress=False).state_dict()
+    models = []
+    for ckpt in (base, *experts.values()):
+        model = copy.deepcopy(merged)
+        model.load_state_dict(dict(ckpt))
+        models.append(model)
+    plain = plain_featcal(merged, models[0], models[1:], [pixels["t0"], pixels["t1"]]).state_dict()
+    start = merged.state_dict()
+    for key in plain:
+        if key.startswith("encoder.layers."):
+            assert (fast[key] - plain[key]).norm() <= 1e-4 * (plain[key] - start[key]).norm(), key
