@@ -11,7 +11,7 @@ from featcal import __version__
 from featcal.errors import FeatcalError
 
 # Modules that add subcommands; each has `register(subparsers)`.
-COMMAND_MODULES = ("featcal.cli.run", "featcal.cli.release", "featcal.cli.space")
+COMMAND_MODULES = ("featcal.cli.run", "featcal.cli.release", "featcal.cli.space", "featcal.cli.demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,89 @@
+"""What a benchmark zoo is made of: data sizes, model sizes and training schedules, from one seed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from featcal.benchmark.images import MINI8_TASKS
+from featcal.errors import FeatcalError
+
+ZOO_VERSION = 1  # bump whenever images, training or file layout change: it keys the cache
+
+
+@dataclass(frozen=True)
+class ZooConfig:
+    """A benchmark zoo: eight procedural tasks, a small CLIP pretrained on them, one expert per task.
+
+    ``mini8()`` is the documented benchmark; ``tiny()`` a reduced one for the test suite. Every
+    field takes part in the cache key, so a changed field builds a new zoo beside the old one.
+    """
+
+    name: str = "mini8"
+    seed: int = 0
+    tasks: tuple[str, ...] = tuple(t.name for t in MINI8_TASKS)
+    image_size: int = 32
+    train_per_task: int = 1000
+    test_per_task: int = 400
+    # vision tower (the part that is merged and calibrated)
+    vision_hidden: int = 96
+    vision_layers: int = 3
+    vision_heads: int = 4
+    patch_size: int = 8
+    # text tower and joint space
+    text_hidden: int = 64
+    text_layers: int = 2
+    text_heads: int = 4
+    projection_dim: int = 64
+    # contrastive pretraining of the base
+    pretrain_steps: int = 300
+    pretrain_batch_size: int = 128
+    pretrain_lr: float = 2e-3
+    # expert fine-tuning (vision tower only, zero-shot head frozen)
+    expert_steps: int = 150
+    expert_batch_size: int = 64
+    expert_lr: float = 2e-3
+
+    def __post_init__(self) -> None:
+        known = {t.name for t in MINI8_TASKS}
+        unknown = [t for t in self.tasks if t not in known]
+        if unknown or len(set(self.tasks)) < 2:
+            raise FeatcalError(f"ZooConfig.tasks must name at least two of {sorted(known)}; got {list(self.tasks)}.")
+        if self.image_size % self.patch_size:
+            raise FeatcalError(f"ZooConfig: image_size {self.image_size} is not a multiple of patch_size {self.patch_size}.")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and f.name != "seed" and value <= 0:
+                raise FeatcalError(f"ZooConfig.{f.name} must be positive; got {value}.")
+
+    @classmethod
+    def mini8(cls, seed: int = 0) -> ZooConfig:
+        """The mini8 benchmark: the project's embedded default."""
+        return cls(seed=seed)
+
+    @classmethod
+    def tiny(cls, seed: int = 0) -> ZooConfig:
+        """A reduced zoo for the test suite: fewer images and steps, same eight tasks."""
+        return cls(
+            name="tiny8", seed=seed, train_per_task=400, test_per_task=160,
+            pretrain_steps=120, expert_steps=80,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["tasks"] = list(self.tasks)
+        return data
+
+    def cache_key(self) -> str:
+        """The zoo's folder name: ``<name>-v<version>-seed<seed>``, plus a digest for non-preset fields."""
+        key = f"{self.name}-v{ZOO_VERSION}-seed{self.seed}"
+        preset = _PRESETS.get(self.name)
+        if preset is not None and replace(preset(), seed=self.seed) == self:
+            return key
+        digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
+        return f"{key}-{digest}"
+
+
+_PRESETS = {"mini8": ZooConfig.mini8, "tiny8": ZooConfig.tiny}

@@ -1,0 +1,274 @@
+"""Build and cache a benchmark zoo: datasets, a base CLIP and one expert per task, in Hub layout.
+
+The zoo is a folder in exactly the formats of a real run, so featcal's normal loading code reads it::
+
+    <zoo>/base/                  CLIPModel + CLIPProcessor (tokenizer, image processor)
+    <zoo>/experts/<task>/        CLIPVisionModel (safetensors)
+    <zoo>/data/<task>/data/{train,test}-00000-of-00001.parquet   (image, label with class names)
+    <zoo>/tasks.json             the task table (relative paths), usable with --tasks-file
+    <zoo>/zoo.json               version, seed, sizes, build time, accuracies measured while building
+
+It is built in a temporary folder beside its final place and renamed into place at the end, so an
+interrupted build never leaves a half zoo behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from featcal.benchmark.config import ZOO_VERSION, ZooConfig
+from featcal.benchmark.images import MINI8_TASKS, ImageTask
+from featcal.benchmark.tokenizer import build_tokenizer
+from featcal.benchmark.training import TaskTensors, accuracy, finetune_expert, pretrain_clip, zero_shot_head
+from featcal.errors import FeatcalError
+
+logger = logging.getLogger(__name__)
+
+ZOO_MARKER = "zoo.json"  # written last: its presence means the zoo is complete
+STALE_PARTIAL_SECONDS = 24 * 3600
+
+
+def default_cache_dir() -> Path:
+    """``$FEATCAL_CACHE``, else ``$XDG_CACHE_HOME/featcal``, else ``~/.cache/featcal``."""
+    explicit = os.environ.get("FEATCAL_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "featcal"
+
+
+def zoo_path(config: ZooConfig, cache_dir: str | Path | None = None) -> Path:
+    """Where the zoo of ``config`` lives: ``<cache>/benchmark/<name>-v<version>-seed<seed>``."""
+    return Path(cache_dir or default_cache_dir()).expanduser() / "benchmark" / config.cache_key()
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished zoo of the current version."""
+    marker = folder / ZOO_MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("version") == ZOO_VERSION
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def build_zoo(config: ZooConfig | None = None, cache_dir: str | Path | None = None, force: bool = False,
+              *, progress: bool = True) -> Path:
+    """The folder of the zoo for ``config`` (default :meth:`ZooConfig.mini8`), building it if needed.
+
+    A finished zoo in the cache is returned as is unless ``force``. Building takes a few minutes on
+    two CPU cores; it is deterministic for a given config and seed (and torch thread count).
+    """
+    config = config or ZooConfig.mini8()
+    target = zoo_path(config, cache_dir)
+    if is_complete(target) and not force:
+        logger.info("Using the cached %s zoo at %s", config.name, target)
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FeatcalError(f"Cannot create the benchmark cache folder {target.parent}: {exc}. "
+                           "Set FEATCAL_CACHE to a writable folder.") from None
+    _remove_stale_partials(target)
+    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        with _library_bars_off():
+            _build_into(partial, config, progress=progress)
+        _publish(partial, target)
+    finally:
+        if partial.exists():
+            shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+@contextmanager
+def _library_bars_off() -> Iterator[None]:
+    """Silence the per-file bars of datasets and transformers (the build shows its own)."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    datasets_on, transformers_on = datasets.is_progress_bar_enabled(), hf_logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if datasets_on:
+            datasets.enable_progress_bars()
+        if transformers_on:
+            hf_logging.enable_progress_bar()
+
+
+def _remove_stale_partials(target: Path) -> None:
+    """Delete partial builds of this zoo left by killed processes (older than a day)."""
+    now = time.time()
+    for path in target.parent.glob(f".{target.name}.*"):
+        if path.is_dir() and now - path.stat().st_mtime > STALE_PARTIAL_SECONDS:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _publish(partial: Path, target: Path) -> None:
+    """Move a finished build into place atomically, replacing an older or unfinished one."""
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.{os.getpid()}.old"
+        os.rename(target, old)
+    try:
+        os.rename(partial, target)
+    except OSError:
+        if not is_complete(target):  # not a concurrent build that finished first
+            raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the build
+
+
+def _select_tasks(names: Sequence[str]) -> list[ImageTask]:
+    by_name = {t.name: t for t in MINI8_TASKS}
+    return [by_name[n] for n in names]
+
+
+def _draw_split(task: ImageTask, index: int, split: int, count: int, config: ZooConfig):
+    """``count`` images of one split with balanced labels, from a seed fixed by (seed, task, split)."""
+    rng = np.random.default_rng([config.seed, ZOO_VERSION, index, split])
+    labels = rng.permutation(np.arange(count) % len(task.classnames))
+    return [task.sample(rng, int(label), config.image_size) for label in labels], labels.tolist()
+
+
+def _write_parquet(folder: Path, split: str, images: list, labels: list[int], classnames: Sequence[str]) -> None:
+    import datasets
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list(classnames))})
+    ds = datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
+    folder.mkdir(parents=True, exist_ok=True)
+    ds.to_parquet(str(folder / f"{split}-00000-of-00001.parquet"))
+
+
+def _image_processor(config: ZooConfig):
+    from transformers import CLIPImageProcessor
+
+    size = config.image_size
+    return CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+
+
+def _clip_config(config: ZooConfig, tokenizer):
+    from transformers import CLIPConfig
+
+    return CLIPConfig(
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": config.text_hidden,
+            "intermediate_size": 4 * config.text_hidden, "num_hidden_layers": config.text_layers,
+            "num_attention_heads": config.text_heads, "max_position_embeddings": 77,
+            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "hidden_size": config.vision_hidden, "intermediate_size": 4 * config.vision_hidden,
+            "num_hidden_layers": config.vision_layers, "num_attention_heads": config.vision_heads,
+            "image_size": config.image_size, "patch_size": config.patch_size,
+        },
+        projection_dim=config.projection_dim,
+    )
+
+
+def _build_into(folder: Path, config: ZooConfig, *, progress: bool) -> None:
+    from transformers import CLIPModel, CLIPProcessor, CLIPVisionModel
+
+    started = time.time()
+    tasks = _select_tasks(config.tasks)
+    processor = _image_processor(config)
+    tensors: dict[str, TaskTensors] = {}
+    for index, task in enumerate(tqdm(tasks, desc=f"{config.name}: drawing datasets", disable=not progress)):
+        splits = []
+        for split_index, (split, count) in enumerate((("train", config.train_per_task), ("test", config.test_per_task))):
+            images, labels = _draw_split(task, index, split_index, count, config)
+            _write_parquet(folder / "data" / task.name / "data", split, images, labels, task.classnames)
+            splits += [processor(images=images, return_tensors="pt")["pixel_values"], torch.tensor(labels)]
+        tensors[task.name] = TaskTensors(*splits, classnames=task.classnames, templates=task.templates)
+
+    corpus = [template.format(name) for task in tasks for template in task.templates for name in task.classnames]
+    tokenizer = build_tokenizer(corpus)
+    torch.manual_seed(config.seed)
+    clip = CLIPModel(_clip_config(config, tokenizer))
+    pretrain_clip(clip, tokenizer, tensors, steps=config.pretrain_steps, batch_size=config.pretrain_batch_size,
+                  lr=config.pretrain_lr, seed=config.seed, progress=progress)
+    clip.save_pretrained(folder / "base")
+    CLIPProcessor(image_processor=processor, tokenizer=tokenizer).save_pretrained(folder / "base")
+
+    results: dict[str, dict[str, float | int]] = {}
+    projection = clip.visual_projection
+    for index, task in enumerate(tqdm(tasks, desc=f"{config.name}: fine-tuning experts", disable=not progress)):
+        data = tensors[task.name]
+        head = zero_shot_head(clip, tokenizer, task.classnames, task.templates)
+        state = finetune_expert(clip, head, data, steps=config.expert_steps, batch_size=config.expert_batch_size,
+                                lr=config.expert_lr, seed=config.seed * 1000 + index, desc=task.name,
+                                progress=progress)
+        expert = CLIPVisionModel(clip.config.vision_config)
+        expert.load_state_dict(state)
+        expert.save_pretrained(folder / "experts" / task.name)
+        results[task.name] = {
+            "classes": len(task.classnames), "train": config.train_per_task, "test": config.test_per_task,
+            "zero_shot_accuracy": accuracy(clip.vision_model, projection, head, data.test_pixels, data.test_labels),
+            "expert_accuracy": accuracy(expert, projection, head, data.test_pixels, data.test_labels),
+        }
+    _write_tables(folder, config, tasks, results, build_seconds=time.time() - started)
+
+
+def _write_tables(folder: Path, config: ZooConfig, tasks: Sequence[ImageTask],
+                  results: dict[str, dict[str, float | int]], *, build_seconds: float) -> None:
+    import transformers
+
+    table = {
+        "about": f"The {config.name} benchmark zoo (featcal, version {ZOO_VERSION}, seed {config.seed}): "
+                 "procedural image tasks, a small CLIP pretrained on their captions, one expert per task. "
+                 "Paths are relative to this file. reference_accuracy holds the accuracies measured while "
+                 "building (fractions of the test split).",
+        "base_model": "base",
+        "tasks": {
+            task.name: {
+                "dataset": {"path": f"data/{task.name}", "name": None, "train_split": "train", "test_split": "test",
+                            "image_column": "image", "label_column": "label"},
+                "expert": f"experts/{task.name}",
+                "classnames": list(task.classnames),
+                "templates": list(task.templates),
+                "reference_accuracy": {"zero_shot": results[task.name]["zero_shot_accuracy"],
+                                       "expert": results[task.name]["expert_accuracy"]},
+            }
+            for task in tasks
+        },
+    }
+    (folder / "tasks.json").write_text(json.dumps(table, indent=1) + "\n")
+    mean = {key: float(np.mean([r[key] for r in results.values()])) for key in ("zero_shot_accuracy", "expert_accuracy")}
+    info = {
+        "name": config.name,
+        "version": ZOO_VERSION,
+        "seed": config.seed,
+        "config": config.to_dict(),
+        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "build_seconds": round(build_seconds, 1),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "descriptions": {task.name: task.caption for task in tasks},
+        "tasks": results,
+        "average": mean,
+    }
+    (folder / ZOO_MARKER).write_text(json.dumps(info, indent=1) + "\n")

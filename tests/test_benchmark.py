@@ -1,0 +1,185 @@
+"""The offline mini8 benchmark: procedural tasks, tokenizer, zoo building and caching, and the demo.
+
+The test marked ``slow`` builds the reduced zoo (``ZooConfig.tiny()``) and runs the real pipeline on
+it: Task Arithmetic must lose accuracy against the experts and FeatCal must win much of it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from featcal.benchmark import ZOO_VERSION, ZooConfig, build_zoo, default_cache_dir, demo_run_config, zoo_path
+from featcal.benchmark import zoo as zoo_module
+from featcal.benchmark.images import MINI8_TASKS
+from featcal.benchmark.tokenizer import build_tokenizer
+from featcal.errors import FeatcalError
+
+# A zoo small enough to build in seconds: it checks formats, not accuracies.
+MICRO = ZooConfig(name="micro", train_per_task=24, test_per_task=16, vision_hidden=32, vision_layers=2,
+                  text_hidden=32, projection_dim=32, pretrain_steps=2, pretrain_batch_size=16,
+                  expert_steps=2, expert_batch_size=8)
+
+
+# ---------------------------------------------------------------- tasks and tokenizer
+
+
+def test_eight_tasks_with_distinct_label_spaces_and_templates():
+    assert len(MINI8_TASKS) == 8
+    assert len({t.name for t in MINI8_TASKS}) == 8
+    classnames = [set(t.classnames) for t in MINI8_TASKS]
+    for i, a in enumerate(classnames):
+        for b in classnames[i + 1:]:
+            assert not a & b
+    for task in MINI8_TASKS:
+        assert len(set(task.classnames)) == len(task.classnames) >= 6
+        assert all(template.count("{}") == 1 for template in task.templates)
+
+
+@pytest.mark.parametrize("task", MINI8_TASKS, ids=lambda t: t.name)
+def test_renderers_are_deterministic_and_vary(task):
+    def draw(seed: int, label: int) -> np.ndarray:
+        return np.asarray(task.sample(np.random.default_rng(seed), label, 32))
+
+    image = task.sample(np.random.default_rng(0), 0, 32)
+    assert image.mode == "RGB" and image.size == (32, 32)
+    assert np.array_equal(draw(1, 0), draw(1, 0))
+    assert not np.array_equal(draw(1, 0), draw(2, 0))  # nuisances vary with the seed
+    for label in range(len(task.classnames)):
+        assert draw(3, label).std() > 5  # something is drawn
+
+
+def test_tokenizer_round_trips_and_separates_class_names(tmp_path):
+    from transformers import AutoTokenizer
+
+    corpus = [tpl.format(c) for t in MINI8_TASKS for tpl in t.templates for c in t.classnames]
+    tokenizer = build_tokenizer(corpus)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded(corpus)["input_ids"] == tokenizer(corpus)["input_ids"]
+    ids = tokenizer(["an arrow pointing upper right.", "an arrow pointing upper left."])["input_ids"]
+    assert ids[0] != ids[1] and len(ids[0]) == len(ids[1]) == 8  # bos, 5 words, ".", eos: one token each
+    assert tokenizer("a zebra!")["input_ids"][-1] == tokenizer.eos_token_id  # unseen words still tokenize
+
+
+# ---------------------------------------------------------------- config and cache
+
+
+def test_cache_keys():
+    assert ZooConfig.mini8().cache_key() == f"mini8-v{ZOO_VERSION}-seed0"
+    assert ZooConfig.mini8(seed=3).cache_key() == f"mini8-v{ZOO_VERSION}-seed3"
+    assert ZooConfig.tiny().cache_key() == f"tiny8-v{ZOO_VERSION}-seed0"
+    custom = replace(ZooConfig.mini8(), expert_steps=7).cache_key()
+    assert custom.startswith(f"mini8-v{ZOO_VERSION}-seed0-") and custom != replace(ZooConfig.mini8(), expert_steps=8).cache_key()
+
+
+@pytest.mark.parametrize("bad", [dict(tasks=("digits", "nope")), dict(tasks=("digits",)), dict(patch_size=5),
+                                 dict(expert_steps=0)])
+def test_config_rejects_bad_fields(bad):
+    with pytest.raises(FeatcalError):
+        ZooConfig(**bad)
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv("FEATCAL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "featcal"
+    monkeypatch.setenv("FEATCAL_CACHE", str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine"
+    assert zoo_path(ZooConfig.mini8()) == tmp_path / "mine" / "benchmark" / f"mini8-v{ZOO_VERSION}-seed0"
+
+
+def test_failed_build_leaves_nothing(monkeypatch, tmp_path):
+    def broken(folder: Path, config: ZooConfig, *, progress: bool) -> None:
+        (folder / "base").mkdir()
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(zoo_module, "_build_into", broken)
+    with pytest.raises(RuntimeError):
+        build_zoo(MICRO, cache_dir=tmp_path, progress=False)
+    assert list((tmp_path / "benchmark").iterdir()) == []
+
+
+# ---------------------------------------------------------------- a micro zoo, read by featcal's own loaders
+
+
+@pytest.fixture(scope="module")
+def micro_zoo(tmp_path_factory) -> Path:
+    return build_zoo(MICRO, cache_dir=tmp_path_factory.mktemp("cache"), progress=False)
+
+
+def test_zoo_layout_loads_with_featcal_loaders(micro_zoo):
+    from transformers import CLIPModel, CLIPVisionModel
+
+    from featcal.checkpoint import Checkpoint, check_compatible
+    from featcal.data import load_task_split
+    from featcal.evaluation import load_base_clip
+    from featcal.tasks import load_task_file
+
+    table = load_task_file(micro_zoo / "tasks.json")
+    assert table.base_model == str(micro_zoo / "base")
+    assert list(table.tasks) == [t.name for t in MINI8_TASKS]
+    for task in table.tasks.values():
+        assert Path(task.expert) == micro_zoo / "experts" / task.name
+        test = load_task_split(task, "test")
+        assert len(test) == MICRO.test_per_task and len(load_task_split(task, "train")) == MICRO.train_per_task
+        assert test.features["label"].names == list(task.classnames)
+        assert test[0]["image"].size == (32, 32)
+    base = Checkpoint(micro_zoo / "base")
+    check_compatible(base, {t: Checkpoint(micro_zoo / "experts" / t) for t in table.tasks})
+    assert isinstance(CLIPVisionModel.from_pretrained(micro_zoo / "experts" / "digits"), CLIPVisionModel)
+    clip, tokenizer, processor = load_base_clip(micro_zoo / "base")
+    assert isinstance(clip, CLIPModel)
+    assert processor(images=[test[0]["image"]], return_tensors="pt")["pixel_values"].shape == (1, 3, 32, 32)
+    assert tokenizer('a photo of the number: "7".')["input_ids"][-1] == clip.config.text_config.eos_token_id
+    info = json.loads((micro_zoo / "zoo.json").read_text())
+    assert info["version"] == ZOO_VERSION and info["seed"] == 0 and info["config"] == MICRO.to_dict()
+    assert set(info["tasks"]) == set(table.tasks)
+    assert all(0 <= r["expert_accuracy"] <= 1 for r in info["tasks"].values())
+
+
+def test_cached_zoo_is_reused_and_force_rebuilds_identically(micro_zoo, monkeypatch):
+    from safetensors.torch import load_file
+
+    cache = micro_zoo.parent.parent
+    before = load_file(micro_zoo / "experts" / "shapes" / "model.safetensors")
+    calls = []
+    real = zoo_module._build_into
+    monkeypatch.setattr(zoo_module, "_build_into", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert build_zoo(MICRO, cache_dir=cache, progress=False) == micro_zoo
+    assert calls == []
+    assert build_zoo(MICRO, cache_dir=cache, force=True, progress=False) == micro_zoo
+    assert calls == [1]
+    after = load_file(micro_zoo / "experts" / "shapes" / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert sorted(p.name for p in micro_zoo.parent.iterdir()) == [micro_zoo.name]  # no partial or old copies
+
+
+# ---------------------------------------------------------------- the reduced benchmark, end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_zoo(tmp_path_factory) -> Path:
+    return build_zoo(ZooConfig.tiny(), cache_dir=tmp_path_factory.mktemp("tiny-cache"), progress=False)
+
+
+@pytest.mark.slow
+def test_demo_command_prints_the_table(tiny_zoo, tmp_path, capsys):
+    from featcal.cli.demo import cmd_demo
+
+    args = argparse.Namespace(output_dir=str(tmp_path / "demo"), zoo_seed=0, tiny=True, rebuild=False,
+                              cache_dir=str(tiny_zoo.parent.parent), device="cpu", threads=None,
+                              ta_scaling_factor=0.3, no_export=False, quiet=True)
+    assert cmd_demo(args) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[1]
+    for column in ("zero-shot", "expert", "TA", "TA+FeatCal"):
+        assert column in header
+    assert all(t.name in out for t in MINI8_TASKS) and "average" in out
+    assert (tmp_path / "demo" / "release" / "model.safetensors").is_file()
