@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from featcal.benchmark import ZOO_VERSION, ZooConfig, build_zoo, default_cache_dir, demo_run_config, zoo_path
+from featcal.benchmark import ZOO_VERSION, ZooConfig, build_zoo, default_cache_dir, zoo_path
 from featcal.benchmark import zoo as zoo_module
 from featcal.benchmark.images import MINI8_TASKS
 from featcal.benchmark.tokenizer import build_tokenizer
