@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,7 @@ class Setup:
     base: Checkpoint
     merge_params: dict[str, Any]
 
-    @property
+    @cached_property
     def vision_config(self):
         from transformers import CLIPVisionConfig
 
