@@ -8,7 +8,7 @@ downloaded. Each point runs in a fresh subprocess, so its peak RSS (VmHWM) is it
     .venv/bin/python benchmarks/calibration_speed.py                      # the default points, ~10 min
     .venv/bin/python benchmarks/calibration_speed.py --points 8x256       # one point
     .venv/bin/python benchmarks/calibration_speed.py --reference --points 1x8   # plain implementation too
-    .venv/bin/python benchmarks/calibration_speed.py --engine-root /tmp/old --label old  # another tree
+    .venv/bin/python benchmarks/calibration_speed.py --baseline-root /tmp/old --baseline-label old  # interleaved
 
 Writes ``benchmarks/results/calibration_speed.json`` (``--out``) and a Markdown table beside it.
 """
@@ -144,10 +144,11 @@ def _probe_gflops() -> float:
     return 2 * 2048**3 / best / 1e9
 
 
-def _spawn(args: argparse.Namespace, tasks: int, images: int, reference: bool, save: Path | None) -> dict:
+def _spawn(args: argparse.Namespace, tasks: int, images: int, reference: bool, save: Path | None,
+           engine_root: Path | None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
-    if args.engine_root:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.engine_root), env.get("PYTHONPATH")]))
+    if engine_root:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(engine_root), env.get("PYTHONPATH")]))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", f"{tasks}x{images}",
            "--workdir", str(args.workdir), "--batch-size", str(args.batch_size), "--threads", str(args.threads)]
     cmd += ["--reference"] if reference else ["--device", args.device]
@@ -174,15 +175,15 @@ def table(points: list[dict]) -> str:
     return "\n".join([head, *map(_row, points)])
 
 
-def fit(points: list[dict]) -> dict | None:
-    """Least squares time ≈ a + b·tasks + c·tasks·images over the engine's points (needs ≥ 3 distinct)."""
+def fit(points: list[dict], implementation: str, key: str = "seconds") -> dict | None:
+    """Least squares ``key`` ≈ a + b·tasks + c·tasks·images over one implementation's points (≥ 3 distinct)."""
     import numpy as np
 
-    rows = [p for p in points if not p["implementation"].startswith("plain")]
+    rows = [p for p in points if p["implementation"] == implementation]
     if len({(p["tasks"], p["images"]) for p in rows}) < 3:
         return None
     x = np.array([[1.0, p["tasks"], p["tasks"] * p["images"]] for p in rows])
-    y = np.array([p["seconds"] for p in rows])
+    y = np.array([p[key] for p in rows])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     residual = y - x @ coef
     return {"constant_s": coef[0], "per_task_s": coef[1], "per_task_image_s": coef[2],
@@ -201,6 +202,10 @@ def main() -> None:
                              "and report the largest difference of the weights")
     parser.add_argument("--engine-root", type=Path, help="a folder holding another `featcal` package to measure")
     parser.add_argument("--label", default="featcal", help="implementation name in the results")
+    parser.add_argument("--baseline-root", type=Path,
+                        help="a folder holding another `featcal` package, run at each point just before this one "
+                             "(same machine load for both)")
+    parser.add_argument("--baseline-label", default="baseline", help="its name in the results")
     parser.add_argument("--workdir", type=Path, help="where the models live (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=RESULTS / "calibration_speed.json")
     parser.add_argument("--child", metavar="TxN", help=argparse.SUPPRESS)
@@ -224,12 +229,13 @@ def main() -> None:
         print(f"models ready in {time.perf_counter() - start:.0f} s ({args.workdir})", flush=True)
         shape, points = ViTShape(), []
         for tasks, images in grid:
-            runs = [("plain (tests/reference_featcal.py)", True)] if args.reference else []
+            runs = [("plain (tests/reference_featcal.py)", True, None)] if args.reference else []
+            runs += [(args.baseline_label, False, args.baseline_root)] if args.baseline_root else []
             saved: dict[bool, Path] = {}
-            for implementation, reference in [*runs, (args.label, False)]:
+            for implementation, reference, root in [*runs, (args.label, False, args.engine_root)]:
                 probe, load = _probe_gflops(), os.getloadavg()[0]
                 saved[reference] = Path(tmp) / f"out-{reference}.safetensors" if args.reference else None
-                result = _spawn(args, tasks, images, reference, saved[reference])
+                result = _spawn(args, tasks, images, reference, saved[reference], root)
                 flops = count_work(shape, tasks, images)["total_flops"]  # the specified work, whoever runs it
                 point = {"implementation": implementation, "tasks": tasks, "images": images,
                          "batch_size": args.batch_size, "device": "cpu" if reference else args.device, **result,
@@ -241,16 +247,18 @@ def main() -> None:
                     point["agreement"], point["agreement_tensor"] = agreement["max"], agreement["tensor"]
                 points.append(point)
                 print(_row(point), flush=True)
+    labels = list(dict.fromkeys(p["implementation"] for p in points))
+    fits = {f"{label} {key}": fit(points, label, key) for label in labels for key in ("seconds", "cpu_seconds")}
     report = {"environment": environment(args.threads), "shape": "ViT-B/32 (CLIPVisionConfig defaults)",
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "fit": fit(points), "points": points}
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "fits": fits, "points": points}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(table(points) + "\n")
     print(table(points))
-    if report["fit"]:
-        f = report["fit"]
-        print(f"time ≈ {f['constant_s']:.1f} s + {f['per_task_s']:.2f} s·tasks + {f['per_task_image_s']:.3f} s·tasks·images "
-              f"(largest residual {100 * f['max_relative_residual']:.0f}%)")
+    for name, f in fits.items():
+        if f:
+            print(f"{name} ≈ {f['constant_s']:.1f} s + {f['per_task_s']:.2f} s·tasks + {f['per_task_image_s']:.3f} "
+                  f"s·tasks·images (largest residual {100 * f['max_relative_residual']:.0f}%)")
 
 
 if __name__ == "__main__":

@@ -34,15 +34,10 @@ def _token_weights(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tenso
     return w.expand(x.shape[:-1]).reshape(-1)
 
 
-def _add_cast(target: torch.Tensor, source: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+def _add_cast(target: torch.Tensor, source: torch.Tensor) -> None:
     """``target += source`` across dtypes. A mixed-dtype in-place add is several times slower on CPU
-    than a cast copy followed by a same-dtype add, so cast first (into ``scratch`` when given)."""
-    if source.dtype == target.dtype:
-        target += source
-    elif scratch is None:
-        target += source.to(target.dtype)
-    else:
-        target += scratch[: source.shape[0], : source.shape[1]].copy_(source)
+    than a cast copy followed by a same-dtype add, so cast first."""
+    target += source if source.dtype == target.dtype else source.to(target.dtype)
 
 
 class _Sums:
