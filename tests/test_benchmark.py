@@ -144,6 +144,20 @@ def test_zoo_layout_loads_with_featcal_loaders(micro_zoo):
     assert all(0 <= r["expert_accuracy"] <= 1 for r in info["tasks"].values())
 
 
+def test_experts_keep_the_frozen_parts_of_the_base(micro_zoo):
+    from safetensors.torch import load_file
+
+    base = {k.removeprefix("vision_model."): v for k, v in load_file(micro_zoo / "base" / "model.safetensors").items()
+            if k.startswith("vision_model.")}
+    expert = {k.removeprefix("vision_model."): v
+              for k, v in load_file(micro_zoo / "experts" / "digits" / "model.safetensors").items()}
+    frozen = [k for k in expert if k.startswith(MICRO.expert_frozen)]
+    assert any(k.startswith("embeddings.") for k in frozen) and any(k.startswith("post_layernorm.") for k in frozen)
+    assert all(torch.equal(expert[k], base[k]) for k in frozen)
+    trained = [k for k in expert if k.startswith("encoder.") and k.endswith("weight")]
+    assert any(not torch.equal(expert[k], base[k]) for k in trained)
+
+
 def test_cached_zoo_is_reused_and_force_rebuilds_identically(micro_zoo, monkeypatch):
     from safetensors.torch import load_file
 
@@ -162,6 +176,12 @@ def test_cached_zoo_is_reused_and_force_rebuilds_identically(micro_zoo, monkeypa
 
 
 # ---------------------------------------------------------------- the reduced benchmark, end to end
+
+
+# Measured on the tiny zoo (seed 0): see benchmarks/mini8.md. The floors leave room for thread-count
+# and platform noise but fail if merging stops hurting or FeatCal stops helping.
+TINY_MIN_TA_LOSS = 8.0
+TINY_MIN_FEATCAL_GAIN = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +203,10 @@ def test_demo_command_prints_the_table(tiny_zoo, tmp_path, capsys):
         assert column in header
     assert all(t.name in out for t in MINI8_TASKS) and "average" in out
     assert (tmp_path / "demo" / "release" / "model.safetensors").is_file()
+
+    def average(stage: str) -> float:
+        return 100 * json.loads((tmp_path / "demo" / stage / "metrics.json").read_text())["average"]["accuracy"]
+
+    experts, merged, calibrated = average("experts"), average("ta"), average("featcal-ta")
+    assert experts - merged >= TINY_MIN_TA_LOSS, (experts, merged)
+    assert calibrated - merged >= TINY_MIN_FEATCAL_GAIN, (merged, calibrated)

@@ -10,7 +10,7 @@ from typing import Any
 from featcal.benchmark.images import MINI8_TASKS
 from featcal.errors import FeatcalError
 
-ZOO_VERSION = 1  # bump whenever images, training or file layout change: it keys the cache
+ZOO_VERSION = 2  # bump whenever images, training or file layout change: it keys the cache
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class ZooConfig:
     seed: int = 0
     tasks: tuple[str, ...] = tuple(t.name for t in MINI8_TASKS)
     image_size: int = 32
-    train_per_task: int = 1000
+    train_per_task: int = 3000
     test_per_task: int = 400
     # vision tower (the part that is merged and calibrated)
     vision_hidden: int = 96
@@ -38,13 +38,16 @@ class ZooConfig:
     text_heads: int = 4
     projection_dim: int = 64
     # contrastive pretraining of the base
-    pretrain_steps: int = 300
-    pretrain_batch_size: int = 128
+    pretrain_steps: int = 600
+    pretrain_batch_size: int = 256
     pretrain_lr: float = 2e-3
     # expert fine-tuning (vision tower only, zero-shot head frozen)
-    expert_steps: int = 150
-    expert_batch_size: int = 64
-    expert_lr: float = 2e-3
+    expert_steps: int = 300
+    expert_batch_size: int = 128
+    expert_lr: float = 3e-4
+    # vision-tower parameters the experts keep at the base's values (name prefixes); FeatCal
+    # calibrates only the encoder layers, so these are left as the merge made them
+    expert_frozen: tuple[str, ...] = ("embeddings", "pre_layrnorm", "post_layernorm")
 
     def __post_init__(self) -> None:
         known = {t.name for t in MINI8_TASKS}
@@ -67,13 +70,14 @@ class ZooConfig:
     def tiny(cls, seed: int = 0) -> ZooConfig:
         """A reduced zoo for the test suite: fewer images and steps, same eight tasks."""
         return cls(
-            name="tiny8", seed=seed, train_per_task=400, test_per_task=160,
-            pretrain_steps=120, expert_steps=80,
+            name="tiny8", seed=seed, train_per_task=1000, test_per_task=200,
+            pretrain_steps=200, pretrain_batch_size=128, expert_steps=100, expert_batch_size=64, expert_lr=1e-3,
         )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["tasks"] = list(self.tasks)
+        data["expert_frozen"] = list(self.expert_frozen)
         return data
 
     def cache_key(self) -> str:

@@ -136,7 +136,8 @@ def pretrain_clip(clip: CLIPModel, tokenizer: CLIPTokenizer, data: Mapping[str, 
 
 
 def finetune_expert(clip: CLIPModel, head: torch.Tensor, task: TaskTensors, *, steps: int, batch_size: int,
-                    lr: float, seed: int, desc: str = "expert", progress: bool = True) -> dict[str, torch.Tensor]:
+                    lr: float, seed: int, frozen: Sequence[str] = (), desc: str = "expert",
+                    progress: bool = True) -> dict[str, torch.Tensor]:
     """Fine-tune a copy of ``clip``'s vision tower on one task; returns its state dict.
 
     The zero-shot head (``head``, the base's visual projection and logit scale) stays frozen: only
@@ -148,7 +149,8 @@ def finetune_expert(clip: CLIPModel, head: torch.Tensor, task: TaskTensors, *, s
     vision = copy.deepcopy(clip.vision_model).train()
     projection = clip.visual_projection.requires_grad_(False)
     scale = clip.logit_scale.detach().exp()
-    optimizer = torch.optim.AdamW(vision.parameters(), lr=lr, weight_decay=0.0)
+    trainable = [p for n, p in vision.named_parameters() if not n.startswith(tuple(frozen))]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     schedule = _cosine_lr(optimizer, lr, steps, warmup=max(steps // 10, 1))
     size = task.train_labels.shape[0]
     for _ in tqdm(range(steps), desc=f"mini8: fine-tuning {desc}", disable=not progress, leave=False):

@@ -218,8 +218,8 @@ def _build_into(folder: Path, config: ZooConfig, *, progress: bool) -> None:
         data = tensors[task.name]
         head = zero_shot_head(clip, tokenizer, task.classnames, task.templates)
         state = finetune_expert(clip, head, data, steps=config.expert_steps, batch_size=config.expert_batch_size,
-                                lr=config.expert_lr, seed=config.seed * 1000 + index, desc=task.name,
-                                progress=progress)
+                                lr=config.expert_lr, seed=config.seed * 1000 + index, frozen=config.expert_frozen,
+                                desc=task.name, progress=progress)
         expert = CLIPVisionModel(clip.config.vision_config)
         expert.load_state_dict(state)
         expert.save_pretrained(folder / "experts" / task.name)
