@@ -124,6 +124,18 @@ def test_bad_hyper_parameter_value_raises(method: str, params: dict) -> None:
         get_method(method)(base, experts, **params)
 
 
+def test_numbers_given_as_text_are_read_as_numbers() -> None:
+    """YAML (recipes, --merge-param) reads ``1e-4`` as a string; it must still merge as 1e-4."""
+    base, experts = random_models()
+    wudi = get_method("wudi")
+    as_text = wudi(base, experts, lr="1e-3", iterations="3")
+    as_numbers = wudi(base, experts, lr=1e-3, iterations=3)
+    assert all(torch.equal(as_text[k], as_numbers[k]) for k in as_numbers)
+    assert wudi.resolved_params(lr="1e-4") == {"iterations": 400, "lr": 1e-4}
+    with pytest.raises(FeatcalError, match="lr must be a number"):
+        wudi(base, experts, lr="fast")
+
+
 def test_half_precision_is_kept() -> None:
     base, experts = random_models()
     base = {k: v.half() if v.is_floating_point() else v for k, v in base.items()}

@@ -32,19 +32,44 @@ class MergeMethod:
     defaults: Mapping[str, Any]
 
     def __call__(self, base: StateDict, experts: Sequence[StateDict], **params: Any) -> dict[str, torch.Tensor]:
+        params = self.checked_params(params)
+        if not experts:
+            raise FeatcalError(f"Merging method {self.name!r} needs at least one expert.")
+        return self.fn(base, list(experts), **params)
+
+    def checked_params(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``params`` with numbers given as text (YAML reads ``1e-4`` as a string) made numbers;
+        a FeatcalError for an unknown name or a value of the wrong kind."""
         unknown = set(params) - set(self.defaults)
         if unknown:
             raise FeatcalError(
                 f"Merging method {self.name!r} has no parameter(s) {sorted(unknown)}; "
                 f"its parameters: {dict(self.defaults)}."
             )
-        if not experts:
-            raise FeatcalError(f"Merging method {self.name!r} needs at least one expert.")
-        return self.fn(base, list(experts), **params)
+        return {key: _checked_value(self.name, key, value, self.defaults[key]) for key, value in params.items()}
 
     def resolved_params(self, **params: Any) -> dict[str, Any]:
         """The defaults overridden by ``params`` (for recipes and model cards)."""
-        return {**self.defaults, **{k: v for k, v in params.items() if v is not None}}
+        given = {k: v for k, v in params.items() if v is not None}
+        return {**self.defaults, **self.checked_params(given)}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _checked_value(method: str, key: str, value: Any, default: Any) -> Any:
+    """``value`` for the parameter whose default is ``default``: a number where a number is expected."""
+    if value is None or not _is_number(default):
+        return value
+    if isinstance(value, str):
+        try:
+            value = float(value) if isinstance(default, float) else int(value)
+        except ValueError:
+            pass
+    if not _is_number(value):
+        raise FeatcalError(f"Merging method {method!r}: {key} must be a number (default {default!r}); got {value!r}.")
+    return value
 
 
 _REGISTRY: dict[str, MergeMethod] = {}
