@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from featcal.benchmark.config import ZOO_VERSION, ZooConfig
+from featcal.benchmark.config import IMAGE_DRAW, ZOO_VERSION, ZooConfig
 from featcal.benchmark.images import MINI8_TASKS, ImageTask
 from featcal.benchmark.tokenizer import build_tokenizer
 from featcal.benchmark.training import TaskTensors, accuracy, finetune_expert, pretrain_clip, zero_shot_head
@@ -147,7 +147,7 @@ def _select_tasks(names: Sequence[str]) -> list[ImageTask]:
 
 def _draw_split(task: ImageTask, index: int, split: int, count: int, config: ZooConfig):
     """``count`` images of one split with balanced labels, from a seed fixed by (seed, task, split)."""
-    rng = np.random.default_rng([config.seed, ZOO_VERSION, index, split])
+    rng = np.random.default_rng([config.seed, IMAGE_DRAW, index, split])
     labels = rng.permutation(np.arange(count) % len(task.classnames))
     return [task.sample(rng, int(label), config.image_size) for label in labels], labels.tolist()
 
