@@ -146,7 +146,9 @@ def count_work(s: ViTShape, tasks: int, images: int, *, engine: bool = False) ->
     }
 
 
-def measure_matmul_gflops(dtype_name: str = "float32", threads: int = 2, sizes=(2048, 3072, 4096), reps: int = 3) -> dict:
+def measure_matmul_gflops(
+    dtype_name: str = "float32", threads: int = 2, sizes=(2048, 3072, 4096), reps: int = 3
+) -> dict:
     """torch.mm on square matrices: the best wall-clock rate (lowered when other processes share the
     cores) and the best rate per CPU-second times ``threads`` (what the cores give when not shared)."""
     import torch
@@ -165,8 +167,12 @@ def measure_matmul_gflops(dtype_name: str = "float32", threads: int = 2, sizes=(
             best_cpu = min(best_cpu, time.process_time() - start_cpu)
         wall[n] = 2 * n**3 / best_wall / 1e9
         cpu[n] = 2 * n**3 / best_cpu / 1e9 * threads
-    return {"wall_per_size": wall, "cpu_per_size": cpu, "wall_best": max(wall.values()),
-            "best": max(max(wall.values()), max(cpu.values()))}
+    return {
+        "wall_per_size": wall,
+        "cpu_per_size": cpu,
+        "wall_best": max(wall.values()),
+        "best": max(max(wall.values()), max(cpu.values())),
+    }
 
 
 def _drop_from_page_cache(path: Path) -> None:
@@ -207,10 +213,22 @@ def measure_read_rate(megabytes: int = 400, folder: str | None = None) -> dict:
 def environment(threads: int) -> dict:
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"torch": torch.__version__, "threads": threads, "cpu": cpu, "cores": os.cpu_count(),
-            "python": platform.python_version(), "load_average": os.getloadavg()}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "torch": torch.__version__,
+        "threads": threads,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_average": os.getloadavg(),
+    }
 
 
 def floor_seconds(work: dict, f32_gflops: float, f64_gflops: float, read_gbps: float) -> dict:
@@ -220,8 +238,7 @@ def floor_seconds(work: dict, f32_gflops: float, f64_gflops: float, read_gbps: f
     f32 = work["total_flops"] - f64
     compute = f32 / (f32_gflops * 1e9) + f64 / (f64_gflops * 1e9)
     read = work["read_bytes"] / (read_gbps * 1e9)
-    return {"compute_s": compute, "read_s": read, "floor_s": compute + read,
-            "float32_flops": f32, "float64_flops": f64}
+    return {"compute_s": compute, "read_s": read, "floor_s": compute + read, "float32_flops": f32, "float64_flops": f64}
 
 
 def main() -> None:
@@ -234,31 +251,46 @@ def main() -> None:
     args = parser.parse_args()
 
     shape = ViTShape()
-    works = {"specified": count_work(shape, args.tasks, args.images),
-             "engine": count_work(shape, args.tasks, args.images, engine=True)}
+    works = {
+        "specified": count_work(shape, args.tasks, args.images),
+        "engine": count_work(shape, args.tasks, args.images, engine=True),
+    }
     f32 = measure_matmul_gflops("float32", args.threads)
     f64 = measure_matmul_gflops("float64", args.threads)
     read = measure_read_rate(args.read_mb)
     floors = {k: floor_seconds(w, f32["best"], f64["best"], read["cold_GBps"]) for k, w in works.items()}
-    result = {"shape": asdict(shape) | {"tokens": shape.tokens, "params": shape.params()},
-              "tasks": args.tasks, "images": args.images, "work": works,
-              "matmul_gflops": {"float32": f32, "float64": f64}, "read": read, "floor": floors,
-              "environment": environment(args.threads)}
+    result = {
+        "shape": asdict(shape) | {"tokens": shape.tokens, "params": shape.params()},
+        "tasks": args.tasks,
+        "images": args.images,
+        "work": works,
+        "matmul_gflops": {"float32": f32, "float64": f64},
+        "read": read,
+        "floor": floors,
+        "environment": environment(args.threads),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 
     print(f"ViT-B/32 shape: {shape.tokens} tokens/image, {shape.params() / 1e6:.1f} M parameters")
-    print(f"rates: float32 {f32['best']:.1f} GFLOP/s (wall-clock {f32['wall_best']:.1f}), float64 {f64['best']:.1f} "
-          f"GFLOP/s (wall-clock {f64['wall_best']:.1f}), "
-          f"read cold {read['cold_GBps']:.2f} GB/s, warm {read['warm_GBps']:.2f} GB/s ({args.threads} threads)")
+    print(
+        f"rates: float32 {f32['best']:.1f} GFLOP/s (wall-clock {f32['wall_best']:.1f}), float64 {f64['best']:.1f} "
+        f"GFLOP/s (wall-clock {f64['wall_best']:.1f}), "
+        f"read cold {read['cold_GBps']:.2f} GB/s, warm {read['warm_GBps']:.2f} GB/s ({args.threads} threads)"
+    )
     for name, work in works.items():
         per, floor = work["per_image_flops"], floors[name]
-        print(f"[{name}] GFLOP per task-image: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in per.items())
-              + f"; total {sum(per.values()) / 1e9:.2f}")
-        print(f"[{name}] {args.tasks} tasks × {args.images} images: {work['total_flops'] / 1e12:.1f} TFLOP "
-              f"(task folds {work['flops']['task_folds'] / 1e12:.2f}, solves {work['flops']['solves'] / 1e12:.2f}), "
-              f"{work['read_bytes'] / 1e9:.2f} GB to read; floor {floor['floor_s']:.0f} s "
-              f"(compute {floor['compute_s']:.0f} s, read {floor['read_s']:.1f} s)")
+        print(
+            f"[{name}] GFLOP per task-image: "
+            + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in per.items())
+            + f"; total {sum(per.values()) / 1e9:.2f}"
+        )
+        print(
+            f"[{name}] {args.tasks} tasks × {args.images} images: {work['total_flops'] / 1e12:.1f} TFLOP "
+            f"(task folds {work['flops']['task_folds'] / 1e12:.2f}, solves {work['flops']['solves'] / 1e12:.2f}), "
+            f"{work['read_bytes'] / 1e9:.2f} GB to read; floor {floor['floor_s']:.0f} s "
+            f"(compute {floor['compute_s']:.0f} s, read {floor['read_s']:.1f} s)"
+        )
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 

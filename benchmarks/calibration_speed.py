@@ -39,7 +39,8 @@ def build_models(workdir: Path, tasks: int, seed: int = 0) -> None:
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
     if (workdir / "merged" / "config.json").is_file() and all(
-            (workdir / "experts" / f"t{i}" / "config.json").is_file() for i in range(tasks)):
+        (workdir / "experts" / f"t{i}" / "config.json").is_file() for i in range(tasks)
+    ):
         return
     torch.manual_seed(seed)
     model = CLIPVisionModel(CLIPVisionConfig()).eval()
@@ -50,8 +51,11 @@ def build_models(workdir: Path, tasks: int, seed: int = 0) -> None:
     for i in range(tasks):
         for key, value in model.state_dict().items():
             if value.is_floating_point():
-                tau = TASK_VECTOR_SCALE * base[key].std().nan_to_num(0.02).clamp_min(0.02) * torch.randn(
-                    value.shape, generator=generator)
+                tau = (
+                    TASK_VECTOR_SCALE
+                    * base[key].std().nan_to_num(0.02).clamp_min(0.02)
+                    * torch.randn(value.shape, generator=generator)
+                )
                 value.copy_(base[key] + tau)
                 merged[key] += 0.3 * tau
         model.save_pretrained(workdir / "experts" / f"t{i}")
@@ -76,8 +80,9 @@ def _images(task_index: int, images: int, image_size: int):
     return torch.randn(images, 3, image_size, image_size, generator=generator)
 
 
-def run_point(workdir: Path, tasks: int, images: int, batch_size: int, reference: bool, save: Path | None,
-              device: str = "cpu") -> dict:
+def run_point(
+    workdir: Path, tasks: int, images: int, batch_size: int, reference: bool, save: Path | None, device: str = "cpu"
+) -> dict:
     """One calibration in this process; returns its time and memory, and saves the weights if asked."""
     import torch
     from transformers import CLIPVisionModel
@@ -101,8 +106,15 @@ def run_point(workdir: Path, tasks: int, images: int, batch_size: int, reference
         params = FeatCalParams(num_calibration_examples=images, calibration_batch_size=batch_size)
         base = Checkpoint(workdir / "base")
         experts = {n: Checkpoint(workdir / "experts" / n) for n in names}
-        out = featcal_calibrate(merged, base, experts, lambda name: _images(names.index(name), images, size),
-                                params, device=device, progress=False)
+        out = featcal_calibrate(
+            merged,
+            base,
+            experts,
+            lambda name: _images(names.index(name), images, size),
+            params,
+            device=device,
+            progress=False,
+        )
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
@@ -113,8 +125,13 @@ def run_point(workdir: Path, tasks: int, images: int, batch_size: int, reference
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in out.state_dict().items()}, str(save))
-    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "memory_before": before, "memory": memory,
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "memory_before": before,
+        "memory": memory,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def max_update_error(ours: Path, reference: Path, merged: Path) -> dict:
@@ -144,13 +161,24 @@ def _probe_gflops() -> float:
     return 2 * 2048**3 / best / 1e9
 
 
-def _spawn(args: argparse.Namespace, tasks: int, images: int, reference: bool, save: Path | None,
-           engine_root: Path | None) -> dict:
+def _spawn(
+    args: argparse.Namespace, tasks: int, images: int, reference: bool, save: Path | None, engine_root: Path | None
+) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     if engine_root:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(engine_root), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", f"{tasks}x{images}",
-           "--workdir", str(args.workdir), "--batch-size", str(args.batch_size), "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        f"{tasks}x{images}",
+        "--workdir",
+        str(args.workdir),
+        "--batch-size",
+        str(args.batch_size),
+        "--threads",
+        str(args.threads),
+    ]
     cmd += ["--reference"] if reference else ["--device", args.device]
     cmd += ["--save", str(save)] if save else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -162,16 +190,20 @@ def _spawn(args: argparse.Namespace, tasks: int, images: int, reference: bool, s
 def _row(point: dict) -> str:
     gib = 2**30
     agree = point.get("agreement")
-    return (f"| {point['implementation']} | {point['tasks']} | {point['images']} | {point['batch_size']} | "
-            f"{point['seconds']:.1f} | {point['cpu_seconds']:.0f} | {point['seconds_per_task_image']:.3f} | "
-            f"{point['gflops']:.0f} | {point['probe_gflops']:.0f} | {point['memory']['VmHWM'] / gib:.2f} | "
-            f"{point['memory']['RssFile'] / gib:.2f} | {'' if agree is None else f'{agree:.1e}'} |")
+    return (
+        f"| {point['implementation']} | {point['tasks']} | {point['images']} | {point['batch_size']} | "
+        f"{point['seconds']:.1f} | {point['cpu_seconds']:.0f} | {point['seconds_per_task_image']:.3f} | "
+        f"{point['gflops']:.0f} | {point['probe_gflops']:.0f} | {point['memory']['VmHWM'] / gib:.2f} | "
+        f"{point['memory']['RssFile'] / gib:.2f} | {'' if agree is None else f'{agree:.1e}'} |"
+    )
 
 
 def table(points: list[dict]) -> str:
-    head = ("| implementation | tasks | images | batch | time (s) | CPU (s) | s / task-image | effective GFLOP/s "
-            "| probe GFLOP/s | peak RSS (GiB) | file-backed RSS at end (GiB) | max update error vs plain |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    head = (
+        "| implementation | tasks | images | batch | time (s) | CPU (s) | s / task-image | effective GFLOP/s "
+        "| probe GFLOP/s | peak RSS (GiB) | file-backed RSS at end (GiB) | max update error vs plain |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
     return "\n".join([head, *map(_row, points)])
 
 
@@ -186,25 +218,40 @@ def fit(points: list[dict], implementation: str, key: str = "seconds") -> dict |
     y = np.array([p[key] for p in rows])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     residual = y - x @ coef
-    return {"constant_s": coef[0], "per_task_s": coef[1], "per_task_image_s": coef[2],
-            "max_relative_residual": float(np.max(np.abs(residual) / y))}
+    return {
+        "constant_s": coef[0],
+        "per_task_s": coef[1],
+        "per_task_image_s": coef[2],
+        "max_relative_residual": float(np.max(np.abs(residual) / y)),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, metavar="TxN",
-                        help=f"tasks x images per task (default {' '.join(DEFAULT_POINTS)})")
+    parser.add_argument(
+        "--points",
+        nargs="+",
+        default=DEFAULT_POINTS,
+        metavar="TxN",
+        help=f"tasks x images per task (default {' '.join(DEFAULT_POINTS)})",
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="calibration_batch_size (default 16)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="where featcal computes, e.g. cuda (default cpu)")
-    parser.add_argument("--reference", action="store_true",
-                        help="also run the plain implementation (tests/reference_featcal.py) at each point "
-                             "and report the largest difference of the weights")
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="also run the plain implementation (tests/reference_featcal.py) at each point "
+        "and report the largest difference of the weights",
+    )
     parser.add_argument("--engine-root", type=Path, help="a folder holding another `featcal` package to measure")
     parser.add_argument("--label", default="featcal", help="implementation name in the results")
-    parser.add_argument("--baseline-root", type=Path,
-                        help="a folder holding another `featcal` package, run at each point just before this one "
-                             "(same machine load for both)")
+    parser.add_argument(
+        "--baseline-root",
+        type=Path,
+        help="a folder holding another `featcal` package, run at each point just before this one "
+        "(same machine load for both)",
+    )
     parser.add_argument("--baseline-label", default="baseline", help="its name in the results")
     parser.add_argument("--workdir", type=Path, help="where the models live (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=RESULTS / "calibration_speed.json")
@@ -217,8 +264,9 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         tasks, images = map(int, args.child.split("x"))
-        print(json.dumps(run_point(args.workdir, tasks, images, args.batch_size, args.reference, args.save,
-                                   args.device)))
+        print(
+            json.dumps(run_point(args.workdir, tasks, images, args.batch_size, args.reference, args.save, args.device))
+        )
         return
 
     grid = [tuple(map(int, p.split("x"))) for p in args.points]
@@ -237,11 +285,18 @@ def main() -> None:
                 saved[reference] = Path(tmp) / f"out-{reference}.safetensors" if args.reference else None
                 result = _spawn(args, tasks, images, reference, saved[reference], root)
                 flops = count_work(shape, tasks, images)["total_flops"]  # the specified work, whoever runs it
-                point = {"implementation": implementation, "tasks": tasks, "images": images,
-                         "batch_size": args.batch_size, "device": "cpu" if reference else args.device, **result,
-                         "seconds_per_task_image": result["seconds"] / (tasks * images),
-                         "gflops": flops / result["seconds"] / 1e9, "probe_gflops": probe,
-                         "load_average_before": load}
+                point = {
+                    "implementation": implementation,
+                    "tasks": tasks,
+                    "images": images,
+                    "batch_size": args.batch_size,
+                    "device": "cpu" if reference else args.device,
+                    **result,
+                    "seconds_per_task_image": result["seconds"] / (tasks * images),
+                    "gflops": flops / result["seconds"] / 1e9,
+                    "probe_gflops": probe,
+                    "load_average_before": load,
+                }
                 if args.reference and not reference:
                     agreement = max_update_error(saved[False], saved[True], args.workdir / "merged")
                     point["agreement"], point["agreement_tensor"] = agreement["max"], agreement["tensor"]
@@ -249,16 +304,23 @@ def main() -> None:
                 print(_row(point), flush=True)
     labels = list(dict.fromkeys(p["implementation"] for p in points))
     fits = {f"{label} {key}": fit(points, label, key) for label in labels for key in ("seconds", "cpu_seconds")}
-    report = {"environment": environment(args.threads), "shape": "ViT-B/32 (CLIPVisionConfig defaults)",
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "fits": fits, "points": points}
+    report = {
+        "environment": environment(args.threads),
+        "shape": "ViT-B/32 (CLIPVisionConfig defaults)",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "fits": fits,
+        "points": points,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(table(points) + "\n")
     print(table(points))
     for name, f in fits.items():
         if f:
-            print(f"{name} ≈ {f['constant_s']:.1f} s + {f['per_task_s']:.2f} s·tasks + {f['per_task_image_s']:.3f} "
-                  f"s·tasks·images (largest residual {100 * f['max_relative_residual']:.0f}%)")
+            print(
+                f"{name} ≈ {f['constant_s']:.1f} s + {f['per_task_s']:.2f} s·tasks + {f['per_task_image_s']:.3f} "
+                f"s·tasks·images (largest residual {100 * f['max_relative_residual']:.0f}%)"
+            )
 
 
 if __name__ == "__main__":

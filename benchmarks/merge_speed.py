@@ -212,8 +212,9 @@ def main() -> None:
         print(json.dumps(run_one(args.run_one, args.workdir, args.params, args.threads)))
         return
 
-    from featcal.merging import available_methods
     import torch
+
+    from featcal.merging import available_methods
 
     methods = args.methods or available_methods()
     command = "python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]])
@@ -235,8 +236,16 @@ def main() -> None:
         results["shape"] = build_models(workdir, args.experts, args.layers)
         print(f"built base + {args.experts} experts in {time.perf_counter() - start:.0f} s", file=sys.stderr)
         for label, method, params in runs(methods, args.wudi_iterations):
-            child = [sys.executable, __file__, "--run-one", method, "--workdir", str(workdir),
-                     "--params", json.dumps(params)]
+            child = [
+                sys.executable,
+                __file__,
+                "--run-one",
+                method,
+                "--workdir",
+                str(workdir),
+                "--params",
+                json.dumps(params),
+            ]
             if args.threads:
                 child += ["--threads", str(args.threads)]
             out = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True).stdout

@@ -35,22 +35,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i, method in enumerate(args.methods):
             base_config = demo_run_config(zoo, Path(tmp) / method, progress=False)
-            config = dataclasses.replace(base_config, merge_method=method, merge_params={},
-                                         eval_zero_shot=i == 0, eval_experts=i == 0)
+            config = dataclasses.replace(
+                base_config, merge_method=method, merge_params={}, eval_zero_shot=i == 0, eval_experts=i == 0
+            )
             start = time.perf_counter()
             results = run_pipeline(config)
             timings = json.loads((Path(tmp) / method / "timings.json").read_text())
             name = stage_dir_name(method)
-            rows[method] = {"merged": results[name], "featcal": results[f"featcal-{name}"],
-                            "params": get_method(method).resolved_params(), "timings": timings,
-                            "wall_s": time.perf_counter() - start}
+            rows[method] = {
+                "merged": results[name],
+                "featcal": results[f"featcal-{name}"],
+                "params": get_method(method).resolved_params(),
+                "timings": timings,
+                "wall_s": time.perf_counter() - start,
+            }
             if i == 0:
                 rows["_zero_shot"], rows["_experts"] = results["zero-shot"], results["experts"]
-            print(f"{method}: {100 * results[name]['average']['accuracy']:.2f} → "
-                  f"{100 * results[f'featcal-{name}']['average']['accuracy']:.2f}", flush=True)
+            print(
+                f"{method}: {100 * results[name]['average']['accuracy']:.2f} → "
+                f"{100 * results[f'featcal-{name}']['average']['accuracy']:.2f}",
+                flush=True,
+            )
     tasks = [k for k in rows["_experts"] if k not in {"average", "run_id", "model_info"}]
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-           "zoo": str(zoo)}
+    env = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "zoo": str(zoo),
+    }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps({"environment": env, "tasks": tasks, "rows": rows}, indent=1))
     acc = lambda report, t: f"{100 * report[t]['accuracy']:.1f}"  # noqa: E731

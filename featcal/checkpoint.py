@@ -61,7 +61,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         for key, i in raw.items():
             if has_prefix:
                 if key.startswith(VISION_PREFIX):
-                    self._where[key[len(VISION_PREFIX):]] = (i, key)
+                    self._where[key[len(VISION_PREFIX) :]] = (i, key)
             else:
                 self._where[key] = (i, key)
         if not self._where:

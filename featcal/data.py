@@ -65,13 +65,14 @@ def calibration_pixels(task: Task, processor: ImageProcessor, n: int, seed: int,
     """The calibration images of a task, from its train split only, as pixel tensors."""
     ds = load_task_split(task, "train")
     if n > len(ds):
-        logger.warning("Task %s: asked for %d calibration images, the train split has %d; using all.",
-                       task.name, n, len(ds))
+        logger.warning(
+            "Task %s: asked for %d calibration images, the train split has %d; using all.", task.name, n, len(ds)
+        )
     rows = calibration_indices(len(ds), n, seed)
     column = task.dataset.image_column
     chunks = []
     for start in range(0, len(rows), batch_size):
-        batch = ds.select(rows[start:start + batch_size])[column]
+        batch = ds.select(rows[start : start + batch_size])[column]
         chunks.append(pixel_values(processor, batch))
     return torch.cat(chunks)
 
@@ -93,12 +94,12 @@ class LabelledImages(Dataset):
         return pixel_values(self.processor, [row[self.image_column]])[0], int(row[self.label_column])
 
 
-def evaluation_loader(task: Task, processor: ImageProcessor, *, batch_size: int, num_workers: int,
-                      max_samples: int | None = None) -> DataLoader:
+def evaluation_loader(
+    task: Task, processor: ImageProcessor, *, batch_size: int, num_workers: int, max_samples: int | None = None
+) -> DataLoader:
     """Batches of the task's test split, in order (the first ``max_samples`` rows if given)."""
     ds = load_task_split(task, "test")
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
     wrapped = LabelledImages(ds, processor, task.dataset.image_column, task.dataset.label_column)
-    return DataLoader(wrapped, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                      persistent_workers=False)
+    return DataLoader(wrapped, batch_size=batch_size, shuffle=False, num_workers=num_workers, persistent_workers=False)

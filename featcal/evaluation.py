@@ -21,8 +21,11 @@ def count_parameters(model: nn.Module) -> dict[str, float | int]:
     """Parameter counts in the reference run's ``model_info`` format."""
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"trainable_params": trainable, "all_params": total,
-            "trainable_percentage": trainable / total if total else 0.0}
+    return {
+        "trainable_params": trainable,
+        "all_params": total,
+        "trainable_percentage": trainable / total if total else 0.0,
+    }
 
 
 def load_base_clip(folder: str | Path, device: torch.device | str = "cpu"):
@@ -48,8 +51,9 @@ def load_image_processor(folder: str | Path):
 class ZeroShotClassifier:
     """Zero-shot heads of one base CLIP model, applied to any vision tower of the same family."""
 
-    def __init__(self, clip_model: nn.Module, tokenizer, device: torch.device | str = "cpu",
-                 text_batch_size: int = 256) -> None:
+    def __init__(
+        self, clip_model: nn.Module, tokenizer, device: torch.device | str = "cpu", text_batch_size: int = 256
+    ) -> None:
         self.clip = clip_model
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -61,9 +65,12 @@ class ZeroShotClassifier:
         """L2-normalised projected text embeddings."""
         out = []
         for start in range(0, len(texts), self.text_batch_size):
-            batch = self.tokenizer(list(texts[start:start + self.text_batch_size]), padding=True,
-                                   truncation=True, return_tensors="pt").to(self.device)
-            pooled = self.clip.text_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).pooler_output
+            batch = self.tokenizer(
+                list(texts[start : start + self.text_batch_size]), padding=True, truncation=True, return_tensors="pt"
+            ).to(self.device)
+            pooled = self.clip.text_model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).pooler_output
             out.append(F.normalize(self.clip.text_projection(pooled), dim=-1))
         return torch.cat(out)
 
@@ -85,9 +92,20 @@ class ZeroShotClassifier:
         return self.clip.logit_scale.exp() * self.image_embeddings(vision_model, pixel_values) @ self.head(task).T
 
     @torch.no_grad()
-    def evaluate_task(self, vision_model: nn.Module, task: Task, processor, *, batch_size: int = 256,
-                      num_workers: int = 0, max_samples: int | None = None, progress: bool = True) -> dict[str, float]:
-        loader = evaluation_loader(task, processor, batch_size=batch_size, num_workers=num_workers, max_samples=max_samples)
+    def evaluate_task(
+        self,
+        vision_model: nn.Module,
+        task: Task,
+        processor,
+        *,
+        batch_size: int = 256,
+        num_workers: int = 0,
+        max_samples: int | None = None,
+        progress: bool = True,
+    ) -> dict[str, float]:
+        loader = evaluation_loader(
+            task, processor, batch_size=batch_size, num_workers=num_workers, max_samples=max_samples
+        )
         correct, seen, loss_sum = 0, 0, 0.0
         for pixels, labels in tqdm(loader, desc=f"Evaluating {task.name}", leave=False, disable=not progress):
             labels = labels.to(self.device)
@@ -95,21 +113,39 @@ class ZeroShotClassifier:
             if int(labels.max()) >= logits.shape[1] or int(labels.min()) < 0:
                 from featcal.errors import FeatcalError
 
-                raise FeatcalError(f"Task {task.name!r}: labels run to {int(labels.max())} but the task has "
-                                   f"{logits.shape[1]} class names; fix 'classnames' in the tasks file.")
+                raise FeatcalError(
+                    f"Task {task.name!r}: labels run to {int(labels.max())} but the task has "
+                    f"{logits.shape[1]} class names; fix 'classnames' in the tasks file."
+                )
             loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
             correct += int((logits.argmax(-1) == labels).sum())
             seen += int(labels.numel())
         return {"accuracy": correct / seen, "loss": loss_sum / seen, "num_samples": seen}
 
-    def evaluate(self, vision_model: nn.Module, tasks: Sequence[Task], processor, *, batch_size: int = 256,
-                 num_workers: int = 0, max_samples: int | None = None, progress: bool = True) -> dict:
+    def evaluate(
+        self,
+        vision_model: nn.Module,
+        tasks: Sequence[Task],
+        processor,
+        *,
+        batch_size: int = 256,
+        num_workers: int = 0,
+        max_samples: int | None = None,
+        progress: bool = True,
+    ) -> dict:
         """The report the reference run writes as metrics.json: per task, average, model_info."""
         vision_model = vision_model.to(self.device).eval()
         report: dict = {"model_info": count_parameters(vision_model)}
         for task in tqdm(tasks, desc="Evaluating tasks", disable=not progress):
-            report[task.name] = self.evaluate_task(vision_model, task, processor, batch_size=batch_size,
-                                                   num_workers=num_workers, max_samples=max_samples, progress=progress)
+            report[task.name] = self.evaluate_task(
+                vision_model,
+                task,
+                processor,
+                batch_size=batch_size,
+                num_workers=num_workers,
+                max_samples=max_samples,
+                progress=progress,
+            )
             logger.info("%s: accuracy %.4f", task.name, report[task.name]["accuracy"])
         accs = [report[t.name]["accuracy"] for t in tasks]
         losses = [report[t.name]["loss"] for t in tasks]

@@ -56,7 +56,10 @@ def resolve_model_folder(ref: str, *, what: str = "model", cache_dir: str | Path
         raise FeatcalError(f"The {what} folder {ref} does not exist.")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
-        HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
     )
 
     offline = is_offline() or not hub_reachable()
@@ -65,7 +68,9 @@ def resolve_model_folder(ref: str, *, what: str = "model", cache_dir: str | Path
             ref, allow_patterns=MODEL_FILE_PATTERNS, cache_dir=cache_dir, local_files_only=offline
         )
     except HFValidationError:
-        raise FeatcalError(f"The {what} {ref!r} is neither an existing folder nor a Hub id ('namespace/name').") from None
+        raise FeatcalError(
+            f"The {what} {ref!r} is neither an existing folder nor a Hub id ('namespace/name')."
+        ) from None
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if is_offline() else "the Hub cannot be reached"
         raise FeatcalError(f"Cannot load {what} {ref!r}: {why} and it is not in the cache. {OFFLINE_HINT}") from None
@@ -89,7 +94,9 @@ def load_dataset_split(path: str, split: str, *, name: str | None = None, task: 
     if not local.exists() and (is_offline() or not hub_reachable()):
         # datasets can still serve a cached copy when HF_HUB_OFFLINE=1 is set.
         if not is_offline():
-            raise FeatcalError(f"Task {task!r}: cannot load dataset {path!r}: the Hub cannot be reached. {OFFLINE_HINT}")
+            raise FeatcalError(
+                f"Task {task!r}: cannot load dataset {path!r}: the Hub cannot be reached. {OFFLINE_HINT}"
+            )
     try:
         return datasets.load_dataset(str(local) if local.exists() else path, name, split=split)
     except ValueError as exc:

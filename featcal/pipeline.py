@@ -73,8 +73,11 @@ class RunConfig:
             "tasks": [t.name for t in setup.tasks],
             "tasks_table": {t.name: t.to_dict() for t in setup.tasks},
             "seed": self.seed,
-            "merge": {"method": self.merge_method, "params": setup.merge_params,
-                      "from": self.ta_model_path if self.skip_ta else None},
+            "merge": {
+                "method": self.merge_method,
+                "params": setup.merge_params,
+                "from": self.ta_model_path if self.skip_ta else None,
+            },
             "featcal": None if self.skip_featcal else self.featcal.to_dict(),
             "evaluation": {"max_eval_samples": self.max_eval_samples},
         }
@@ -145,7 +148,9 @@ def resolve_setup(config: RunConfig, *, need_experts: bool = True) -> Setup:
     if need_experts:
         for task in tasks:
             refs[task.name] = expert_ref(task, config.expert_model_format, table.expert_model_pattern)
-            folder = resolve_model_folder(refs[task.name], what=f"expert for task {task.name!r}", cache_dir=config.cache_dir)
+            folder = resolve_model_folder(
+                refs[task.name], what=f"expert for task {task.name!r}", cache_dir=config.cache_dir
+            )
             experts[task.name] = Checkpoint(folder, name=refs[task.name])
         check_compatible(base, experts)
     method = get_method(config.merge_method)
@@ -189,19 +194,34 @@ def load_vision_folder(path: str | Path):
 
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise FeatcalError(f"{folder} is not a model folder (no config.json); pass a folder written by `featcal merge` or `save_pretrained`.")
+        raise FeatcalError(
+            f"{folder} is not a model folder (no config.json); "
+            "pass a folder written by `featcal merge` or `save_pretrained`."
+        )
     Checkpoint(folder)  # raises a clear error for missing or pickle-only weights
     return CLIPVisionModel.from_pretrained(str(folder), use_safetensors=True).eval()
 
 
-def calibrate(setup: Setup, merged_model, params: FeatCalParams, *, seed: int, device: torch.device,
-              processor, progress: bool = True):
+def calibrate(
+    setup: Setup,
+    merged_model,
+    params: FeatCalParams,
+    *,
+    seed: int,
+    device: torch.device,
+    processor,
+    progress: bool = True,
+):
     """The FeatCal-calibrated copy of ``merged_model``."""
     by_name = {t.name: t for t in setup.tasks}
     model = featcal_calibrate(
-        merged_model, setup.base, setup.experts,
+        merged_model,
+        setup.base,
+        setup.experts,
         lambda name: calibration_pixels(by_name[name], processor, params.num_calibration_examples, seed),
-        params, device=device, progress=progress,
+        params,
+        device=device,
+        progress=progress,
     )
     check_finite(model.state_dict(), "FeatCal")
     return model
@@ -232,8 +252,12 @@ def run_pipeline(config: RunConfig) -> dict[str, dict]:
     atomic_write_json(out / "run_config.json", {**recipe, "run_id": run_id})
     clip, tokenizer, processor = load_base_clip(setup.base_folder, device)
     classifier = ZeroShotClassifier(clip, tokenizer, device)
-    eval_kwargs = dict(batch_size=config.eval_batch_size, num_workers=config.eval_num_workers,
-                       max_samples=config.max_eval_samples, progress=config.progress)
+    eval_kwargs = dict(
+        batch_size=config.eval_batch_size,
+        num_workers=config.eval_num_workers,
+        max_samples=config.max_eval_samples,
+        progress=config.progress,
+    )
     results: dict[str, dict] = {}
 
     if config.eval_zero_shot:
@@ -244,7 +268,9 @@ def run_pipeline(config: RunConfig) -> dict[str, dict]:
         for task in setup.tasks:
             expert = build_vision_model(setup, setup.experts[task.name])
             report[task.name] = classifier.evaluate_task(expert, task, processor, **eval_kwargs)
-        report["average"] = {k: sum(report[t.name][k] for t in setup.tasks) / len(setup.tasks) for k in ("accuracy", "loss")}
+        report["average"] = {
+            k: sum(report[t.name][k] for t in setup.tasks) / len(setup.tasks) for k in ("accuracy", "loss")
+        }
         results["experts"] = report
         _write_report(out / "experts", report, run_id)
 
@@ -263,8 +289,15 @@ def run_pipeline(config: RunConfig) -> dict[str, dict]:
 
     if not config.skip_featcal:
         start = time.perf_counter()
-        calibrated = calibrate(setup, merged_model, config.featcal, seed=config.seed, device=device,
-                               processor=processor, progress=config.progress)
+        calibrated = calibrate(
+            setup,
+            merged_model,
+            config.featcal,
+            seed=config.seed,
+            device=device,
+            processor=processor,
+            progress=config.progress,
+        )
         timings["calibrate_s"] = time.perf_counter() - start
         cal_name = f"featcal-{merge_name}"
         save_vision_model(calibrated.state_dict(), setup.vision_config, out / cal_name)

@@ -32,7 +32,10 @@ def load_recipe(path: str | Path, options: Mapping[str, Any]) -> dict[str, Any]:
         if key not in options:
             raise FeatcalError(f"Recipe {path}: unknown option {raw_key!r}; use the names of `featcal run --help`.")
         if key == "merge_param" and isinstance(value, Mapping):
-            value = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}" for k, v in value.items()]
+            value = [
+                f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+                for k, v in value.items()
+            ]
         if key == "tasks" and isinstance(value, str):
             value = [value]
         values[key] = value

@@ -175,7 +175,9 @@ def load_task_file(path: str | Path) -> TaskTable:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise FeatcalError(f"Tasks file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+        raise FeatcalError(
+            f"Tasks file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}"
+        ) from None
     return parse_task_table(data, root=path.parent.resolve(), source=str(path))
 
 

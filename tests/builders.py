@@ -13,7 +13,9 @@ FIXTURE = Path(__file__).parent / "fixtures" / "tiny-clip-3task"
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     codes, extra = printable[:], 0
     for b in range(256):
         if b not in printable:
@@ -39,11 +41,25 @@ def tiny_clip_config():
     from transformers import CLIPConfig
 
     return CLIPConfig(
-        text_config=dict(vocab_size=514, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=512,
-                         eos_token_id=513, pad_token_id=513),
-        vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=32, patch_size=8),
+        text_config=dict(
+            vocab_size=514,
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            bos_token_id=512,
+            eos_token_id=513,
+            pad_token_id=513,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+        ),
         projection_dim=32,
     )
 
@@ -66,17 +82,30 @@ def save_expert(base_model, folder: Path, seed: int, scale: float = 0.05):
 
     generator = torch.Generator().manual_seed(seed)
     expert = CLIPVisionModel(base_model.config.vision_config)
-    state = {k: v + scale * v.std().nan_to_num(0.02).clamp_min(0.02) * torch.randn(v.shape, generator=generator)
-             if v.is_floating_point() else v for k, v in base_model.vision_model.state_dict().items()}
+    state = {
+        k: v + scale * v.std().nan_to_num(0.02).clamp_min(0.02) * torch.randn(v.shape, generator=generator)
+        if v.is_floating_point()
+        else v
+        for k, v in base_model.vision_model.state_dict().items()
+    }
     expert.load_state_dict(state)
     expert.save_pretrained(folder)
     return expert
 
 
-def save_dataset(folder: Path, classes: list[str], *, train: int, test: int, seed: int,
-                 image_column: str = "image", label_column: str = "label") -> None:
+def save_dataset(
+    folder: Path,
+    classes: list[str],
+    *,
+    train: int,
+    test: int,
+    seed: int,
+    image_column: str = "image",
+    label_column: str = "label",
+) -> None:
     """A parquet dataset repo (data/{split}-00000-of-00001.parquet) of random class-tinted images."""
-    from datasets import ClassLabel, Dataset, Features, Image as ImageFeature
+    from datasets import ClassLabel, Dataset, Features
+    from datasets import Image as ImageFeature
 
     rng = np.random.default_rng(seed)
     features = Features({image_column: ImageFeature(), label_column: ClassLabel(names=classes)})
@@ -89,11 +118,20 @@ def save_dataset(folder: Path, classes: list[str], *, train: int, test: int, see
             pixels = np.clip(rng.normal(tint, 60, size=(32, 32, 3)), 0, 255).astype(np.uint8)
             images.append(Image.fromarray(pixels))
         Dataset.from_dict({image_column: images, label_column: labels}, features=features).to_parquet(
-            str(folder / "data" / f"{split}-00000-of-00001.parquet"))
+            str(folder / "data" / f"{split}-00000-of-00001.parquet")
+        )
 
 
-def build_world(root: Path, *, tasks: int = 2, classes: int = 3, train: int = 12, test: int = 6,
-                seed: int = 0, expert_scale: float = 0.05) -> dict:
+def build_world(
+    root: Path,
+    *,
+    tasks: int = 2,
+    classes: int = 3,
+    train: int = 12,
+    test: int = 6,
+    seed: int = 0,
+    expert_scale: float = 0.05,
+) -> dict:
     """A base, one expert and one dataset per task, and a tasks file naming them by relative path."""
     base = save_base(root / "base", seed)
     table = {}
@@ -102,8 +140,12 @@ def build_world(root: Path, *, tasks: int = 2, classes: int = 3, train: int = 12
         names = [f"kind{i}x{c}" for c in range(classes)]
         save_expert(base, root / "experts" / name, seed=seed + 100 + i, scale=expert_scale)
         save_dataset(root / "data" / name, names, train=train, test=test, seed=seed + 200 + i)
-        table[name] = {"dataset": {"path": f"data/{name}"}, "expert": f"experts/{name}",
-                       "classnames": names, "templates": ["a photo of a {}.", "a picture of {}."]}
+        table[name] = {
+            "dataset": {"path": f"data/{name}"},
+            "expert": f"experts/{name}",
+            "classnames": names,
+            "templates": ["a photo of a {}.", "a picture of {}."],
+        }
     tasks_file = root / "tasks.json"
     tasks_file.write_text(json.dumps({"base_model": "base", "tasks": table}, indent=1))
     return {"root": root, "tasks_file": tasks_file, "base": root / "base", "tasks": list(table)}

@@ -16,7 +16,9 @@ def _inputs(layer: nn.Module, hidden: torch.Tensor) -> tuple[dict[str, torch.Ten
     seen, handles = {}, []
     for name, module in layer.named_modules():
         if isinstance(module, (nn.Linear, nn.LayerNorm)):
-            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: seen.__setitem__(n, a[0].detach().clone())))
+            handles.append(
+                module.register_forward_pre_hook(lambda m, a, n=name: seen.__setitem__(n, a[0].detach().clone()))
+            )
     out = layer(hidden, None)
     for h in handles:
         h.remove()

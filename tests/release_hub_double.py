@@ -199,7 +199,7 @@ class HubDouble:
             prefix = "/".join(rest[2:])
             entries = [b.tree_entry(p) for p, b in sorted(files.items()) if p.startswith(prefix)]
             if query.get("recursive", "False").lower() != "true":
-                entries = [e for e in entries if "/" not in e["path"][len(prefix):].lstrip("/")]
+                entries = [e for e in entries if "/" not in e["path"][len(prefix) :].lstrip("/")]
             return 200, entries, {}
         account = self._account(headers)
         repo = self._repo(repo_id, account)

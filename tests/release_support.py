@@ -141,6 +141,7 @@ def make_ta8_run(root: Path) -> Path:
     (run / "featcal-ta" / "metrics.json").write_text(
         json.dumps(metrics({t: r["task_arithmetic_featcal"] for t, r in refs.items()}, run_id))
     )
-    (run / "timings.json").write_text(json.dumps({"merge_s": 4.1, "eval_ta_s": 305.0, "calibrate_s": 53.0,
-                                                  "eval_featcal-ta_s": 305.2}))
+    (run / "timings.json").write_text(
+        json.dumps({"merge_s": 4.1, "eval_ta_s": 305.0, "calibrate_s": 53.0, "eval_featcal-ta_s": 305.2})
+    )
     return run

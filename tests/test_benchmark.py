@@ -22,9 +22,19 @@ from featcal.benchmark.tokenizer import build_tokenizer
 from featcal.errors import FeatcalError
 
 # A zoo small enough to build in seconds: it checks formats, not accuracies.
-MICRO = ZooConfig(name="micro", train_per_task=24, test_per_task=16, vision_hidden=32, vision_layers=2,
-                  text_hidden=32, projection_dim=32, pretrain_steps=2, pretrain_batch_size=16,
-                  expert_steps=2, expert_batch_size=8)
+MICRO = ZooConfig(
+    name="micro",
+    train_per_task=24,
+    test_per_task=16,
+    vision_hidden=32,
+    vision_layers=2,
+    text_hidden=32,
+    projection_dim=32,
+    pretrain_steps=2,
+    pretrain_batch_size=16,
+    expert_steps=2,
+    expert_batch_size=8,
+)
 
 
 # ---------------------------------------------------------------- tasks and tokenizer
@@ -35,7 +45,7 @@ def test_eight_tasks_with_distinct_label_spaces_and_templates():
     assert len({t.name for t in MINI8_TASKS}) == 8
     classnames = [set(t.classnames) for t in MINI8_TASKS]
     for i, a in enumerate(classnames):
-        for b in classnames[i + 1:]:
+        for b in classnames[i + 1 :]:
             assert not a & b
     for task in MINI8_TASKS:
         assert len(set(task.classnames)) == len(task.classnames) >= 6
@@ -76,11 +86,15 @@ def test_cache_keys():
     assert ZooConfig.mini8(seed=3).cache_key() == f"mini8-v{ZOO_VERSION}-seed3"
     assert ZooConfig.tiny().cache_key() == f"tiny8-v{ZOO_VERSION}-seed0"
     custom = replace(ZooConfig.mini8(), expert_steps=7).cache_key()
-    assert custom.startswith(f"mini8-v{ZOO_VERSION}-seed0-") and custom != replace(ZooConfig.mini8(), expert_steps=8).cache_key()
+    assert (
+        custom.startswith(f"mini8-v{ZOO_VERSION}-seed0-")
+        and custom != replace(ZooConfig.mini8(), expert_steps=8).cache_key()
+    )
 
 
-@pytest.mark.parametrize("bad", [dict(tasks=("digits", "nope")), dict(tasks=("digits",)), dict(patch_size=5),
-                                 dict(expert_steps=0)])
+@pytest.mark.parametrize(
+    "bad", [dict(tasks=("digits", "nope")), dict(tasks=("digits",)), dict(patch_size=5), dict(expert_steps=0)]
+)
 def test_config_rejects_bad_fields(bad):
     with pytest.raises(FeatcalError):
         ZooConfig(**bad)
@@ -147,10 +161,15 @@ def test_zoo_layout_loads_with_featcal_loaders(micro_zoo):
 def test_experts_keep_the_frozen_parts_of_the_base(micro_zoo):
     from safetensors.torch import load_file
 
-    base = {k.removeprefix("vision_model."): v for k, v in load_file(micro_zoo / "base" / "model.safetensors").items()
-            if k.startswith("vision_model.")}
-    expert = {k.removeprefix("vision_model."): v
-              for k, v in load_file(micro_zoo / "experts" / "digits" / "model.safetensors").items()}
+    base = {
+        k.removeprefix("vision_model."): v
+        for k, v in load_file(micro_zoo / "base" / "model.safetensors").items()
+        if k.startswith("vision_model.")
+    }
+    expert = {
+        k.removeprefix("vision_model."): v
+        for k, v in load_file(micro_zoo / "experts" / "digits" / "model.safetensors").items()
+    }
     frozen = [k for k in expert if k.startswith(MICRO.expert_frozen)]
     assert any(k.startswith("embeddings.") for k in frozen) and any(k.startswith("post_layernorm.") for k in frozen)
     assert all(torch.equal(expert[k], base[k]) for k in frozen)
@@ -193,9 +212,18 @@ def tiny_zoo(tmp_path_factory) -> Path:
 def test_demo_command_prints_the_table(tiny_zoo, tmp_path, capsys):
     from featcal.cli.demo import cmd_demo
 
-    args = argparse.Namespace(output_dir=str(tmp_path / "demo"), zoo_seed=0, tiny=True, rebuild=False,
-                              cache_dir=str(tiny_zoo.parent.parent), device="cpu", threads=None,
-                              ta_scaling_factor=0.3, no_export=False, quiet=True)
+    args = argparse.Namespace(
+        output_dir=str(tmp_path / "demo"),
+        zoo_seed=0,
+        tiny=True,
+        rebuild=False,
+        cache_dir=str(tiny_zoo.parent.parent),
+        device="cpu",
+        threads=None,
+        ta_scaling_factor=0.3,
+        no_export=False,
+        quiet=True,
+    )
     assert cmd_demo(args) == 0
     out = capsys.readouterr().out
     header = out.splitlines()[1]

@@ -4,11 +4,11 @@ float64 flushes, the shared q/k/v solve, the Cholesky solve and its fallbacks.""
 
 import pytest
 import torch
+from builders import FIXTURE
 from transformers import CLIPVisionModel
 
 import featcal.calibration.driver as driver
 import featcal.calibration.layer_state as layer_state
-from builders import FIXTURE
 from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.calibration.solves import LinearSystem, solve_spd
 from featcal.calibration.statistics import (
@@ -97,8 +97,8 @@ def test_stacked_outputs_solve_like_separate_linears():
         single = LinearSystem.empty(4, d_in, True, device="cpu")
         single.add_task(moments, ws[i], bs[i], alpha=0.25, eps=1e-8)
         w_i, b_i = single.solve(anchors_w[i], anchors_b[i], lam=0.05, eps=1e-8)
-        torch.testing.assert_close(weight[4 * i:4 * i + 4], w_i)
-        torch.testing.assert_close(bias[4 * i:4 * i + 4], b_i)
+        torch.testing.assert_close(weight[4 * i : 4 * i + 4], w_i)
+        torch.testing.assert_close(bias[4 * i : 4 * i + 4], b_i)
 
 
 def test_solve_spd_falls_back_when_not_positive_definite():
@@ -107,10 +107,14 @@ def test_solve_spd_falls_back_when_not_positive_definite():
     rhs = torch.randn(5, 2, dtype=torch.float64)
     torch.testing.assert_close(solve_spd(spd, rhs), torch.linalg.solve(spd, rhs))
     indefinite = torch.diag(torch.tensor([2.0, -1.0, 3.0], dtype=torch.float64))
-    torch.testing.assert_close(solve_spd(indefinite, torch.ones(3, 1, dtype=torch.float64)),
-                               torch.tensor([[0.5], [-1.0], [1 / 3]], dtype=torch.float64))
+    torch.testing.assert_close(
+        solve_spd(indefinite, torch.ones(3, 1, dtype=torch.float64)),
+        torch.tensor([[0.5], [-1.0], [1 / 3]], dtype=torch.float64),
+    )
     singular = torch.zeros(3, 3, dtype=torch.float64)
-    assert torch.equal(solve_spd(singular, torch.ones(3, 1, dtype=torch.float64)), torch.zeros(3, 1, dtype=torch.float64))
+    assert torch.equal(
+        solve_spd(singular, torch.ones(3, 1, dtype=torch.float64)), torch.zeros(3, 1, dtype=torch.float64)
+    )
 
 
 def test_chunk_and_flush_sizes_do_not_change_the_result(monkeypatch):

@@ -14,8 +14,18 @@ from featcal.cli import main
 from featcal.data import calibration_pixels
 from featcal.tasks import load_task_file
 
-FAST = ["--num-calibration-examples", "8", "--calibration-batch-size", "4", "--eval-num-workers", "0",
-        "--eval-batch-size", "4", "--device", "cpu"]
+FAST = [
+    "--num-calibration-examples",
+    "8",
+    "--calibration-batch-size",
+    "4",
+    "--eval-num-workers",
+    "0",
+    "--eval-batch-size",
+    "4",
+    "--device",
+    "cpu",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +39,24 @@ def run_dir(world, tmp_path_factory):
 def test_run_writes_the_reference_layout(run_dir, world):
     for stage in ("ta", "featcal-ta"):
         folder = run_dir / stage
-        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "metrics.json", "model.safetensors", "run.log"]
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "config.json",
+            "metrics.json",
+            "model.safetensors",
+            "run.log",
+        ]
         metrics = json.loads((folder / "metrics.json").read_text())
         assert set(world["tasks"]) < set(metrics)
         assert metrics["average"]["accuracy"] == pytest.approx(
-            sum(metrics[t]["accuracy"] for t in world["tasks"]) / len(world["tasks"]))
+            sum(metrics[t]["accuracy"] for t in world["tasks"]) / len(world["tasks"])
+        )
         assert metrics["model_info"]["all_params"] > 0
         assert json.loads((folder / "run.log").read_text()) == metrics
         assert "\n" not in (folder / "run.log").read_text().strip()
     release = run_dir / "release"  # the last stage: the release folder, exactly what `featcal push` uploads
-    assert {"README.md", "config.json", "model.safetensors", "metrics.json", "run_config.json"} <= {p.name for p in release.iterdir()}
+    assert {"README.md", "config.json", "model.safetensors", "metrics.json", "run_config.json"} <= {
+        p.name for p in release.iterdir()
+    }
     config = json.loads((run_dir / "run_config.json").read_text())
     assert config["tasks"] == world["tasks"]
     assert config["featcal"]["num_calibration_examples"] == 8
@@ -79,8 +97,26 @@ def test_single_stages_match_run(run_dir, world, tmp_path):
     merged = load_file(str(tmp_path / "m" / "model.safetensors"))
     ta = load_file(str(run_dir / "ta" / "model.safetensors"))
     assert all(torch.equal(merged[k], ta[k]) for k in ta)
-    assert main(["-q", "calibrate", "--merged", str(tmp_path / "m"), "--output", str(tmp_path / "c"), *common,
-                 "--num-calibration-examples", "8", "--calibration-batch-size", "4", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "calibrate",
+                "--merged",
+                str(tmp_path / "m"),
+                "--output",
+                str(tmp_path / "c"),
+                *common,
+                "--num-calibration-examples",
+                "8",
+                "--calibration-batch-size",
+                "4",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     cal = load_file(str(tmp_path / "c" / "model.safetensors"))
     ref = load_file(str(run_dir / "featcal-ta" / "model.safetensors"))
     assert all(torch.allclose(cal[k], ref[k], atol=1e-6) for k in ref)
@@ -92,8 +128,24 @@ def test_single_stages_match_run(run_dir, world, tmp_path):
 
 def test_skip_ta_starts_from_a_merged_folder(run_dir, world, tmp_path):
     out = tmp_path / "resumed"
-    assert main(["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST,
-                 "--skip-ta", "--ta-model-path", str(run_dir / "ta"), "--skip-eval-ta"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "run",
+                "--tasks-file",
+                str(world["tasks_file"]),
+                "--output-dir",
+                str(out),
+                *FAST,
+                "--skip-ta",
+                "--ta-model-path",
+                str(run_dir / "ta"),
+                "--skip-eval-ta",
+            ]
+        )
+        == 0
+    )
     assert not (out / "ta").exists()
     cal = load_file(str(out / "featcal-ta" / "model.safetensors"))
     ref = load_file(str(run_dir / "featcal-ta" / "model.safetensors"))
@@ -107,8 +159,19 @@ def run_error(capsys, argv):
 
 
 def test_unknown_task(world, tmp_path, capsys):
-    code, err = run_error(capsys, ["run", "--tasks-file", str(world["tasks_file"]), "--tasks", "nope",
-                                   "--output-dir", str(tmp_path / "o"), *FAST])
+    code, err = run_error(
+        capsys,
+        [
+            "run",
+            "--tasks-file",
+            str(world["tasks_file"]),
+            "--tasks",
+            "nope",
+            "--output-dir",
+            str(tmp_path / "o"),
+            *FAST,
+        ],
+    )
     assert code == 2 and "Unknown task(s) ['nope']" in err
     assert not (tmp_path / "o").exists()
 
@@ -134,7 +197,9 @@ def test_expert_with_other_shapes(world, tmp_path, capsys):
     key = next(k for k in state if k.endswith("encoder.layers.0.mlp.fc1.weight"))
     state[key] = torch.zeros(5, 5)
     save_file(state, str(path), metadata={"format": "pt"})
-    code, err = run_error(capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST])
+    code, err = run_error(
+        capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST]
+    )
     assert code == 2 and "task1" in err and "encoder.layers.0.mlp.fc1.weight" in err and "shape" in err
     assert not (tmp_path / "o").exists()
 
@@ -145,7 +210,9 @@ def test_non_finite_expert(world, tmp_path, capsys):
     state = load_file(str(path))
     state[next(k for k in state if k.endswith("post_layernorm.weight"))][0] = float("nan")
     save_file(state, str(path), metadata={"format": "pt"})
-    code, err = run_error(capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST])
+    code, err = run_error(
+        capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST]
+    )
     assert code == 2 and "post_layernorm.weight" in err and "'task0'" in err and "not finite" in err
     assert not (tmp_path / "o").exists()
 
@@ -155,7 +222,9 @@ def test_dataset_without_named_column(world, tmp_path, capsys):
     table = json.loads((root / "tasks.json").read_text())
     table["tasks"]["task1"]["dataset"]["label_column"] = "fine_label"
     (root / "tasks.json").write_text(json.dumps(table))
-    code, err = run_error(capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST])
+    code, err = run_error(
+        capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST]
+    )
     assert code == 2 and "'task1'" in err and "['fine_label']" in err
     assert not (tmp_path / "o").exists()
 
@@ -165,7 +234,9 @@ def test_pickle_only_expert_is_refused(world, tmp_path, capsys):
     folder = root / "experts" / "task0"
     (folder / "model.safetensors").unlink()
     (folder / "pytorch_model.bin").write_bytes(b"not loaded")
-    code, err = run_error(capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST])
+    code, err = run_error(
+        capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST]
+    )
     assert code == 2 and "never loads pickles" in err
     assert not (tmp_path / "o").exists()
 
@@ -185,13 +256,18 @@ def test_module_entry_points():
 
 def test_recipe_values_apply_and_flags_win(world, tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"tasks-file: {world['tasks_file']}\nskip-featcal: true\neval-num-workers: 0\n"
-                      "merge-param: {scaling_factor: 0.5}\ntasks: task1\n")
+    recipe.write_text(
+        f"tasks-file: {world['tasks_file']}\nskip-featcal: true\neval-num-workers: 0\n"
+        "merge-param: {scaling_factor: 0.5}\ntasks: task1\n"
+    )
     assert main(["-q", "run", "--recipe", str(recipe), "--output-dir", str(tmp_path / "a")]) == 0
     config = json.loads((tmp_path / "a" / "run_config.json").read_text())
     assert config["merge"]["params"] == {"scaling_factor": 0.5} and config["tasks"] == ["task1"]
     assert config["featcal"] is None and not (tmp_path / "a" / "featcal-ta").exists()
-    assert main(["-q", "run", "--recipe", str(recipe), "--output-dir", str(tmp_path / "b"), "--ta-scaling-factor", "0.1"]) == 0
+    assert (
+        main(["-q", "run", "--recipe", str(recipe), "--output-dir", str(tmp_path / "b"), "--ta-scaling-factor", "0.1"])
+        == 0
+    )
     assert json.loads((tmp_path / "b" / "run_config.json").read_text())["merge"]["params"] == {"scaling_factor": 0.1}
     recipe.write_text("lambda: 3\n")
     code, err = run_error(capsys, ["run", "--recipe", str(recipe)])

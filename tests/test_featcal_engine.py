@@ -4,16 +4,16 @@ import copy
 
 import pytest
 import torch
+from builders import FIXTURE
+from reference_featcal import plain_featcal
 from safetensors.torch import load_file
 from transformers import CLIPImageProcessor, CLIPVisionModel
 
-from builders import FIXTURE
 from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.checkpoint import Checkpoint
 from featcal.data import calibration_pixels
 from featcal.merging import get_method
 from featcal.tasks import load_task_file
-from reference_featcal import plain_featcal
 
 # The published code against itself, calibration batch 5 instead of 4: up to 3.4e-4 (fixture README).
 PUBLISHED_NOISE = 3.4e-4
@@ -34,8 +34,11 @@ def fixture_run():
 
 def relative_update_errors(state, expected, start):
     """‖ours − expected‖ / ‖expected − start‖ per calibrated tensor (the fixture README's measure)."""
-    return {k: float((state[k] - expected[k]).norm() / (expected[k] - start[k]).norm())
-            for k in expected if k.startswith("encoder.layers.")}
+    return {
+        k: float((state[k] - expected[k]).norm() / (expected[k] - start[k]).norm())
+        for k in expected
+        if k.startswith("encoder.layers.")
+    }
 
 
 def test_reproduces_published_featcal(fixture_run):
@@ -79,7 +82,13 @@ def test_engine_equals_plain_implementation(fixture_run):
 def test_input_model_is_not_modified(fixture_run):
     base, experts, merged, pixels = fixture_run
     before = {k: v.clone() for k, v in merged.state_dict().items()}
-    featcal_calibrate(merged, base, experts, pixels.__getitem__,
-                      FeatCalParams(num_calibration_examples=12, calibration_batch_size=6), progress=False)
+    featcal_calibrate(
+        merged,
+        base,
+        experts,
+        pixels.__getitem__,
+        FeatCalParams(num_calibration_examples=12, calibration_batch_size=6),
+        progress=False,
+    )
     for key, value in merged.state_dict().items():
         assert torch.equal(value, before[key]), key

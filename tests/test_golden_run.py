@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from builders import FIXTURE
+
 from featcal.cli import main
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "tiny_fixture_run.json").read_text())
@@ -22,8 +22,9 @@ GOLDEN = json.loads((Path(__file__).parent / "golden" / "tiny_fixture_run.json")
 def golden_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("golden") / "run"
     argv = GOLDEN["command"].split()[1:]  # drop the program name
-    argv = [str(FIXTURE / a.removeprefix("tests/fixtures/tiny-clip-3task/")) if a.startswith("tests/") else a
-            for a in argv]
+    argv = [
+        str(FIXTURE / a.removeprefix("tests/fixtures/tiny-clip-3task/")) if a.startswith("tests/") else a for a in argv
+    ]
     assert main([*argv, "--output-dir", str(out)]) == 0
     return out
 

@@ -115,8 +115,13 @@ def test_unknown_hyper_parameter_raises(method: str) -> None:
 
 @pytest.mark.parametrize(
     ("method", "params"),
-    [("ties", {"merge_func": "median"}), ("ties", {"top_k": 0}), ("ties", {"top_k": 120}),
-     ("wudi", {"iterations": -1}), ("wudi", {"lr": 0.0})],
+    [
+        ("ties", {"merge_func": "median"}),
+        ("ties", {"top_k": 0}),
+        ("ties", {"top_k": 120}),
+        ("wudi", {"iterations": -1}),
+        ("wudi", {"lr": 0.0}),
+    ],
 )
 def test_bad_hyper_parameter_value_raises(method: str, params: dict) -> None:
     base, experts = random_models()

@@ -10,11 +10,11 @@ import shutil
 
 import pytest
 from huggingface_hub import ModelCard
+from release_support import CALIBRATED_ACC, make_run, make_ta8_run
 
 from featcal.cli.release import register
 from featcal.errors import FeatcalError
 from featcal.release import export_release, read_run, render_card, write_card
-from release_support import CALIBRATED_ACC, make_run, make_ta8_run
 
 REPO = "yanggangu/clip-vit-base-patch32-ta8-featcal"
 
@@ -62,7 +62,9 @@ def test_model_index_converts_back_to_the_released_accuracies(ta8, ta8_card):
     for result, task in zip(results, ta8.tasks):
         assert (result.task_type, result.metric_type) == ("image-classification", "accuracy")
         assert (result.dataset_type, result.dataset_split, result.dataset_config) == (
-            task.dataset.path, task.dataset.test_split, task.dataset.name,
+            task.dataset.path,
+            task.dataset.test_split,
+            task.dataset.name,
         )
     assert next(r for r in results if r.dataset_name == "svhn").dataset_config == "cropped_digits"
 

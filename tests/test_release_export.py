@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
+from release_support import CALIBRATED_ACC, FIXTURE, MERGED_ACC, make_run
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import CLIPImageProcessor, CLIPVisionModel
@@ -18,7 +19,6 @@ from featcal.cli import main
 from featcal.errors import FeatcalError
 from featcal.release import check_release, export_release, read_run
 from featcal.release import export as export_module
-from release_support import CALIBRATED_ACC, FIXTURE, MERGED_ACC, make_run
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,13 @@ def test_release_folder_holds_exactly_the_release_files(exported):
     run, release, _ = exported
     assert release == run / "release"
     assert sorted(p.name for p in release.iterdir()) == [
-        "README.md", "config.json", "metrics.json", "model.safetensors",
-        "preprocessor_config.json", "results.png", "run_config.json",
+        "README.md",
+        "config.json",
+        "metrics.json",
+        "model.safetensors",
+        "preprocessor_config.json",
+        "results.png",
+        "run_config.json",
     ]
     assert (release / "run_config.json").read_bytes() == (run / "run_config.json").read_bytes()
     assert not [p for p in run.iterdir() if p.name.startswith(".")], "temporary folders left behind"
@@ -157,8 +162,11 @@ def test_check_release_refuses_an_incomplete_folder(release_copy, missing):
 def test_check_release_refuses_weights_that_do_not_load(release_copy):
     from safetensors.torch import save_file
 
-    save_file({"vision_model.something.weight": torch.zeros(2)}, str(release_copy / "model.safetensors"),
-              metadata={"recipe_sha256": check_release(release_copy).recipe_sha256})
+    save_file(
+        {"vision_model.something.weight": torch.zeros(2)},
+        str(release_copy / "model.safetensors"),
+        metadata={"recipe_sha256": check_release(release_copy).recipe_sha256},
+    )
     with pytest.raises(FeatcalError, match="do not match a CLIPVisionModel"):
         check_release(release_copy)
 
@@ -187,9 +195,29 @@ def test_check_release_refuses_a_card_with_broken_metadata(release_copy):
 def test_export_of_a_real_featcal_run(tmp_path):
     """The release stage reads what `featcal run` writes (layout drift between the two fails here)."""
     out = tmp_path / "run"
-    code = main(["-q", "run", "--tasks-file", str(FIXTURE / "tasks.json"), "--base-model-id", str(FIXTURE / "base"),
-                 "--output-dir", str(out), "--num-calibration-examples", "8", "--calibration-batch-size", "4",
-                 "--eval-num-workers", "0", "--eval-batch-size", "4", "--device", "cpu", "--eval-zero-shot"])
+    code = main(
+        [
+            "-q",
+            "run",
+            "--tasks-file",
+            str(FIXTURE / "tasks.json"),
+            "--base-model-id",
+            str(FIXTURE / "base"),
+            "--output-dir",
+            str(out),
+            "--num-calibration-examples",
+            "8",
+            "--calibration-batch-size",
+            "4",
+            "--eval-num-workers",
+            "0",
+            "--eval-batch-size",
+            "4",
+            "--device",
+            "cpu",
+            "--eval-zero-shot",
+        ]
+    )
     assert code == 0
     release = export_release(out, repo_id="me/real-run")
     checked = check_release(release)

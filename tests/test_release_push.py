@@ -15,12 +15,12 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
+from release_hub_double import Account, HubDouble
+from release_support import make_run
 
 from featcal.cli.release import register
 from featcal.errors import FeatcalError
 from featcal.release import export_release, push_release
-from release_hub_double import Account, HubDouble
-from release_support import make_run
 
 TOKEN = "hf_test_write_token"
 # huggingface_hub's LFS upload passes a file object as `data=`, which httpx2 deprecates: not ours to fix.
@@ -78,8 +78,15 @@ def test_second_push_of_the_same_folder_makes_no_commit(hub, release):
 
 
 def test_private_repo_branch_and_pull_request(hub, release, tmp_path):
-    push_release(release, "team/tiny-featcal", token=TOKEN, endpoint=hub.url, private=True, revision="dev",
-                 commit_message="First release")
+    push_release(
+        release,
+        "team/tiny-featcal",
+        token=TOKEN,
+        endpoint=hub.url,
+        private=True,
+        revision="dev",
+        commit_message="First release",
+    )
     assert hub.repos["team/tiny-featcal"].private
     assert (hub.commits[-1].ref, hub.commits[-1].summary) == ("dev", "First release")
     assert set(hub.files("team/tiny-featcal", "main")) == {".gitattributes"}

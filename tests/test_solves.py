@@ -27,8 +27,9 @@ def test_one_task_expert_equals_merged_lambda_zero_returns_expert():
     xs = torch.randn(4, 50, 8)
     w_t, b_t = torch.randn(5, 8), torch.randn(5)
     # expert stream equal to student stream: the teacher input is x_s itself
-    weight, bias = solve_linear([(moments(xs, xs), w_t, b_t)], w_t, torch.zeros(5, 8), b_t, torch.zeros(5),
-                                lam=0.0, eps=0.0)
+    weight, bias = solve_linear(
+        [(moments(xs, xs), w_t, b_t)], w_t, torch.zeros(5, 8), b_t, torch.zeros(5), lam=0.0, eps=0.0
+    )
     torch.testing.assert_close(weight.float(), w_t, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(bias.float(), b_t, atol=1e-5, rtol=1e-5)
 
@@ -59,8 +60,8 @@ def test_weight_matches_lstsq_on_stacked_tasks():
         targets.append((xt @ w_t.T) * (s / 40).sqrt())
         tasks.append((m, w_t, None))
     a = rho * w_m + (1 - rho) * w_0
-    rows.append(lam ** 0.5 * torch.eye(d_in, dtype=torch.float64))
-    targets.append(lam ** 0.5 * a.T)
+    rows.append(lam**0.5 * torch.eye(d_in, dtype=torch.float64))
+    targets.append(lam**0.5 * a.T)
     expected = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)).solution.T
     weight, bias = solve_linear(tasks, w_m, w_0, None, None, lam=lam, rho=rho, alpha=alpha, eps=0.0)
     assert bias is None
@@ -86,10 +87,10 @@ def test_layernorm_solve_matches_least_squares_per_dimension():
         a_rows, y = [], []
         for z, g_t, b_t in zip(zs, gammas, betas):
             n = z.shape[0]
-            a_rows.append(torch.stack([z[:, j], torch.ones(n, dtype=torch.float64)], 1) / n ** 0.5)
-            y.append((g_t[j] * z[:, j] + b_t[j]) / n ** 0.5)
-        a_rows.append(lam ** 0.5 * torch.eye(2, dtype=torch.float64))
-        y.append(lam ** 0.5 * torch.stack([rho * g_m[j] + (1 - rho) * g_0[j], rho * b_m[j] + (1 - rho) * b_0[j]]))
+            a_rows.append(torch.stack([z[:, j], torch.ones(n, dtype=torch.float64)], 1) / n**0.5)
+            y.append((g_t[j] * z[:, j] + b_t[j]) / n**0.5)
+        a_rows.append(lam**0.5 * torch.eye(2, dtype=torch.float64))
+        y.append(lam**0.5 * torch.stack([rho * g_m[j] + (1 - rho) * g_0[j], rho * b_m[j] + (1 - rho) * b_0[j]]))
         sol = torch.linalg.lstsq(torch.cat(a_rows), torch.cat(y)).solution
         torch.testing.assert_close(torch.stack([gamma[j], beta[j]]), sol, atol=1e-9, rtol=1e-9)
 

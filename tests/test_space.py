@@ -33,8 +33,13 @@ MODEL = FIXTURE / "experts" / "t0"
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory) -> SpaceSettings:
-    return SpaceSettings(model_id=str(MODEL), base_model_id=str(FIXTURE / "base"), tasks_file=str(FIXTURE / "tasks.json"),
-                         device="cpu", heads_cache=str(tmp_path_factory.mktemp("heads")))
+    return SpaceSettings(
+        model_id=str(MODEL),
+        base_model_id=str(FIXTURE / "base"),
+        tasks_file=str(FIXTURE / "tasks.json"),
+        device="cpu",
+        heads_cache=str(tmp_path_factory.mktemp("heads")),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +118,19 @@ def _odd_images(folder: Path) -> dict[str, tuple[Path, str, str]]:
         "grayscale": (_save(Image.fromarray(noise[..., 0]), folder / "gray.png"), "ok", "grayscale"),
         "rgba": (_save(Image.fromarray(np.dstack([noise, noise[..., :1]])), folder / "rgba.png"), "ok", "RGBA"),
         "cmyk": (_save(Image.fromarray(noise).convert("CMYK"), folder / "cmyk.jpg"), "ok", "CMYK"),
-        "16-bit": (_save(Image.fromarray((noise[..., 0].astype(np.uint16) * 257)), folder / "deep.png"), "ok", "16-bit"),
+        "16-bit": (
+            _save(Image.fromarray(noise[..., 0].astype(np.uint16) * 257), folder / "deep.png"),
+            "ok",
+            "16-bit",
+        ),
         "1x1": (_save(Image.new("RGB", (1, 1), (9, 99, 199)), folder / "dot.png"), "ok", "only 1×1"),
         "5000x5000": (_save(huge, folder / "huge.jpg", quality=80), "ok", ""),
         "exif-rotated": (_save(rotated, folder / "rot.jpg", exif=exif), "ok", "Rotated"),
-        "animated": (_save(frames[0], folder / "anim.gif", save_all=True, append_images=frames[1:]), "ok", "first frame"),
+        "animated": (
+            _save(frames[0], folder / "anim.gif", save_all=True, append_images=frames[1:]),
+            "ok",
+            "first frame",
+        ),
         "corrupt": (folder / "corrupt.png", "error", "not an image"),
         "truncated": (folder / "truncated.jpg", "error", "corrupt or truncated"),
         "text": (folder / "notes.jpg", "error", "not an image"),
@@ -146,7 +159,8 @@ def test_odd_images_are_converted_or_explained_never_a_crash(served, library, tm
             expected = classifier.logits(vision, pixel_values(processor, [to_rgb(image)]), t0)[0].softmax(-1)
             values, indices = expected.topk(3)
             assert reply["results"]["t0"]["model"] == pytest.approx(
-                {t0.classnames[i]: float(v) for v, i in zip(values, indices.tolist())}, abs=2e-6), name
+                {t0.classnames[i]: float(v) for v, i in zip(values, indices.tolist())}, abs=2e-6
+            ), name
         else:
             assert reply["results"] == {} and text in reply["error"], (name, reply["error"])
     # The server still answers normally afterwards.
@@ -205,8 +219,9 @@ def test_run_and_release_folders_resolve(settings, tmp_path):
 
 
 def test_settings_from_space_config_and_environment(tmp_path):
-    (tmp_path / "space_config.json").write_text(json.dumps({"model_id": "me/model", "tasks_file": "tasks.json",
-                                                            "max_file_mb": 5}))
+    (tmp_path / "space_config.json").write_text(
+        json.dumps({"model_id": "me/model", "tasks_file": "tasks.json", "max_file_mb": 5})
+    )
     settings = SpaceSettings.from_app_dir(tmp_path, environ={})
     assert (settings.model_id, settings.max_file_mb, settings.base_model_id) == ("me/model", 5, None)
     assert settings.path(settings.tasks_file) == tmp_path.resolve() / "tasks.json"

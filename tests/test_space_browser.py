@@ -16,8 +16,16 @@ from featcal.space import SpaceSettings, create_space
 from featcal.tasks import task_table
 
 CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-clip-3task"
 ARTIFACTS = Path(__file__).parents[1] / "test-artifacts"
 
@@ -28,9 +36,16 @@ pytestmark = [
 
 
 def test_upload_pick_a_task_and_read_the_result(tmp_path):
-    playwright = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip install playwright)")
-    settings = SpaceSettings(model_id=str(FIXTURE / "experts" / "t0"), base_model_id=str(FIXTURE / "base"),
-                             tasks_file=str(FIXTURE / "tasks.json"), device="cpu", heads_cache=str(tmp_path / "heads"))
+    playwright = pytest.importorskip(
+        "playwright.sync_api", reason="needs the playwright package (pip install playwright)"
+    )
+    settings = SpaceSettings(
+        model_id=str(FIXTURE / "experts" / "t0"),
+        base_model_id=str(FIXTURE / "base"),
+        tasks_file=str(FIXTURE / "tasks.json"),
+        device="cpu",
+        heads_cache=str(tmp_path / "heads"),
+    )
     space = create_space(settings, progress=False)
     task = task_table(FIXTURE / "tasks.json", replace=True).tasks["t1"]
     image = tmp_path / "upload.png"

@@ -25,7 +25,7 @@ import pytest
 
 import featcal.cli
 from featcal.errors import FeatcalError
-from featcal.space import SpaceSettings, SpaceModel
+from featcal.space import SpaceModel, SpaceSettings
 from featcal.space.publish import list_space_files, push_space, space_source
 
 gradio_client = pytest.importorskip("gradio_client")
@@ -38,8 +38,14 @@ MODEL = FIXTURE / "experts" / "t0"
 def staged(tmp_path_factory):
     """A dry-run push of the tiny tasks, kept on disk."""
     out = tmp_path_factory.mktemp("staged") / "space"
-    result = push_space("me/tiny-space", model_id="me/tiny-model", tasks_file=FIXTURE / "tasks.json",
-                        dry_run=True, output=out, progress=False)
+    result = push_space(
+        "me/tiny-space",
+        model_id="me/tiny-model",
+        tasks_file=FIXTURE / "tasks.json",
+        dry_run=True,
+        output=out,
+        progress=False,
+    )
     return result
 
 
@@ -47,9 +53,19 @@ def test_dry_run_stages_exactly_the_space_files(staged):
     paths = [f.path_in_repo for f in staged.files]
     assert staged.dry_run and staged.folder is not None
     assert list_space_files(staged.folder) == staged.files
-    assert {"app.py", "requirements.txt", "README.md", "space_config.json", "tasks.json",
-            "featcal/__init__.py", "featcal/space/ui.py", "featcal/resources/ta8_tasks.json",
-            "examples/t0.png", "examples/t1.png", "examples/t2.png"} <= set(paths)
+    assert {
+        "app.py",
+        "requirements.txt",
+        "README.md",
+        "space_config.json",
+        "tasks.json",
+        "featcal/__init__.py",
+        "featcal/space/ui.py",
+        "featcal/resources/ta8_tasks.json",
+        "examples/t0.png",
+        "examples/t1.png",
+        "examples/t2.png",
+    } <= set(paths)
     assert not [p for p in paths if "__pycache__" in p or p.endswith(".pyc")]
     config = json.loads((staged.folder / "space_config.json").read_text())
     assert config["model_id"] == "me/tiny-model" and config["tasks_file"] == "tasks.json"
@@ -58,18 +74,22 @@ def test_dry_run_stages_exactly_the_space_files(staged):
 
 
 def test_space_header_and_requirements():
-    from huggingface_hub import SpaceCard
-
     import gradio
+    from huggingface_hub import SpaceCard
 
     data = SpaceCard.load(space_source() / "README.md").data
     assert (data.sdk, data.app_file, data.python_version) == ("gradio", "app.py", "3.11")
     assert data.sdk_version == gradio.__version__, "the tests run another Gradio than the Space declares"
-    required = {re.split(r"[<>=!~;\[ ]", r)[0].lower().replace("_", "-")
-                for r in importlib.metadata.requires("featcal") or [] if "extra ==" not in r}
-    listed = {re.split(r"[<>=!~;\[ ]", line)[0].lower().replace("_", "-")
-              for line in (space_source() / "requirements.txt").read_text().splitlines()
-              if line.strip() and not line.startswith(("#", "-"))}
+    required = {
+        re.split(r"[<>=!~;\[ ]", r)[0].lower().replace("_", "-")
+        for r in importlib.metadata.requires("featcal") or []
+        if "extra ==" not in r
+    }
+    listed = {
+        re.split(r"[<>=!~;\[ ]", line)[0].lower().replace("_", "-")
+        for line in (space_source() / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith(("#", "-"))
+    }
     assert required and required <= listed, f"space/requirements.txt lacks {sorted(required - listed)}"
 
 
@@ -87,9 +107,15 @@ def test_the_app_starts_from_a_copy_of_the_pushed_files(staged, tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "PYTHONDONTWRITEBYTECODE"}}
     # The Hub ids of space_config.json are swapped for the fixture's folders through the Space variables.
-    env |= {"MODEL_ID": str(MODEL), "BASE_MODEL_ID": str(FIXTURE / "base"), "HF_HUB_OFFLINE": "1",
-            "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False",
-            "FEATCAL_CACHE": str(tmp_path / "cache")}
+    env |= {
+        "MODEL_ID": str(MODEL),
+        "BASE_MODEL_ID": str(FIXTURE / "base"),
+        "HF_HUB_OFFLINE": "1",
+        "GRADIO_SERVER_NAME": "127.0.0.1",
+        "GRADIO_SERVER_PORT": str(port),
+        "GRADIO_ANALYTICS_ENABLED": "False",
+        "FEATCAL_CACHE": str(tmp_path / "cache"),
+    }
     log = (tmp_path / "app.log").open("w")
     app = subprocess.Popen([sys.executable, "app.py"], cwd=copy, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -102,15 +128,21 @@ def test_the_app_starts_from_a_copy_of_the_pushed_files(staged, tmp_path):
                 if app.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"the app did not start:\n{(tmp_path / 'app.log').read_text()[-3000:]}")
                 time.sleep(0.5)
-        reply = client.predict(gradio_client.handle_file(str(copy / "examples" / "t2.png")), "all", 5, False,
-                               api_name="/predict")
+        reply = client.predict(
+            gradio_client.handle_file(str(copy / "examples" / "t2.png")), "all", 5, False, api_name="/predict"
+        )
     finally:
         app.terminate()
         app.wait(timeout=20)
         log.close()
     assert reply["error"] is None and list(reply["results"]) == ["t0", "t1", "t2"]
-    settings = SpaceSettings(model_id=str(MODEL), base_model_id=str(FIXTURE / "base"),
-                             tasks_file=str(copy / "tasks.json"), device="cpu", heads_cache=str(tmp_path / "cache"))
+    settings = SpaceSettings(
+        model_id=str(MODEL),
+        base_model_id=str(FIXTURE / "base"),
+        tasks_file=str(copy / "tasks.json"),
+        device="cpu",
+        heads_cache=str(tmp_path / "cache"),
+    )
     from PIL import Image
 
     expected = SpaceModel(settings, progress=False).top_classes(Image.open(copy / "examples" / "t2.png"), ["t2"], 5)
@@ -143,8 +175,12 @@ class HubDouble(BaseHTTPRequestHandler):
         if self.path.startswith("/api/whoami-v2"):
             return self._reply({"name": "me", "orgs": [], "auth": {"accessToken": {"role": "write"}}})
         if "/tree/" in self.path:
-            return self._reply([{"type": "file", "path": "featcal/old_module.py", "size": 3, "oid": "0" * 40},
-                                {"type": "file", "path": "notes.md", "size": 3, "oid": "1" * 40}])
+            return self._reply(
+                [
+                    {"type": "file", "path": "featcal/old_module.py", "size": 3, "oid": "0" * 40},
+                    {"type": "file", "path": "notes.md", "size": 3, "oid": "1" * 40},
+                ]
+            )
         self._reply({"error": "not found"}, 404)
 
     def do_POST(self) -> None:
@@ -158,8 +194,9 @@ class HubDouble(BaseHTTPRequestHandler):
         if self.path == "/api/repos/create":
             return self._reply({"url": f"{self._base()}/spaces/me/tiny-space"})
         if "/preupload/" in self.path:
-            return self._reply({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                          for f in body["files"]]})
+            return self._reply(
+                {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in body["files"]]}
+            )
         if self.path == "/api/validate-yaml":
             return self._reply({"errors": [], "warnings": []})
         self._reply({"error": "not found"}, 404)
@@ -177,13 +214,22 @@ def hub(monkeypatch):
 
 
 def test_push_creates_a_gradio_space_and_commits_the_staged_files(hub, tmp_path):
-    result = push_space("me/tiny-space", model_id="me/tiny-model", tasks_file=FIXTURE / "tasks.json",
-                        token="hf_test_token", endpoint=hub, output=tmp_path / "space", progress=False)
+    result = push_space(
+        "me/tiny-space",
+        model_id="me/tiny-model",
+        tasks_file=FIXTURE / "tasks.json",
+        token="hf_test_token",
+        endpoint=hub,
+        output=tmp_path / "space",
+        progress=False,
+    )
     create = next(body for method, path, body in HubDouble.calls if path == "/api/repos/create")
     assert create["type"] == "space" and create["sdk"] == "gradio" and create["name"] == "tiny-space"
     commit = next(body for method, path, body in HubDouble.calls if "/commit/" in path)
     assert next(p for m, p, b in HubDouble.calls if "/commit/" in p).startswith("/api/spaces/me/tiny-space/commit/main")
-    sent = {line["value"]["path"]: base64.b64decode(line["value"]["content"]) for line in commit if line["key"] == "file"}
+    sent = {
+        line["value"]["path"]: base64.b64decode(line["value"]["content"]) for line in commit if line["key"] == "file"
+    }
     assert sorted(sent) == [f.path_in_repo for f in result.files]
     assert json.loads(sent["space_config.json"])["model_id"] == "me/tiny-model"
     # Stale files in folders the push owns are removed; the owner's other files are left alone.
@@ -220,8 +266,23 @@ def test_cli_launch_options_reach_the_app(monkeypatch, tmp_path):
         seen.update(kwargs, space=self)
 
     monkeypatch.setattr("featcal.space.Space.launch", fake_launch)
-    code = _cli(["-q", "space", "--model", str(MODEL), "--base-model-id", str(FIXTURE / "base"),
-                 "--tasks-file", str(FIXTURE / "tasks.json"), "--port", "7999", "--device", "cpu"], monkeypatch)
+    code = _cli(
+        [
+            "-q",
+            "space",
+            "--model",
+            str(MODEL),
+            "--base-model-id",
+            str(FIXTURE / "base"),
+            "--tasks-file",
+            str(FIXTURE / "tasks.json"),
+            "--port",
+            "7999",
+            "--device",
+            "cpu",
+        ],
+        monkeypatch,
+    )
     assert code == 0 and seen["port"] == 7999 and seen["host"] == "127.0.0.1" and seen["share"] is False
     assert seen["space"].model.settings.model_id == str(MODEL)
     seen["space"].close()

@@ -7,6 +7,7 @@ import pytest
 from featcal.errors import FeatcalError
 from featcal.tasks import builtin_tasks, load_task_file, task_table
 
+
 def test_builtin_ta8_matches_the_reference_table():
     table = builtin_tasks()
     assert list(table.tasks) == ["sun397", "stanford-cars", "resisc45", "eurosat", "svhn", "gtsrb", "mnist", "dtd"]
@@ -20,11 +21,13 @@ def test_builtin_ta8_matches_the_reference_table():
     assert sum(refs) / len(refs) == pytest.approx(table.reference_average["task_arithmetic_featcal"])
     assert table.tasks["dtd"].prompts("banded")[0] == "a photo of a banded texture."
 
+
 def test_yaml_file_adds_tasks_and_resolves_local_paths(tmp_path):
     (tmp_path / "data" / "mine").mkdir(parents=True)
     (tmp_path / "tasks.yaml").write_text(
         "tasks:\n  mine:\n    dataset: {path: data/mine}\n    classnames: [cat, dog]\n"
-        "    templates: ['a photo of a {}.']\n    expert: someone/expert-on-hub\n")
+        "    templates: ['a photo of a {}.']\n    expert: someone/expert-on-hub\n"
+    )
     table = task_table(tmp_path / "tasks.yaml")
     assert "mnist" in table.tasks and "mine" in table.tasks
     mine = table.tasks["mine"]
@@ -32,18 +35,26 @@ def test_yaml_file_adds_tasks_and_resolves_local_paths(tmp_path):
     assert mine.expert == "someone/expert-on-hub"  # not a local path: stays a Hub id
     assert list(task_table(tmp_path / "tasks.yaml", replace=True).tasks) == ["mine"]
 
-@pytest.mark.parametrize("entry, message", [
-    ({"classnames": ["a", "b"], "templates": ["{}"]}, "'dataset' needs a 'path'"),
-    ({"dataset": "x", "classnames": ["a", "b"], "templates": ["no slot"]}, "exactly one '{}'"),
-    ({"dataset": "x", "classnames": ["a", "b"], "templates": ["{}"], "colour": 1}, "unknown field(s) ['colour']"),
-    ({"dataset": {"path": "x", "img_col": "i"}, "classnames": ["a", "b"], "templates": ["{}"]}, "unknown dataset field"),
-])
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"classnames": ["a", "b"], "templates": ["{}"]}, "'dataset' needs a 'path'"),
+        ({"dataset": "x", "classnames": ["a", "b"], "templates": ["no slot"]}, "exactly one '{}'"),
+        ({"dataset": "x", "classnames": ["a", "b"], "templates": ["{}"], "colour": 1}, "unknown field(s) ['colour']"),
+        (
+            {"dataset": {"path": "x", "img_col": "i"}, "classnames": ["a", "b"], "templates": ["{}"]},
+            "unknown dataset field",
+        ),
+    ],
+)
 def test_invalid_entries_name_the_task_and_the_problem(tmp_path, entry, message):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"tasks": {"bad": entry}}))
     with pytest.raises(FeatcalError, match="task 'bad'") as info:
         load_task_file(path)
     assert message in str(info.value)
+
 
 def test_unknown_task_lists_the_known_ones():
     with pytest.raises(FeatcalError, match="Unknown task.*mnist"):

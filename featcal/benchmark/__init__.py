@@ -11,6 +11,12 @@ from featcal.benchmark.run import MINI8_DEFAULTS, demo_run_config
 from featcal.benchmark.zoo import build_zoo, default_cache_dir, is_complete, zoo_path
 
 __all__ = [
-    "MINI8_DEFAULTS", "ZOO_VERSION", "ZooConfig", "build_zoo", "default_cache_dir", "demo_run_config",
-    "is_complete", "zoo_path",
+    "MINI8_DEFAULTS",
+    "ZOO_VERSION",
+    "ZooConfig",
+    "build_zoo",
+    "default_cache_dir",
+    "demo_run_config",
+    "is_complete",
+    "zoo_path",
 ]

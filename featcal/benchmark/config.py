@@ -58,7 +58,9 @@ class ZooConfig:
         if unknown or len(set(self.tasks)) < 2:
             raise FeatcalError(f"ZooConfig.tasks must name at least two of {sorted(known)}; got {list(self.tasks)}.")
         if self.image_size % self.patch_size:
-            raise FeatcalError(f"ZooConfig: image_size {self.image_size} is not a multiple of patch_size {self.patch_size}.")
+            raise FeatcalError(
+                f"ZooConfig: image_size {self.image_size} is not a multiple of patch_size {self.patch_size}."
+            )
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and f.name != "seed" and value <= 0:
@@ -73,8 +75,15 @@ class ZooConfig:
     def tiny(cls, seed: int = 0) -> ZooConfig:
         """A reduced zoo for the test suite: fewer images and steps, same eight tasks."""
         return cls(
-            name="tiny8", seed=seed, train_per_task=1000, test_per_task=200,
-            pretrain_steps=200, pretrain_batch_size=128, expert_steps=100, expert_batch_size=64, expert_lr=1e-3,
+            name="tiny8",
+            seed=seed,
+            train_per_task=1000,
+            test_per_task=200,
+            pretrain_steps=200,
+            pretrain_batch_size=128,
+            expert_steps=100,
+            expert_batch_size=64,
+            expert_lr=1e-3,
         )
 
     def to_dict(self) -> dict[str, Any]:

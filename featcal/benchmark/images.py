@@ -132,7 +132,10 @@ SHAPES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon",
 
 def _polygon(cx: float, cy: float, radius: float, sides: int, angle: float) -> list[tuple[float, float]]:
     return [
-        (cx + radius * math.cos(angle + 2 * math.pi * k / sides), cy + radius * math.sin(angle + 2 * math.pi * k / sides))
+        (
+            cx + radius * math.cos(angle + 2 * math.pi * k / sides),
+            cy + radius * math.sin(angle + 2 * math.pi * k / sides),
+        )
         for k in range(sides)
     ]
 
@@ -166,7 +169,20 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: 
         draw.polygon(_star(cx, cy, r * 1.25, angle), fill=255)
     elif shape == "cross":
         w = 0.38 * r
-        arm = [(-w, -r), (w, -r), (w, -w), (r, -w), (r, w), (w, w), (w, r), (-w, r), (-w, w), (-r, w), (-r, -w), (-w, -w)]
+        arm = [
+            (-w, -r),
+            (w, -r),
+            (w, -w),
+            (r, -w),
+            (r, w),
+            (w, w),
+            (w, r),
+            (-w, r),
+            (-w, w),
+            (-r, w),
+            (-r, -w),
+            (-w, -w),
+        ]
         c, s = math.cos(angle), math.sin(angle)
         draw.polygon([(cx + x * c - y * s, cy + x * s + y * c) for x, y in arm], fill=255)
     else:  # pragma: no cover - SHAPES is closed
@@ -273,7 +289,15 @@ def render_arrow(rng: np.random.Generator, label: int, size: int) -> Image.Image
     cx, cy = n / 2 + rng.uniform(-0.1, 0.1) * n, n / 2 + rng.uniform(-0.1, 0.1) * n
     shaft, head = rng.uniform(0.12, 0.2) * r * 1.6, rng.uniform(0.45, 0.6) * r
     # Arrow pointing along +x, then rotated: label 0 points up, then clockwise in 45° steps.
-    pts = [(-r, -shaft / 2), (r - head, -shaft / 2), (r - head, -head), (r, 0), (r - head, head), (r - head, shaft / 2), (-r, shaft / 2)]
+    pts = [
+        (-r, -shaft / 2),
+        (r - head, -shaft / 2),
+        (r - head, -head),
+        (r, 0),
+        (r - head, head),
+        (r - head, shaft / 2),
+        (-r, shaft / 2),
+    ]
     angle = math.radians(-90 + 45 * label + rng.uniform(-8, 8))
     c, s = math.cos(angle), math.sin(angle)
     mask = Image.new("L", (n, n), 0)
@@ -295,10 +319,18 @@ def _jitter(rng: np.random.Generator, color: Color, amount: float = 25.0) -> Col
 def render_scene(rng: np.random.Generator, label: int, size: int) -> Image.Image:
     n = size * SUPERSAMPLE
     kind = SCENES[label]
-    sky = {"night sky": (15, 20, 50), "snowfield": (190, 205, 225), "desert": (150, 200, 240)}.get(kind, (110, 170, 235))
+    sky = {"night sky": (15, 20, 50), "snowfield": (190, 205, 225), "desert": (150, 200, 240)}.get(
+        kind, (110, 170, 235)
+    )
     ground = {
-        "beach": (225, 205, 140), "forest": (40, 90, 40), "desert": (215, 170, 90), "ocean": (30, 80, 160),
-        "snowfield": (240, 242, 248), "night sky": (20, 25, 30), "city": (95, 95, 100), "meadow": (110, 190, 70),
+        "beach": (225, 205, 140),
+        "forest": (40, 90, 40),
+        "desert": (215, 170, 90),
+        "ocean": (30, 80, 160),
+        "snowfield": (240, 242, 248),
+        "night sky": (20, 25, 30),
+        "city": (95, 95, 100),
+        "meadow": (110, 190, 70),
     }[kind]
     horizon = int(n * rng.uniform(0.35, 0.6))
     canvas = Image.new("RGB", (n, n), _jitter(rng, sky))
@@ -311,7 +343,10 @@ def render_scene(rng: np.random.Generator, label: int, size: int) -> Image.Image
             x, h = rng.uniform(0, n), rng.uniform(0.25, 0.45) * n
             base_y = horizon + rng.uniform(0, 0.3) * n
             draw.rectangle((x - 2, base_y - h * 0.25, x + 2, base_y), fill=(90, 60, 30))
-            draw.polygon([(x, base_y - h), (x - h * 0.3, base_y - h * 0.2), (x + h * 0.3, base_y - h * 0.2)], fill=_jitter(rng, (20, 110, 40)))
+            draw.polygon(
+                [(x, base_y - h), (x - h * 0.3, base_y - h * 0.2), (x + h * 0.3, base_y - h * 0.2)],
+                fill=_jitter(rng, (20, 110, 40)),
+            )
     elif kind == "desert":
         for _ in range(int(rng.integers(1, 3))):
             x, w = rng.uniform(0, n), rng.uniform(0.3, 0.6) * n
@@ -383,43 +418,59 @@ def render_count(rng: np.random.Generator, label: int, size: int) -> Image.Image
 
 MINI8_TASKS: tuple[ImageTask, ...] = (
     ImageTask(
-        "digits", DIGITS,
+        "digits",
+        DIGITS,
         ('a photo of the number: "{}".', "a picture of the digit {}.", "the number {} written in a font."),
-        "digits 0-9 in Pillow's font, random colours, size, position and tilt", render_digit,
+        "digits 0-9 in Pillow's font, random colours, size, position and tilt",
+        render_digit,
     ),
     ImageTask(
-        "letters", LETTERS,
+        "letters",
+        LETTERS,
         ('a photo of the letter "{}".', "the letter {} in a typeface.", "a picture of a {}, a letter."),
-        "ten capital Latin letters, random colours, size, position and tilt", render_letter,
+        "ten capital Latin letters, random colours, size, position and tilt",
+        render_letter,
     ),
     ImageTask(
-        "shapes", SHAPES,
+        "shapes",
+        SHAPES,
         ("a drawing of a {}.", "a {} shape.", "a picture of a {}."),
-        "eight filled shapes, random colour, size, position and rotation", render_shape,
+        "eight filled shapes, random colour, size, position and rotation",
+        render_shape,
     ),
     ImageTask(
-        "colors", COLORS,
+        "colors",
+        COLORS,
         ("something coloured {}.", "a {} object.", "the colour {}."),
-        "the hue of one object of any shape on a grey, cluttered background", render_color,
+        "the hue of one object of any shape on a grey, cluttered background",
+        render_color,
     ),
     ImageTask(
-        "textures", TEXTURES,
+        "textures",
+        TEXTURES,
         ("a {} texture.", "a close-up of a {} pattern.", "a {} surface."),
-        "eight periodic or random patterns, random colours, scale, phase and angle", render_texture,
+        "eight periodic or random patterns, random colours, scale, phase and angle",
+        render_texture,
     ),
     ImageTask(
-        "arrows", ARROWS,
+        "arrows",
+        ARROWS,
         ("an arrow pointing {}.", "a sign pointing {}.", "the direction {}."),
-        "an arrow pointing in one of eight directions, random colours, size and position", render_arrow,
+        "an arrow pointing in one of eight directions, random colours, size and position",
+        render_arrow,
     ),
     ImageTask(
-        "scenes", SCENES,
+        "scenes",
+        SCENES,
         ("a photo of a {}.", "a landscape: {}.", "a view of a {}."),
-        "eight tiny landscapes with random horizon, colours and details", render_scene,
+        "eight tiny landscapes with random horizon, colours and details",
+        render_scene,
     ),
     ImageTask(
-        "counting", COUNTS,
+        "counting",
+        COUNTS,
         ("a photo of {} dots.", "{} objects.", "there are {} things."),
-        "one to six dots or squares, random colours, size and places", render_count,
+        "one to six dots or squares, random colours, size and places",
+        render_count,
     ),
 )

@@ -12,9 +12,15 @@ from featcal.pipeline import RunConfig
 MINI8_DEFAULTS = {"scaling_factor": 0.3}
 
 
-def demo_run_config(zoo: str | Path, output_dir: str | Path, *, device: str = "cpu", progress: bool = True,
-                    scaling_factor: float = MINI8_DEFAULTS["scaling_factor"],
-                    featcal: FeatCalParams | None = None) -> RunConfig:
+def demo_run_config(
+    zoo: str | Path,
+    output_dir: str | Path,
+    *,
+    device: str = "cpu",
+    progress: bool = True,
+    scaling_factor: float = MINI8_DEFAULTS["scaling_factor"],
+    featcal: FeatCalParams | None = None,
+) -> RunConfig:
     """A run over every task of ``zoo``: zero-shot base, experts, TA, TA+FeatCal, all evaluated."""
     zoo = Path(zoo)
     return RunConfig(

@@ -43,7 +43,9 @@ def text_embeddings(clip: CLIPModel, tokenizer: CLIPTokenizer, texts: Sequence[s
 
 
 @torch.no_grad()
-def zero_shot_head(clip: CLIPModel, tokenizer: CLIPTokenizer, classnames: Sequence[str], templates: Sequence[str]) -> torch.Tensor:
+def zero_shot_head(
+    clip: CLIPModel, tokenizer: CLIPTokenizer, classnames: Sequence[str], templates: Sequence[str]
+) -> torch.Tensor:
     """Class embeddings [C, D]: mean over templates of normalised text embeddings, normalised again."""
     prompts = [template.format(name) for name in classnames for template in templates]
     emb = text_embeddings(clip, tokenizer, prompts).view(len(classnames), len(templates), -1)
@@ -56,20 +58,28 @@ def image_embeddings(vision: nn.Module, projection: nn.Module, pixels: torch.Ten
 
 
 @torch.no_grad()
-def accuracy(vision: nn.Module, projection: nn.Module, head: torch.Tensor, pixels: torch.Tensor,
-             labels: torch.Tensor, batch_size: int = 512) -> float:
+def accuracy(
+    vision: nn.Module,
+    projection: nn.Module,
+    head: torch.Tensor,
+    pixels: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int = 512,
+) -> float:
     """Zero-shot top-1 accuracy of ``vision`` with class embeddings ``head``."""
     was_training = vision.training
     vision.eval()
     correct = 0
     for start in range(0, pixels.shape[0], batch_size):
-        emb = image_embeddings(vision, projection, pixels[start:start + batch_size])
-        correct += int((emb @ head.T).argmax(dim=-1).eq(labels[start:start + batch_size]).sum())
+        emb = image_embeddings(vision, projection, pixels[start : start + batch_size])
+        correct += int((emb @ head.T).argmax(dim=-1).eq(labels[start : start + batch_size]).sum())
     vision.train(was_training)
     return correct / max(pixels.shape[0], 1)
 
 
-def _cosine_lr(optimizer: torch.optim.Optimizer, peak: float, steps: int, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
+def _cosine_lr(
+    optimizer: torch.optim.Optimizer, peak: float, steps: int, warmup: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
@@ -83,8 +93,18 @@ def _stratified_batch(sizes: Sequence[int], per_task: int, generator: torch.Gene
     return [torch.randint(size, (per_task,), generator=generator) for size in sizes]
 
 
-def pretrain_clip(clip: CLIPModel, tokenizer: CLIPTokenizer, data: Mapping[str, TaskTensors], *, steps: int,
-                  batch_size: int, lr: float, seed: int, text_lr_scale: float = 1.0, progress: bool = True) -> None:
+def pretrain_clip(
+    clip: CLIPModel,
+    tokenizer: CLIPTokenizer,
+    data: Mapping[str, TaskTensors],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    text_lr_scale: float = 1.0,
+    progress: bool = True,
+) -> None:
     """Contrastive image-caption pretraining on the train images of all tasks, in place.
 
     Each step draws ``batch_size`` images (stratified over tasks) and, per class of every task, one
@@ -102,8 +122,9 @@ def pretrain_clip(clip: CLIPModel, tokenizer: CLIPTokenizer, data: Mapping[str, 
     text = [p for n, p in clip.named_parameters() if n.startswith(("text_model.", "text_projection."))]
     text_ids = {id(p) for p in text}
     rest = [p for p in clip.parameters() if id(p) not in text_ids]
-    optimizer = torch.optim.AdamW([{"params": rest, "lr": lr}, {"params": text, "lr": lr * text_lr_scale}],
-                                  lr=lr, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(
+        [{"params": rest, "lr": lr}, {"params": text, "lr": lr * text_lr_scale}], lr=lr, weight_decay=0.1
+    )
     schedule = _cosine_lr(optimizer, lr, steps, warmup=max(steps // 10, 1))
     clip.train()
     bar = tqdm(range(steps), desc="mini8: pretraining CLIP", disable=not progress)
@@ -135,9 +156,19 @@ def pretrain_clip(clip: CLIPModel, tokenizer: CLIPTokenizer, data: Mapping[str, 
     clip.eval()
 
 
-def finetune_expert(clip: CLIPModel, head: torch.Tensor, task: TaskTensors, *, steps: int, batch_size: int,
-                    lr: float, seed: int, frozen: Sequence[str] = (), desc: str = "expert",
-                    progress: bool = True) -> dict[str, torch.Tensor]:
+def finetune_expert(
+    clip: CLIPModel,
+    head: torch.Tensor,
+    task: TaskTensors,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    frozen: Sequence[str] = (),
+    desc: str = "expert",
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
     """Fine-tune a copy of ``clip``'s vision tower on one task; returns its state dict.
 
     The zero-shot head (``head``, the base's visual projection and logit scale) stays frozen: only

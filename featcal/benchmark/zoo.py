@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -67,8 +67,9 @@ def is_complete(folder: Path) -> bool:
         return False
 
 
-def build_zoo(config: ZooConfig | None = None, cache_dir: str | Path | None = None, force: bool = False,
-              *, progress: bool = True) -> Path:
+def build_zoo(
+    config: ZooConfig | None = None, cache_dir: str | Path | None = None, force: bool = False, *, progress: bool = True
+) -> Path:
     """The folder of the zoo for ``config`` (default :meth:`ZooConfig.mini8`), building it if needed.
 
     A finished zoo in the cache is returned as is unless ``force``. Building takes a few minutes on
@@ -82,8 +83,9 @@ def build_zoo(config: ZooConfig | None = None, cache_dir: str | Path | None = No
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise FeatcalError(f"Cannot create the benchmark cache folder {target.parent}: {exc}. "
-                           "Set FEATCAL_CACHE to a writable folder.") from None
+        raise FeatcalError(
+            f"Cannot create the benchmark cache folder {target.parent}: {exc}. Set FEATCAL_CACHE to a writable folder."
+        ) from None
     _remove_stale_partials(target)
     partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
@@ -173,16 +175,23 @@ def _clip_config(config: ZooConfig, tokenizer):
 
     return CLIPConfig(
         text_config={
-            "vocab_size": len(tokenizer), "hidden_size": config.text_hidden,
-            "intermediate_size": 4 * config.text_hidden, "num_hidden_layers": config.text_layers,
-            "num_attention_heads": config.text_heads, "max_position_embeddings": 77,
-            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "vocab_size": len(tokenizer),
+            "hidden_size": config.text_hidden,
+            "intermediate_size": 4 * config.text_hidden,
+            "num_hidden_layers": config.text_layers,
+            "num_attention_heads": config.text_heads,
+            "max_position_embeddings": 77,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id,
         },
         vision_config={
-            "hidden_size": config.vision_hidden, "intermediate_size": 4 * config.vision_hidden,
-            "num_hidden_layers": config.vision_layers, "num_attention_heads": config.vision_heads,
-            "image_size": config.image_size, "patch_size": config.patch_size,
+            "hidden_size": config.vision_hidden,
+            "intermediate_size": 4 * config.vision_hidden,
+            "num_hidden_layers": config.vision_layers,
+            "num_attention_heads": config.vision_heads,
+            "image_size": config.image_size,
+            "patch_size": config.patch_size,
         },
         projection_dim=config.projection_dim,
     )
@@ -197,7 +206,9 @@ def _build_into(folder: Path, config: ZooConfig, *, progress: bool) -> None:
     tensors: dict[str, TaskTensors] = {}
     for index, task in enumerate(tqdm(tasks, desc=f"{config.name}: drawing datasets", disable=not progress)):
         splits = []
-        for split_index, (split, count) in enumerate((("train", config.train_per_task), ("test", config.test_per_task))):
+        for split_index, (split, count) in enumerate(
+            (("train", config.train_per_task), ("test", config.test_per_task))
+        ):
             images, labels = _draw_split(task, index, split_index, count, config)
             _write_parquet(folder / "data" / task.name / "data", split, images, labels, task.classnames)
             splits += [processor(images=images, return_tensors="pt")["pixel_values"], torch.tensor(labels)]
@@ -207,8 +218,16 @@ def _build_into(folder: Path, config: ZooConfig, *, progress: bool) -> None:
     tokenizer = build_tokenizer(corpus)
     torch.manual_seed(config.seed)
     clip = CLIPModel(_clip_config(config, tokenizer))
-    pretrain_clip(clip, tokenizer, tensors, steps=config.pretrain_steps, batch_size=config.pretrain_batch_size,
-                  lr=config.pretrain_lr, seed=config.seed, progress=progress)
+    pretrain_clip(
+        clip,
+        tokenizer,
+        tensors,
+        steps=config.pretrain_steps,
+        batch_size=config.pretrain_batch_size,
+        lr=config.pretrain_lr,
+        seed=config.seed,
+        progress=progress,
+    )
     clip.save_pretrained(folder / "base")
     CLIPProcessor(image_processor=processor, tokenizer=tokenizer).save_pretrained(folder / "base")
 
@@ -217,51 +236,78 @@ def _build_into(folder: Path, config: ZooConfig, *, progress: bool) -> None:
     for index, task in enumerate(tqdm(tasks, desc=f"{config.name}: fine-tuning experts", disable=not progress)):
         data = tensors[task.name]
         head = zero_shot_head(clip, tokenizer, task.classnames, task.templates)
-        state = finetune_expert(clip, head, data, steps=config.expert_steps, batch_size=config.expert_batch_size,
-                                lr=config.expert_lr, seed=config.seed * 1000 + index, frozen=config.expert_frozen,
-                                desc=task.name, progress=progress)
+        state = finetune_expert(
+            clip,
+            head,
+            data,
+            steps=config.expert_steps,
+            batch_size=config.expert_batch_size,
+            lr=config.expert_lr,
+            seed=config.seed * 1000 + index,
+            frozen=config.expert_frozen,
+            desc=task.name,
+            progress=progress,
+        )
         expert = CLIPVisionModel(clip.config.vision_config)
         expert.load_state_dict(state)
         expert.save_pretrained(folder / "experts" / task.name)
         results[task.name] = {
-            "classes": len(task.classnames), "train": config.train_per_task, "test": config.test_per_task,
+            "classes": len(task.classnames),
+            "train": config.train_per_task,
+            "test": config.test_per_task,
             "zero_shot_accuracy": accuracy(clip.vision_model, projection, head, data.test_pixels, data.test_labels),
             "expert_accuracy": accuracy(expert, projection, head, data.test_pixels, data.test_labels),
         }
     _write_tables(folder, config, tasks, results, build_seconds=time.time() - started)
 
 
-def _write_tables(folder: Path, config: ZooConfig, tasks: Sequence[ImageTask],
-                  results: dict[str, dict[str, float | int]], *, build_seconds: float) -> None:
+def _write_tables(
+    folder: Path,
+    config: ZooConfig,
+    tasks: Sequence[ImageTask],
+    results: dict[str, dict[str, float | int]],
+    *,
+    build_seconds: float,
+) -> None:
     import transformers
 
     table = {
         "about": f"The {config.name} benchmark zoo (featcal, version {ZOO_VERSION}, seed {config.seed}): "
-                 "procedural image tasks, a small CLIP pretrained on their captions, one expert per task. "
-                 "Paths are relative to this file. reference_accuracy holds the accuracies measured while "
-                 "building (fractions of the test split).",
+        "procedural image tasks, a small CLIP pretrained on their captions, one expert per task. "
+        "Paths are relative to this file. reference_accuracy holds the accuracies measured while "
+        "building (fractions of the test split).",
         "base_model": "base",
         "tasks": {
             task.name: {
-                "dataset": {"path": f"data/{task.name}", "name": None, "train_split": "train", "test_split": "test",
-                            "image_column": "image", "label_column": "label"},
+                "dataset": {
+                    "path": f"data/{task.name}",
+                    "name": None,
+                    "train_split": "train",
+                    "test_split": "test",
+                    "image_column": "image",
+                    "label_column": "label",
+                },
                 "expert": f"experts/{task.name}",
                 "classnames": list(task.classnames),
                 "templates": list(task.templates),
-                "reference_accuracy": {"zero_shot": results[task.name]["zero_shot_accuracy"],
-                                       "expert": results[task.name]["expert_accuracy"]},
+                "reference_accuracy": {
+                    "zero_shot": results[task.name]["zero_shot_accuracy"],
+                    "expert": results[task.name]["expert_accuracy"],
+                },
             }
             for task in tasks
         },
     }
     (folder / "tasks.json").write_text(json.dumps(table, indent=1) + "\n")
-    mean = {key: float(np.mean([r[key] for r in results.values()])) for key in ("zero_shot_accuracy", "expert_accuracy")}
+    mean = {
+        key: float(np.mean([r[key] for r in results.values()])) for key in ("zero_shot_accuracy", "expert_accuracy")
+    }
     info = {
         "name": config.name,
         "version": ZOO_VERSION,
         "seed": config.seed,
         "config": config.to_dict(),
-        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "build_seconds": round(build_seconds, 1),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),

@@ -93,9 +93,15 @@ def _bias(module: nn.Module) -> torch.Tensor:
 class FeatCalibrator:
     """Runs FeatCal on one merged model. Use :func:`featcal_calibrate` for the one-call form."""
 
-    def __init__(self, params: FeatCalParams, *, adapter: ArchitectureAdapter | None = None,
-                 device: torch.device | str = "cpu", stats_dtype: torch.dtype = torch.float64,
-                 progress: bool = True) -> None:
+    def __init__(
+        self,
+        params: FeatCalParams,
+        *,
+        adapter: ArchitectureAdapter | None = None,
+        device: torch.device | str = "cpu",
+        stats_dtype: torch.dtype = torch.float64,
+        progress: bool = True,
+    ) -> None:
         self.params = params
         self.adapter = adapter or CLIPVisionAdapter()
         self.device = torch.device(device)
@@ -104,7 +110,9 @@ class FeatCalibrator:
 
     # -- streams ---------------------------------------------------------------------------
     @torch.no_grad()
-    def _first_inputs(self, model: nn.Module, expert: StateDict, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _first_inputs(
+        self, model: nn.Module, expert: StateDict, pixels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         stem = self.adapter.stem(model)
         expert_stem = copy.deepcopy(stem)
         for prefix in self.adapter.stem_prefixes():
@@ -113,13 +121,13 @@ class FeatCalibrator:
         dtype = next(model.parameters()).dtype
         student = teacher = None
         for start in range(0, pixels.shape[0], bs):
-            px = pixels[start:start + bs].to(self.device, dtype)
+            px = pixels[start : start + bs].to(self.device, dtype)
             s, t = self.adapter.run_stem(stem, px), self.adapter.run_stem(expert_stem, px)
             if student is None:
                 student = s.new_empty(pixels.shape[0], *s.shape[1:])
                 teacher = t.new_empty(pixels.shape[0], *t.shape[1:])
-            student[start:start + bs] = s
-            teacher[start:start + bs] = t
+            student[start : start + bs] = s
+            teacher[start : start + bs] = t
         return student, teacher
 
     @torch.no_grad()
@@ -127,12 +135,18 @@ class FeatCalibrator:
         """Replace ``stream`` in place by ``layer``'s output, batch by batch."""
         bs = self.params.calibration_batch_size
         for start in range(0, stream.shape[0], bs):
-            stream[start:start + bs] = self.adapter.run_layer(layer, stream[start:start + bs])
+            stream[start : start + bs] = self.adapter.run_layer(layer, stream[start : start + bs])
 
     # -- statistics ------------------------------------------------------------------------
     @torch.no_grad()
-    def _discover(self, layer: nn.Module, expert_layer: nn.Module, student: torch.Tensor, expert: torch.Tensor,
-                  weighting: Mapping[str, TokenWeighting]) -> LayerPlan:
+    def _discover(
+        self,
+        layer: nn.Module,
+        expert_layer: nn.Module,
+        student: torch.Tensor,
+        expert: torch.Tensor,
+        weighting: Mapping[str, TokenWeighting],
+    ) -> LayerPlan:
         """The layer's plan, from one full forward of one image (the streams are left as they are)."""
         rec_s = Recorder(self.adapter.calibrated_modules(layer))
         rec_e = Recorder(self.adapter.calibrated_modules(expert_layer), outputs=True)
@@ -155,8 +169,9 @@ class FeatCalibrator:
         return LayerState(plan, capacity, seq_len, self.device, product_dtype(student.dtype), self.stats_dtype)
 
     @torch.no_grad()
-    def _collect(self, layer: nn.Module, expert_layer: nn.Module, student: torch.Tensor, expert: torch.Tensor,
-                 state: LayerState) -> None:
+    def _collect(
+        self, layer: nn.Module, expert_layer: nn.Module, student: torch.Tensor, expert: torch.Tensor, state: LayerState
+    ) -> None:
         """One task's statistics for every calibrated submodule of one layer, folded into ``state``'s
         systems with the expert's parameters; advances ``expert`` through its layer."""
         p = self.params
@@ -170,14 +185,14 @@ class FeatCalibrator:
         try:
             for start in range(0, student.shape[0], bs):
                 try:
-                    self.adapter.run_layer(layer, student[start:start + bs])
+                    self.adapter.run_layer(layer, student[start : start + bs])
                 except StopForward:
                     pass
-                out_e = self.adapter.run_layer(expert_layer, expert[start:start + bs])
+                out_e = self.adapter.run_layer(expert_layer, expert[start : start + bs])
                 state.add(out_e.shape[0] * student.shape[1], rec_s, rec_e, modules_e, eps)
                 rec_s.clear()
                 rec_e.clear()
-                expert[start:start + bs] = out_e
+                expert[start : start + bs] = out_e
             state.finish_task()
         finally:
             rec_s.remove()
@@ -193,8 +208,13 @@ class FeatCalibrator:
 
     # -- the layer loop --------------------------------------------------------------------
     @torch.no_grad()
-    def calibrate(self, merged: nn.Module, base: StateDict, experts: Mapping[str, StateDict],
-                  load_images: Callable[[str], torch.Tensor]) -> nn.Module:
+    def calibrate(
+        self,
+        merged: nn.Module,
+        base: StateDict,
+        experts: Mapping[str, StateDict],
+        load_images: Callable[[str], torch.Tensor],
+    ) -> nn.Module:
         """A calibrated copy of ``merged``; ``load_images(task)`` gives the task's calibration pixels."""
         model = copy.deepcopy(merged).to(self.device).eval()
         tasks = list(experts)
@@ -210,8 +230,9 @@ class FeatCalibrator:
             modules = self.adapter.calibrated_modules(layer)
             seq_len = streams[tasks[0]][0].shape[1]
             weighting = {n: self.adapter.token_weighting(n, index, num_layers, seq_len) for n in modules}
-            for t, task in enumerate(tqdm(tasks, desc=f"layer {index}: statistics", leave=False,
-                                          disable=not self.progress)):
+            for t, task in enumerate(
+                tqdm(tasks, desc=f"layer {index}: statistics", leave=False, disable=not self.progress)
+            ):
                 _load_params(expert_layer, experts[task], prefix)
                 student, expert = streams[task]
                 if t == 0:
@@ -241,8 +262,14 @@ class FeatCalibrator:
                 a_w = anchor(merged_w.to(dtype), base_w.to(self.device, dtype), p.anchor_blend_rho)
                 a_b = None
                 if merged_b is not None:
-                    base_b = torch.cat([base_tensors[f"{prefix}{n}.bias"] if modules[n].bias is not None
-                                        else _bias(modules[n]).cpu() for n in group.names])
+                    base_b = torch.cat(
+                        [
+                            base_tensors[f"{prefix}{n}.bias"]
+                            if modules[n].bias is not None
+                            else _bias(modules[n]).cpu()
+                            for n in group.names
+                        ]
+                    )
                     a_b = anchor(merged_b.to(dtype), base_b.to(self.device, dtype), p.anchor_blend_rho)
                 weight, bias = state.systems[i].solve(a_w, a_b, lam=p.lambda_ratio, eps=p.covariance_eps)
                 sizes = [modules[n].weight.shape[0] for n in group.names]
@@ -253,9 +280,13 @@ class FeatCalibrator:
         # one reduction per tensor and a single device-to-host read per layer.
         sums = torch.stack([t.sum() for pair in solved.values() for t in pair if t is not None])
         if not torch.isfinite(sums).all():
-            bad = next(n for n, pair in solved.items() if not all(torch.isfinite(t).all() for t in pair if t is not None))
-            raise FeatcalError(f"FeatCal produced non-finite values for {prefix}{bad}; check the inputs "
-                               "(non-finite expert weights or features) or raise --lambda-ratio.")
+            bad = next(
+                n for n, pair in solved.items() if not all(torch.isfinite(t).all() for t in pair if t is not None)
+            )
+            raise FeatcalError(
+                f"FeatCal produced non-finite values for {prefix}{bad}; check the inputs "
+                "(non-finite expert weights or features) or raise --lambda-ratio."
+            )
         for name, (weight, bias) in solved.items():
             module = modules[name]
             module.weight.copy_(weight)
@@ -263,8 +294,13 @@ class FeatCalibrator:
                 module.bias.copy_(bias)
 
 
-def featcal_calibrate(merged: nn.Module, base: StateDict, experts: Mapping[str, StateDict],
-                      load_images: Callable[[str], torch.Tensor], params: FeatCalParams | None = None,
-                      **kwargs) -> nn.Module:
+def featcal_calibrate(
+    merged: nn.Module,
+    base: StateDict,
+    experts: Mapping[str, StateDict],
+    load_images: Callable[[str], torch.Tensor],
+    params: FeatCalParams | None = None,
+    **kwargs,
+) -> nn.Module:
     """A calibrated copy of ``merged`` (see :class:`FeatCalibrator` for the keyword arguments)."""
     return FeatCalibrator(params or FeatCalParams(), **kwargs).calibrate(merged, base, experts, load_images)

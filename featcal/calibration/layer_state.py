@@ -44,11 +44,13 @@ class Recorder:
             self.inputs[name] = args[0]
             if name == self.stop_at:
                 raise StopForward
+
         return hook
 
     def _hook(self, name: str):
         def hook(_module: nn.Module, _args: tuple, output: torch.Tensor) -> None:
             self.outputs[name] = output
+
         return hook
 
     def clear(self) -> None:
@@ -82,17 +84,21 @@ class LayerPlan:
 
     def key(self) -> tuple:
         """Equal for layers whose statistics and systems have the same shapes and token weights."""
-        return tuple((g.kind, tuple(g.names), g.dim, g.cross, g.out_features, g.has_bias, g.weighting.key)
-                     for g in self.groups)
+        return tuple(
+            (g.kind, tuple(g.names), g.dim, g.cross, g.out_features, g.has_bias, g.weighting.key) for g in self.groups
+        )
 
 
-def plan_layer(modules: Mapping[str, nn.Module], rec_s: Recorder, rec_e: Recorder,
-               weighting: Mapping[str, TokenWeighting]) -> LayerPlan:
+def plan_layer(
+    modules: Mapping[str, nn.Module], rec_s: Recorder, rec_e: Recorder, weighting: Mapping[str, TokenWeighting]
+) -> LayerPlan:
     """Group one layer's submodules from the inputs recorded in one full forward."""
     missing = [name for name in modules if name not in rec_s.inputs or name not in rec_e.inputs]
     if missing:
-        raise FeatcalError(f"Calibrated submodules {missing} never ran in the layer's forward; the "
-                           "architecture adapter lists modules the layer does not call.")
+        raise FeatcalError(
+            f"Calibrated submodules {missing} never ran in the layer's forward; the "
+            "architecture adapter lists modules the layer does not call."
+        )
     groups: list[Group] = []
     shared: dict[tuple, Group] = {}
     for name in rec_s.inputs:  # firing order
@@ -149,10 +155,14 @@ class LayerState:
                 self.systems[i] = LayerNormSystem.empty(g.dim, **kw)
                 continue
             self.buffers[i] = torch.empty(self.capacity, g.dim + g.cross, device=self.device, dtype=self.dtype)
-            self.grams[i] = GramAccumulator(g.dim, g.cross, device=self.device, dtype=self.dtype,
-                                            sum_dtype=self.stats_dtype)
-            self.moments[i] = (LinearMoments.zeros(g.dim, **kw) if g.kind == "linear"
-                               else ProjectedLinearMoments.zeros(g.dim, g.cross, **kw))
+            self.grams[i] = GramAccumulator(
+                g.dim, g.cross, device=self.device, dtype=self.dtype, sum_dtype=self.stats_dtype
+            )
+            self.moments[i] = (
+                LinearMoments.zeros(g.dim, **kw)
+                if g.kind == "linear"
+                else ProjectedLinearMoments.zeros(g.dim, g.cross, **kw)
+            )
             self.systems[i] = LinearSystem.empty(g.out_features, g.dim, g.has_bias, **kw)
             widest = max(widest, max(acc.numel() for acc in self.grams[i].acc))
         if self.dtype != self.stats_dtype:
@@ -171,8 +181,9 @@ class LayerState:
             if group.kind == "layernorm":
                 self.moments[i].zero_()
 
-    def add(self, rows: int, rec_s: Recorder, rec_e: Recorder, modules_e: Mapping[str, nn.Module],
-            eps: Mapping[str, float]) -> None:
+    def add(
+        self, rows: int, rec_s: Recorder, rec_e: Recorder, modules_e: Mapping[str, nn.Module], eps: Mapping[str, float]
+    ) -> None:
         """One forward batch of ``rows`` tokens: LayerNorm sums at once, linear inputs into the buffers."""
         if self.filled + rows > self.capacity:
             self.multiply()
@@ -183,15 +194,15 @@ class LayerState:
             if g.kind == "layernorm":
                 self.moments[i].add(xs, eps[name], self.weights[i])
                 continue
-            buf = self.buffers[i][top:top + rows]
+            buf = self.buffers[i][top : top + rows]
             buf[:, : g.dim].copy_(xs.reshape(rows, g.dim))
             if g.kind == "projected":  # y_e = W_t x_e, the expert's output without its bias
-                buf[:, g.dim:].copy_(rec_e.outputs[name].reshape(rows, g.cross))
+                buf[:, g.dim :].copy_(rec_e.outputs[name].reshape(rows, g.cross))
                 bias = modules_e[name].bias
                 if bias is not None:
-                    buf[:, g.dim:].sub_(bias)
+                    buf[:, g.dim :].sub_(bias)
             else:
-                buf[:, g.dim:].copy_(rec_e.inputs[name].reshape(rows, g.dim))
+                buf[:, g.dim :].copy_(rec_e.inputs[name].reshape(rows, g.dim))
             if self.roots[i] is not None:
                 buf.mul_(self.roots[i][:rows].unsqueeze(1))
         self.filled += rows

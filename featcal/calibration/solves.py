@@ -57,11 +57,17 @@ class LinearSystem(_Zeroable):
     @classmethod
     def empty(cls, out_features: int, in_features: int, has_bias: bool, *, device, dtype=torch.float64) -> LinearSystem:
         z = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)  # noqa: E731
-        return cls(z(in_features, in_features), z(in_features, out_features),
-                   z(out_features) if has_bias else None, z(in_features), z(()))
+        return cls(
+            z(in_features, in_features),
+            z(in_features, out_features),
+            z(out_features) if has_bias else None,
+            z(in_features),
+            z(()),
+        )
 
-    def add_task(self, moments: PairMoments, weight: torch.Tensor, bias: torch.Tensor | None,
-                 *, alpha: float, eps: float) -> None:
+    def add_task(
+        self, moments: PairMoments, weight: torch.Tensor, bias: torch.Tensor | None, *, alpha: float, eps: float
+    ) -> None:
         """Fold one task's statistics and expert parameters (W_t, b_t) into the system.
 
         ``moments`` is a :class:`LinearMoments` or a :class:`ProjectedLinearMoments`; the product
@@ -80,8 +86,9 @@ class LinearSystem(_Zeroable):
         self.scaled_mean_student.addcmul_(moments.mean_student().to(dtype), scale)
         self.scale_sum += scale
 
-    def solve(self, anchor_weight: torch.Tensor, anchor_bias: torch.Tensor | None,
-              *, lam: float, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def solve(
+        self, anchor_weight: torch.Tensor, anchor_bias: torch.Tensor | None, *, lam: float, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """W = argmin Σ_t s_t E‖W x_s − W_t x_τ‖² + λ‖W − A(W)‖², then b given W."""
         dtype, device = self.lhs.dtype, self.lhs.device
         a_w = anchor_weight.to(device=device, dtype=dtype)
@@ -122,8 +129,9 @@ class LayerNormSystem(_Zeroable):
         self.rhs_gamma += e * g + m * b
         self.rhs_beta += m * g + b
 
-    def solve(self, anchor_gamma: torch.Tensor, anchor_beta: torch.Tensor,
-              *, lam: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def solve(
+        self, anchor_gamma: torch.Tensor, anchor_beta: torch.Tensor, *, lam: float, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype, device = self.energy.dtype, self.energy.device
         a_g, a_b = anchor_gamma.to(device=device, dtype=dtype), anchor_beta.to(device=device, dtype=dtype)
         a11 = self.energy + lam

@@ -73,7 +73,9 @@ class LinearMoments(_Sums):
     sum_se: torch.Tensor
 
     @classmethod
-    def zeros(cls, dim: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> LinearMoments:
+    def zeros(
+        cls, dim: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64
+    ) -> LinearMoments:
         return cls(*_zeros(device, dtype, (), dim, dim, (dim, dim), (dim, dim)))
 
     @torch.no_grad()
@@ -122,8 +124,9 @@ class ProjectedLinearMoments(_Sums):
     sum_sy: torch.Tensor
 
     @classmethod
-    def zeros(cls, dim: int, out_dim: int, *, device: torch.device | str = "cpu",
-              dtype: torch.dtype = torch.float64) -> ProjectedLinearMoments:
+    def zeros(
+        cls, dim: int, out_dim: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64
+    ) -> ProjectedLinearMoments:
         return cls(*_zeros(device, dtype, (), dim, out_dim, (dim, dim), (dim, out_dim)))
 
     @torch.no_grad()
@@ -156,10 +159,15 @@ def _add_pair(moments: PairMoments, a: torch.Tensor, b: torch.Tensor, weights: t
     w = _token_weights(a, weights)
     if w is not None:
         joint.mul_(w.to(joint.dtype).sqrt().unsqueeze(1))
-    gram = GramAccumulator(fa.shape[1], fb.shape[1], device=joint.device, dtype=joint.dtype,
-                           sum_dtype=moments.sum_xs.dtype)
-    gram.add(joint, None if w is None else w.to(joint.dtype).sqrt(), fa.shape[0] if w is None else w.sum(),
-             group=a.shape[-2] if a.dim() > 2 else 1)
+    gram = GramAccumulator(
+        fa.shape[1], fb.shape[1], device=joint.device, dtype=joint.dtype, sum_dtype=moments.sum_xs.dtype
+    )
+    gram.add(
+        joint,
+        None if w is None else w.to(joint.dtype).sqrt(),
+        fa.shape[0] if w is None else w.sum(),
+        group=a.shape[-2] if a.dim() > 2 else 1,
+    )
     gram.flush(moments)
 
 
@@ -196,18 +204,28 @@ class GramAccumulator:
     accumulator is overwritten by its next product, never zeroed.
     """
 
-    def __init__(self, dim: int, cross: int, *, device: torch.device | str, dtype: torch.dtype = torch.float32,
-                 sum_dtype: torch.dtype = torch.float64) -> None:
+    def __init__(
+        self,
+        dim: int,
+        cross: int,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        sum_dtype: torch.dtype = torch.float64,
+    ) -> None:
         self.dim, self.cross = dim, cross
         self.blocks = triangle_blocks(dim)
-        self.acc = [torch.empty(stop - start, dim + cross - start, device=device, dtype=dtype) for start, stop in self.blocks]
+        self.acc = [
+            torch.empty(stop - start, dim + cross - start, device=device, dtype=dtype) for start, stop in self.blocks
+        ]
         self.col_sums = torch.empty(dim + cross, device=device, dtype=sum_dtype)
         self.weight_sum: torch.Tensor | float = 0.0
         self.rows = 0
 
     @torch.no_grad()
-    def add(self, joint: torch.Tensor, root: torch.Tensor | None, weight_sum: torch.Tensor | float,
-            group: int = 1) -> None:
+    def add(
+        self, joint: torch.Tensor, root: torch.Tensor | None, weight_sum: torch.Tensor | float, group: int = 1
+    ) -> None:
         """Accumulate ``joint`` ([rows, d_a + d_b], rows scaled by ``root`` = √w, or unweighted when None).
 
         ``group``: rows per sequence, for :func:`column_sums`.
@@ -234,7 +252,7 @@ class GramAccumulator:
             return
         dim = self.dim
         for (start, stop), acc in zip(self.blocks, self.acc):
-            parts = (acc[:, : dim - start], acc[:, stop - start: dim - start].T, acc[:, dim - start:])
+            parts = (acc[:, : dim - start], acc[:, stop - start : dim - start].T, acc[:, dim - start :])
             targets = (gram[start:stop, start:], gram[stop:, start:stop], cross[start:stop])
             if overwrite:  # one cast copy per element: the usual case, a task in one flush
                 for target, part in zip(targets, parts):
@@ -244,7 +262,7 @@ class GramAccumulator:
                 block = acc.to(gram.dtype)
             else:
                 block = scratch[: acc.shape[0], : acc.shape[1]].copy_(acc)
-            parts = (block[:, : dim - start], block[:, stop - start: dim - start].T, block[:, dim - start:])
+            parts = (block[:, : dim - start], block[:, stop - start : dim - start].T, block[:, dim - start :])
             for target, part in zip(targets, parts):
                 target += part
         if overwrite:
@@ -267,7 +285,9 @@ class LayerNormMoments(_Sums):
     sum_z2: torch.Tensor
 
     @classmethod
-    def zeros(cls, dim: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> LayerNormMoments:
+    def zeros(
+        cls, dim: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64
+    ) -> LayerNormMoments:
         return cls(*_zeros(device, dtype, (), dim, dim))
 
     @torch.no_grad()

@@ -13,26 +13,58 @@ from featcal.pipeline import default_eval_workers
 
 def add_model_args(parser: argparse.ArgumentParser, *, experts: bool = True) -> None:
     g = parser.add_argument_group("tasks and models")
-    g.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
-                   help="tasks to use (default: every task of --tasks-file, else the eight TA8 tasks)")
-    g.add_argument("--tasks-file", default=None, metavar="FILE",
-                   help="JSON or YAML task table adding to (or replacing) the built-in TA8 tasks")
-    g.add_argument("--base-model-id", default=None, metavar="ID_OR_DIR",
-                   help="base CLIPModel, Hub id or folder (default: the task table's, openai/clip-vit-base-patch32)")
+    g.add_argument(
+        "--tasks",
+        nargs="+",
+        default=None,
+        metavar="TASK",
+        help="tasks to use (default: every task of --tasks-file, else the eight TA8 tasks)",
+    )
+    g.add_argument(
+        "--tasks-file",
+        default=None,
+        metavar="FILE",
+        help="JSON or YAML task table adding to (or replacing) the built-in TA8 tasks",
+    )
+    g.add_argument(
+        "--base-model-id",
+        default=None,
+        metavar="ID_OR_DIR",
+        help="base CLIPModel, Hub id or folder (default: the task table's, openai/clip-vit-base-patch32)",
+    )
     if experts:
-        g.add_argument("--expert-model-format", default=None, metavar="PATTERN",
-                       help="expert id or folder pattern with {task} (default: each task's 'expert' entry)")
+        g.add_argument(
+            "--expert-model-format",
+            default=None,
+            metavar="PATTERN",
+            help="expert id or folder pattern with {task} (default: each task's 'expert' entry)",
+        )
     g.add_argument("--cache-dir", default=None, help="Hub cache folder")
 
 
 def add_merge_args(parser: argparse.ArgumentParser, *, flag: str = "--merge-method") -> None:
     g = parser.add_argument_group("merging")
-    g.add_argument(flag, dest="merge_method", default="task_arithmetic", metavar="NAME",
-                   help="merging method (see `featcal methods`); default task_arithmetic")
-    g.add_argument("--ta-scaling-factor", type=float, default=None, metavar="K",
-                   help="scaling factor κ of the task vectors (methods that have one; default 0.3)")
-    g.add_argument("--merge-param", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other hyper-parameter of the merging method, repeatable")
+    g.add_argument(
+        flag,
+        dest="merge_method",
+        default="task_arithmetic",
+        metavar="NAME",
+        help="merging method (see `featcal methods`); default task_arithmetic",
+    )
+    g.add_argument(
+        "--ta-scaling-factor",
+        type=float,
+        default=None,
+        metavar="K",
+        help="scaling factor κ of the task vectors (methods that have one; default 0.3)",
+    )
+    g.add_argument(
+        "--merge-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other hyper-parameter of the merging method, repeatable",
+    )
 
 
 def merge_params(args: argparse.Namespace) -> dict[str, Any]:
@@ -52,18 +84,44 @@ def merge_params(args: argparse.Namespace) -> dict[str, Any]:
 def add_featcal_args(parser: argparse.ArgumentParser) -> None:
     d = FeatCalParams()
     g = parser.add_argument_group("FeatCal (defaults: the published reference run)")
-    g.add_argument("--num-calibration-examples", type=int, default=d.num_calibration_examples, metavar="N",
-                   help=f"calibration images per task, from the train split (default {d.num_calibration_examples})")
-    g.add_argument("--calibration-batch-size", type=int, default=d.calibration_batch_size, metavar="B",
-                   help=f"default {d.calibration_batch_size}")
-    g.add_argument("--lambda-ratio", type=float, default=d.lambda_ratio, metavar="λ",
-                   help=f"ridge towards the anchor (default {d.lambda_ratio})")
-    g.add_argument("--anchor-blend-rho", type=float, default=d.anchor_blend_rho, metavar="ρ",
-                   help=f"anchor ρ·merged + (1−ρ)·base (default {d.anchor_blend_rho})")
-    g.add_argument("--teacher-interp-alpha", type=float, default=d.teacher_interp_alpha, metavar="α",
-                   help=f"teacher input α·expert + (1−α)·student (default {d.teacher_interp_alpha})")
-    g.add_argument("--covariance-eps", type=float, default=d.covariance_eps, metavar="ε",
-                   help=f"default {d.covariance_eps}")
+    g.add_argument(
+        "--num-calibration-examples",
+        type=int,
+        default=d.num_calibration_examples,
+        metavar="N",
+        help=f"calibration images per task, from the train split (default {d.num_calibration_examples})",
+    )
+    g.add_argument(
+        "--calibration-batch-size",
+        type=int,
+        default=d.calibration_batch_size,
+        metavar="B",
+        help=f"default {d.calibration_batch_size}",
+    )
+    g.add_argument(
+        "--lambda-ratio",
+        type=float,
+        default=d.lambda_ratio,
+        metavar="λ",
+        help=f"ridge towards the anchor (default {d.lambda_ratio})",
+    )
+    g.add_argument(
+        "--anchor-blend-rho",
+        type=float,
+        default=d.anchor_blend_rho,
+        metavar="ρ",
+        help=f"anchor ρ·merged + (1−ρ)·base (default {d.anchor_blend_rho})",
+    )
+    g.add_argument(
+        "--teacher-interp-alpha",
+        type=float,
+        default=d.teacher_interp_alpha,
+        metavar="α",
+        help=f"teacher input α·expert + (1−α)·student (default {d.teacher_interp_alpha})",
+    )
+    g.add_argument(
+        "--covariance-eps", type=float, default=d.covariance_eps, metavar="ε", help=f"default {d.covariance_eps}"
+    )
 
 
 def featcal_params(args: argparse.Namespace) -> FeatCalParams:
@@ -86,10 +144,20 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("evaluation")
     g.add_argument("--eval-batch-size", type=int, default=256, metavar="B", help="default 256")
-    g.add_argument("--eval-num-workers", type=int, default=default_eval_workers(), metavar="W",
-                   help=f"data-loading workers (default {default_eval_workers()} here: min(8, CPUs))")
-    g.add_argument("--max-eval-samples", type=int, default=None, metavar="N",
-                   help="evaluate only the first N test images per task (quick runs)")
+    g.add_argument(
+        "--eval-num-workers",
+        type=int,
+        default=default_eval_workers(),
+        metavar="W",
+        help=f"data-loading workers (default {default_eval_workers()} here: min(8, CPUs))",
+    )
+    g.add_argument(
+        "--max-eval-samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="evaluate only the first N test images per task (quick runs)",
+    )
 
 
 def format_results(results: dict[str, dict], tasks: list[str]) -> str:

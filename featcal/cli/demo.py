@@ -18,21 +18,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="run the whole pipeline on the offline mini8 benchmark (no downloads)",
         description="Build the mini8 benchmark zoo the first time (eight procedural image tasks, a small CLIP "
-                    "and one expert per task, cached), then merge with Task Arithmetic, calibrate with FeatCal, "
-                    "evaluate zero-shot and export a release folder. Prints the results table.",
+        "and one expert per task, cached), then merge with Task Arithmetic, calibrate with FeatCal, "
+        "evaluate zero-shot and export a release folder. Prints the results table.",
     )
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"run folder (default {DEFAULT_OUTPUT_DIR})")
     parser.add_argument("--zoo-seed", type=int, default=0, help="seed the zoo is generated from (default 0)")
     parser.add_argument("--tiny", action="store_true", help="the reduced zoo of the test suite (faster, weaker)")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the zoo even if it is cached")
-    parser.add_argument("--cache-dir", default=None,
-                        help="featcal cache folder (default $FEATCAL_CACHE, else $XDG_CACHE_HOME/featcal, "
-                             "else ~/.cache/featcal)")
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="featcal cache folder (default $FEATCAL_CACHE, else $XDG_CACHE_HOME/featcal, else ~/.cache/featcal)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="torch CPU threads (default: torch's choice, one per core)")
-    parser.add_argument("--ta-scaling-factor", type=float, default=MINI8_DEFAULTS["scaling_factor"], metavar="K",
-                        help=f"Task Arithmetic κ (default {MINI8_DEFAULTS['scaling_factor']})")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads (default: torch's choice, one per core)",
+    )
+    parser.add_argument(
+        "--ta-scaling-factor",
+        type=float,
+        default=MINI8_DEFAULTS["scaling_factor"],
+        metavar="K",
+        help=f"Task Arithmetic κ (default {MINI8_DEFAULTS['scaling_factor']})",
+    )
     parser.add_argument("--no-export", action="store_true", help="do not write the release folder")
     parser.set_defaults(func=cmd_demo)
 
@@ -61,8 +73,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     zoo = build_zoo(config, cache_dir=args.cache_dir, force=args.rebuild, progress=progress)
     built = time.perf_counter() - start
     print(f"Benchmark zoo: {zoo} ({built:.0f} s)")
-    run_config = demo_run_config(zoo, args.output_dir, device=args.device, progress=progress,
-                                 scaling_factor=args.ta_scaling_factor)
+    run_config = demo_run_config(
+        zoo, args.output_dir, device=args.device, progress=progress, scaling_factor=args.ta_scaling_factor
+    )
     results = run_pipeline(run_config)
     tasks = [name for name in results["ta"] if name not in {"model_info", "average", "run_id"}]
     print(format_demo_table(results, tasks))

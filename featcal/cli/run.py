@@ -6,20 +6,38 @@ import argparse
 from pathlib import Path
 
 from featcal.cli.common import (
-    add_eval_args, add_featcal_args, add_merge_args, add_model_args, add_runtime_args,
-    featcal_params, format_results, merge_params, show_progress,
+    add_eval_args,
+    add_featcal_args,
+    add_merge_args,
+    add_model_args,
+    add_runtime_args,
+    featcal_params,
+    format_results,
+    merge_params,
+    show_progress,
 )
 from featcal.io import atomic_write_json
 from featcal.pipeline import (
-    DEFAULT_OUTPUT_DIR, RunConfig, calibrate, load_vision_folder, merge,
-    resolve_device, resolve_setup, run_pipeline, stage_dir_name,
+    DEFAULT_OUTPUT_DIR,
+    RunConfig,
+    calibrate,
+    load_vision_folder,
+    merge,
+    resolve_device,
+    resolve_setup,
+    run_pipeline,
+    stage_dir_name,
 )
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
     """The reference run's options, under the same names."""
-    parser.add_argument("--recipe", default=None, metavar="FILE",
-                        help="YAML recipe: option names (without --) mapped to values; flags given here win")
+    parser.add_argument(
+        "--recipe",
+        default=None,
+        metavar="FILE",
+        help="YAML recipe: option names (without --) mapped to values; flags given here win",
+    )
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"run folder (default {DEFAULT_OUTPUT_DIR})")
     add_model_args(parser)
     add_merge_args(parser)
@@ -38,14 +56,27 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
-        output_dir=args.output_dir, device=args.device, seed=args.seed, tasks=args.tasks,
-        tasks_file=args.tasks_file, base_model_id=args.base_model_id,
-        expert_model_format=args.expert_model_format, merge_method=args.merge_method,
-        merge_params=merge_params(args), featcal=featcal_params(args),
-        eval_batch_size=args.eval_batch_size, eval_num_workers=args.eval_num_workers,
-        max_eval_samples=args.max_eval_samples, skip_ta=args.skip_ta, ta_model_path=args.ta_model_path,
-        skip_eval_ta=args.skip_eval_ta, skip_featcal=args.skip_featcal, eval_zero_shot=args.eval_zero_shot,
-        eval_experts=args.eval_experts, cache_dir=args.cache_dir, progress=show_progress(args),
+        output_dir=args.output_dir,
+        device=args.device,
+        seed=args.seed,
+        tasks=args.tasks,
+        tasks_file=args.tasks_file,
+        base_model_id=args.base_model_id,
+        expert_model_format=args.expert_model_format,
+        merge_method=args.merge_method,
+        merge_params=merge_params(args),
+        featcal=featcal_params(args),
+        eval_batch_size=args.eval_batch_size,
+        eval_num_workers=args.eval_num_workers,
+        max_eval_samples=args.max_eval_samples,
+        skip_ta=args.skip_ta,
+        ta_model_path=args.ta_model_path,
+        skip_eval_ta=args.skip_eval_ta,
+        skip_featcal=args.skip_featcal,
+        eval_zero_shot=args.eval_zero_shot,
+        eval_experts=args.eval_experts,
+        cache_dir=args.cache_dir,
+        progress=show_progress(args),
     )
 
 
@@ -78,9 +109,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    config = RunConfig(tasks=args.tasks, tasks_file=args.tasks_file, base_model_id=args.base_model_id,
-                       expert_model_format=args.expert_model_format, merge_method=args.merge_method,
-                       merge_params=merge_params(args), cache_dir=args.cache_dir)
+    config = RunConfig(
+        tasks=args.tasks,
+        tasks_file=args.tasks_file,
+        base_model_id=args.base_model_id,
+        expert_model_format=args.expert_model_format,
+        merge_method=args.merge_method,
+        merge_params=merge_params(args),
+        cache_dir=args.cache_dir,
+    )
     setup = resolve_setup(config)
     from featcal.io import save_vision_model
 
@@ -90,8 +127,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    config = RunConfig(tasks=args.tasks, tasks_file=args.tasks_file, base_model_id=args.base_model_id,
-                       expert_model_format=args.expert_model_format, cache_dir=args.cache_dir, seed=args.seed)
+    config = RunConfig(
+        tasks=args.tasks,
+        tasks_file=args.tasks_file,
+        base_model_id=args.base_model_id,
+        expert_model_format=args.expert_model_format,
+        cache_dir=args.cache_dir,
+        seed=args.seed,
+    )
     setup = resolve_setup(config)
     merged = load_vision_folder(args.merged)
     from featcal.evaluation import load_base_clip
@@ -99,8 +142,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     _, _, processor = load_base_clip(setup.base_folder)
-    model = calibrate(setup, merged, featcal_params(args), seed=args.seed, device=device,
-                      processor=processor, progress=show_progress(args))
+    model = calibrate(
+        setup,
+        merged,
+        featcal_params(args),
+        seed=args.seed,
+        device=device,
+        processor=processor,
+        progress=show_progress(args),
+    )
     folder = save_vision_model(model.state_dict(), setup.vision_config, args.output)
     print(f"Calibrated model: {folder.resolve()}")
     return 0
@@ -109,15 +159,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from featcal.evaluation import ZeroShotClassifier, load_base_clip
 
-    config = RunConfig(tasks=args.tasks, tasks_file=args.tasks_file, base_model_id=args.base_model_id,
-                       cache_dir=args.cache_dir)
+    config = RunConfig(
+        tasks=args.tasks, tasks_file=args.tasks_file, base_model_id=args.base_model_id, cache_dir=args.cache_dir
+    )
     setup = resolve_setup(config, need_experts=False)
     device = resolve_device(args.device)
     clip, tokenizer, processor = load_base_clip(setup.base_folder, device)
     model = load_vision_folder(args.model) if args.model else clip.vision_model
     report = ZeroShotClassifier(clip, tokenizer, device).evaluate(
-        model, setup.tasks, processor, batch_size=args.eval_batch_size, num_workers=args.eval_num_workers,
-        max_samples=args.max_eval_samples, progress=show_progress(args))
+        model,
+        setup.tasks,
+        processor,
+        batch_size=args.eval_batch_size,
+        num_workers=args.eval_num_workers,
+        max_samples=args.max_eval_samples,
+        progress=show_progress(args),
+    )
     output = args.output or (Path(args.model) / "metrics.json" if args.model else None)
     if output:
         atomic_write_json(output, report)
@@ -138,8 +195,11 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("run", help="merge → evaluate → FeatCal → evaluate, into a run folder",
-                              description="The whole pipeline, with the FeatCal reference run's options.")
+    p = subparsers.add_parser(
+        "run",
+        help="merge → evaluate → FeatCal → evaluate, into a run folder",
+        description="The whole pipeline, with the FeatCal reference run's options.",
+    )
     add_run_args(p)
     p.set_defaults(func=cmd_run, parser=p)
 
@@ -158,7 +218,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_calibrate)
 
     p = subparsers.add_parser("evaluate", help="zero-shot accuracy of a vision model folder per task")
-    p.add_argument("--model", default=None, metavar="DIR", help="CLIPVisionModel folder (default: the base model's own tower)")
+    p.add_argument(
+        "--model", default=None, metavar="DIR", help="CLIPVisionModel folder (default: the base model's own tower)"
+    )
     p.add_argument("--output", default=None, metavar="FILE", help="metrics JSON (default DIR/metrics.json)")
     add_model_args(p, experts=False)
     add_eval_args(p)

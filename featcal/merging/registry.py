@@ -83,9 +83,7 @@ def merge_method(name: str, *, pretty_name: str, reference_url: str) -> Callable
             raise ValueError(f"merging method {name!r} registered twice")
         signature = inspect.signature(fn)
         defaults = {
-            p.name: p.default
-            for p in signature.parameters.values()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY
+            p.name: p.default for p in signature.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
         }
         missing = [k for k, v in defaults.items() if v is inspect.Parameter.empty]
         if missing:

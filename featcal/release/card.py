@@ -22,9 +22,9 @@ from huggingface_hub.utils import validate_repo_id
 from featcal import __version__
 from featcal.errors import FeatcalError
 from featcal.io import atomic_write_text
+from featcal.pipeline import stage_dir_name
 from featcal.release.plot import PLOT_FILE, save_results_plot
 from featcal.release.results import ResultRow, results_rows
-from featcal.pipeline import stage_dir_name
 from featcal.release.run import RunFolder, read_run
 from featcal.tasks import Task
 
@@ -192,17 +192,33 @@ def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | N
         "released_stage": run.released.name,
         "seed": run.config.get("seed", "–"),
         "calibrated": run.calibrated is not None,
-        "method": {"name": run.method, "pretty_name": pretty_name, "url": url, "params": dict(run.merge_params),
-                   "source": run.config["merge"].get("from")},
+        "method": {
+            "name": run.method,
+            "pretty_name": pretty_name,
+            "url": url,
+            "params": dict(run.merge_params),
+            "source": run.config["merge"].get("from"),
+        },
         "featcal": [
-            {"name": k, "symbol": FEATCAL_PARAMS.get(k, ("", ""))[0], "value": v,
-             "meaning": FEATCAL_PARAMS.get(k, ("", ""))[1]}
+            {
+                "name": k,
+                "symbol": FEATCAL_PARAMS.get(k, ("", ""))[0],
+                "value": v,
+                "meaning": FEATCAL_PARAMS.get(k, ("", ""))[1],
+            }
             for k, v in featcal.items()
-        ] if featcal else None,
+        ]
+        if featcal
+        else None,
         "tasks": [
-            {"name": t.name, "dataset": t.dataset.path, "config": t.dataset.name,
-             "test_split": evaluated_split(t, run.max_eval_samples),
-             "classes": len(t.classnames), "expert": run.experts.get(t.name)}
+            {
+                "name": t.name,
+                "dataset": t.dataset.path,
+                "config": t.dataset.name,
+                "test_split": evaluated_split(t, run.max_eval_samples),
+                "classes": len(t.classnames),
+                "expert": run.experts.get(t.name),
+            }
             for t in run.tasks
         ],
         "rows": rows,

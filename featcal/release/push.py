@@ -26,6 +26,7 @@ from featcal.release.run import RUN_CONFIG
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class PushResult:
     """What a push did (or, for a dry run, would do)."""
@@ -86,7 +87,8 @@ def _verify(files: tuple[ReleaseFile, ...], listed: dict[str, RepoFile], where: 
             problems.append(f"{f.path_in_repo} has {remote.size} bytes, {f.size} were sent")
         else:
             kind, listed_hash, local_hash = (
-                ("LFS sha256", remote.lfs.sha256, f.sha256()) if remote.lfs is not None
+                ("LFS sha256", remote.lfs.sha256, f.sha256())
+                if remote.lfs is not None
                 else ("git oid", remote.blob_id, f.git_blob_sha1())
             )
             if listed_hash != local_hash:
@@ -124,7 +126,11 @@ def push_release(
     if release.model_name != repo_id:
         logger.warning(
             "The card in %s was rendered for %r, not %s: its usage snippet names the wrong repository "
-            "(re-render it with `featcal card RUN --repo %s`).", release.folder, release.model_name, repo_id, repo_id
+            "(re-render it with `featcal card RUN --repo %s`).",
+            release.folder,
+            release.model_name,
+            repo_id,
+            repo_id,
         )
     if dry_run:
         return PushResult(repo_id=repo_id, folder=release.folder, files=release.files, dry_run=True)
@@ -137,9 +143,7 @@ def push_release(
         check_namespace(repo_id, api.whoami())
         head = _ensure_repo(api, repo_id, private=private, revision=revision)
         operations = [CommitOperationAdd(f.path_in_repo, f.local) for f in release.files]
-        info = api.create_commit(
-            repo_id, operations, commit_message=message, revision=revision, create_pr=create_pr
-        )
+        info = api.create_commit(repo_id, operations, commit_message=message, revision=revision, create_pr=create_pr)
         listed_revision = info.pr_revision or revision
         listed = {
             entry.path: entry

@@ -41,8 +41,9 @@ def _first_test_image(task: Task, *, remote: bool):
     return next(iter(rows))[spec.image_column]
 
 
-def collect_examples(tasks: list[Task], folder: Path, *, shipped: Path | None = None, remote: bool = False,
-                     progress: bool = True) -> dict[str, Path]:
+def collect_examples(
+    tasks: list[Task], folder: Path, *, shipped: Path | None = None, remote: bool = False, progress: bool = True
+) -> dict[str, Path]:
     """Per task, an example image: from ``shipped`` if it has one, else saved into ``folder`` from the test split.
 
     ``remote`` allows streaming Hub datasets. Tasks whose image cannot be had are left out, with a

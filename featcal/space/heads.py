@@ -29,7 +29,9 @@ HEAD_KEY = "head"
 
 def default_cache_dir() -> Path:
     """``$FEATCAL_CACHE`` or ``$XDG_CACHE_HOME/featcal`` (``~/.cache/featcal``), then ``space-heads``."""
-    root = os.environ.get("FEATCAL_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "featcal"
+    root = (
+        os.environ.get("FEATCAL_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "featcal"
+    )
     return Path(root) / "space-heads"
 
 
@@ -44,8 +46,14 @@ def _key(fingerprint: list, task: Task) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def task_heads(classifier: ZeroShotClassifier, tasks: Iterable[Task], base_folder: Path,
-               cache_dir: Path | None, *, progress: bool = True) -> dict[str, torch.Tensor]:
+def task_heads(
+    classifier: ZeroShotClassifier,
+    tasks: Iterable[Task],
+    base_folder: Path,
+    cache_dir: Path | None,
+    *,
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
     """Per task, its [classes, dim] head: read from ``cache_dir`` when stored, else computed (and stored)."""
     fingerprint = base_fingerprint(base_folder)
     heads: dict[str, torch.Tensor] = {}

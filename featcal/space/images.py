@@ -22,10 +22,21 @@ MAX_ASPECT_RATIO = 25.0
 ORIENTATION = 0x0112  # the EXIF orientation tag
 SMALL_SIDE = 16
 MODE_NAMES = {
-    "1": "black-and-white", "L": "grayscale", "LA": "grayscale with transparency", "P": "palette",
-    "PA": "palette with transparency", "RGBA": "RGBA (transparency on white)", "CMYK": "CMYK",
-    "YCbCr": "YCbCr", "LAB": "Lab", "HSV": "HSV", "I": "32-bit integer", "F": "32-bit float",
-    "I;16": "16-bit grayscale", "I;16B": "16-bit grayscale", "I;16L": "16-bit grayscale",
+    "1": "black-and-white",
+    "L": "grayscale",
+    "LA": "grayscale with transparency",
+    "P": "palette",
+    "PA": "palette with transparency",
+    "RGBA": "RGBA (transparency on white)",
+    "CMYK": "CMYK",
+    "YCbCr": "YCbCr",
+    "LAB": "Lab",
+    "HSV": "HSV",
+    "I": "32-bit integer",
+    "F": "32-bit float",
+    "I;16": "16-bit grayscale",
+    "I;16B": "16-bit grayscale",
+    "I;16L": "16-bit grayscale",
 }
 READABLE = "PNG, JPEG, WebP, GIF, BMP or TIFF"
 
@@ -54,8 +65,10 @@ def read_data_url(url: str, max_bytes: int) -> bytes:
 
 
 def _too_big(size: int, max_bytes: int) -> str:
-    return (f"The file is {size / 1e6:.1f} MB; this Space accepts images up to {max_bytes / 1e6:.0f} MB. "
-            "Save a smaller copy (JPEG, at most a few thousand pixels a side) and upload that.")
+    return (
+        f"The file is {size / 1e6:.1f} MB; this Space accepts images up to {max_bytes / 1e6:.0f} MB. "
+        "Save a smaller copy (JPEG, at most a few thousand pixels a side) and upload that."
+    )
 
 
 def open_upload(source: str | Path | bytes, *, max_bytes: int, max_pixels: int) -> Upload:
@@ -89,7 +102,9 @@ def open_upload(source: str | Path | bytes, *, max_bytes: int, max_pixels: int) 
         try:
             image.load()
         except (OSError, SyntaxError, ValueError) as exc:
-            raise FeatcalError(f"The image data is corrupt or truncated ({exc}): re-save the image and upload it again.") from None
+            raise FeatcalError(
+                f"The image data is corrupt or truncated ({exc}): re-save the image and upload it again."
+            ) from None
     upload = Upload(image=image, original_size=(width, height), original_mode=image.mode)
     try:
         frames = getattr(image, "n_frames", 1)
@@ -106,15 +121,21 @@ def open_upload(source: str | Path | bytes, *, max_bytes: int, max_pixels: int) 
     try:
         upload.image = to_rgb(rotated)
     except (OSError, ValueError, TypeError) as exc:
-        raise FeatcalError(f"Cannot convert this {image.mode} image to RGB ({exc}): save it as an RGB PNG or JPEG.") from None
+        raise FeatcalError(
+            f"Cannot convert this {image.mode} image to RGB ({exc}): save it as an RGB PNG or JPEG."
+        ) from None
     if image.mode != "RGB":
         upload.notes.append(f"Converted from {MODE_NAMES.get(image.mode, image.mode)} to RGB.")
     if min(width, height) < SMALL_SIDE:
-        upload.notes.append(f"The image is only {width}×{height} pixels: it was scaled up, so the prediction means little.")
+        upload.notes.append(
+            f"The image is only {width}×{height} pixels: it was scaled up, so the prediction means little."
+        )
     return upload
 
 
 def _too_many_pixels(size: tuple[int, int] | None, max_pixels: int) -> str:
     what = f"{size[0]}×{size[1]} pixels ({size[0] * size[1] / 1e6:.0f} MP)" if size else "too many pixels"
-    return (f"The image has {what}; this Space accepts up to {max_pixels / 1e6:.0f} megapixels. "
-            "Upload a downscaled copy: CLIP sees it at 224×224 anyway.")
+    return (
+        f"The image has {what}; this Space accepts up to {max_pixels / 1e6:.0f} megapixels. "
+        "Upload a downscaled copy: CLIP sees it at 224×224 anyway."
+    )

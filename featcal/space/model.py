@@ -60,16 +60,22 @@ def resolve_model_source(ref: str) -> ModelSource:
     if (path / "config.json").is_file():
         return ModelSource(ref, path, path if (path / RUN_CONFIG).is_file() else None)
     if not (path / RUN_CONFIG).is_file():
-        raise FeatcalError(f"{path} is neither a model folder (config.json, model.safetensors), a release folder "
-                           f"nor a run folder ({RUN_CONFIG}): point --model at the output of `featcal run`.")
+        raise FeatcalError(
+            f"{path} is neither a model folder (config.json, model.safetensors), a release folder "
+            f"nor a run folder ({RUN_CONFIG}): point --model at the output of `featcal run`."
+        )
     stages = sorted(p for p in path.glob("featcal-*") if (p / "config.json").is_file())
     if not stages:
-        raise FeatcalError(f"The run folder {path} has no calibrated model (featcal-*/) and no {RELEASE_DIR}/ yet: "
-                           "finish the run, or pass a model folder with --model.")
+        raise FeatcalError(
+            f"The run folder {path} has no calibrated model (featcal-*/) and no {RELEASE_DIR}/ yet: "
+            "finish the run, or pass a model folder with --model."
+        )
     if len(stages) > 1:
         names = ", ".join(p.name for p in stages)
-        raise FeatcalError(f"The run folder {path} holds several calibrated models ({names}): "
-                           f"pass one of them, e.g. --model {stages[0]}.")
+        raise FeatcalError(
+            f"The run folder {path} holds several calibrated models ({names}): "
+            f"pass one of them, e.g. --model {stages[0]}."
+        )
     return ModelSource(ref, stages[0], path)
 
 
@@ -101,8 +107,11 @@ class SpaceModel:
         self.tasks = {task.name: task for task in space_tasks(settings)}
         unoffered = [name for name in self.source.recipe().get("tasks") or [] if name not in self.tasks]
         if unoffered:
-            logger.warning("The model was made for task(s) %s, which this Space does not offer: give their tasks "
-                           "file with --tasks-file (TASKS_FILE in a Space).", ", ".join(unoffered))
+            logger.warning(
+                "The model was made for task(s) %s, which this Space does not offer: give their tasks "
+                "file with --tasks-file (TASKS_FILE in a Space).",
+                ", ".join(unoffered),
+            )
         base_folder = resolve_model_folder(self.base_ref, what="base CLIP model")
         logger.info("Loading the base CLIP from %s and the vision tower from %s", base_folder, self.source.folder)
         self.clip, tokenizer, self.processor = load_base_clip(base_folder, self.device)
@@ -114,8 +123,11 @@ class SpaceModel:
 
     def _check_compatible(self) -> None:
         ours, base = self.vision.config, self.clip.vision_model.config
-        mismatched = [k for k in ("hidden_size", "num_hidden_layers", "image_size", "patch_size")
-                      if getattr(ours, k) != getattr(base, k)]
+        mismatched = [
+            k
+            for k in ("hidden_size", "num_hidden_layers", "image_size", "patch_size")
+            if getattr(ours, k) != getattr(base, k)
+        ]
         if mismatched:
             raise FeatcalError(
                 f"The model {self.settings.model_id} does not fit the base {self.base_ref}: they differ in "
@@ -131,16 +143,18 @@ class SpaceModel:
         return [choice]
 
     @torch.no_grad()
-    def probabilities(self, image: Image.Image, task_names: list[str], *, base: bool = False) -> dict[str, torch.Tensor]:
+    def probabilities(
+        self, image: Image.Image, task_names: list[str], *, base: bool = False
+    ) -> dict[str, torch.Tensor]:
         """Per task, the softmax over its classes of the zero-shot logits (of the base tower if ``base``)."""
         vision = self.clip.vision_model if base else self.vision
         embedding = self.classifier.image_embeddings(vision, pixel_values(self.processor, [image]))
         scale = self.clip.logit_scale.exp()
-        return {name: (scale * embedding @ self.heads[name].T)[0].softmax(-1).cpu()
-                for name in task_names}
+        return {name: (scale * embedding @ self.heads[name].T)[0].softmax(-1).cpu() for name in task_names}
 
-    def top_classes(self, image: Image.Image, task_names: list[str], top_k: int, *, base: bool = False
-                    ) -> dict[str, dict[str, float]]:
+    def top_classes(
+        self, image: Image.Image, task_names: list[str], top_k: int, *, base: bool = False
+    ) -> dict[str, dict[str, float]]:
         """Per task, its ``top_k`` most probable classes (most probable first) with their probabilities."""
         result = {}
         for name, probs in self.probabilities(image, task_names, base=base).items():

@@ -45,15 +45,26 @@ def classify(model: SpaceModel, payload: Any, task: str, top_k: Any = 5, compare
     """
     settings = model.settings
     max_bytes = int(settings.max_file_mb * 1e6)
-    reply: dict[str, Any] = {"model": settings.model_id, "base_model": model.base_ref, "task": task,
-                             "image": None, "notes": [], "results": {}, "error": None}
+    reply: dict[str, Any] = {
+        "model": settings.model_id,
+        "base_model": model.base_ref,
+        "task": task,
+        "image": None,
+        "notes": [],
+        "results": {},
+        "error": None,
+    }
     try:
         names = model.task_names(str(task))
         k = _top_k(top_k)
-        upload = open_upload(_source(payload, max_bytes), max_bytes=max_bytes,
-                             max_pixels=int(settings.max_megapixels * 1e6))
-        reply["image"] = {"width": upload.original_size[0], "height": upload.original_size[1],
-                          "mode": upload.original_mode}
+        upload = open_upload(
+            _source(payload, max_bytes), max_bytes=max_bytes, max_pixels=int(settings.max_megapixels * 1e6)
+        )
+        reply["image"] = {
+            "width": upload.original_size[0],
+            "height": upload.original_size[1],
+            "mode": upload.original_mode,
+        }
         reply["notes"] = upload.notes
         ours = model.top_classes(upload.image, names, k)
         base = model.top_classes(upload.image, names, k, base=True) if compare else {}

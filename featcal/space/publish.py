@@ -56,8 +56,10 @@ def space_source() -> Path:
     source = Path(featcal.__file__).resolve().parents[1] / "space"
     missing = [name for name in (*SOURCE_FILES, CARD) if not (source / name).is_file()]
     if missing:
-        raise FeatcalError(f"The Space sources are missing from {source} ({', '.join(missing)}): "
-                           "run `featcal space push` from a featcal source checkout (pip install -e .).")
+        raise FeatcalError(
+            f"The Space sources are missing from {source} ({', '.join(missing)}): "
+            "run `featcal space push` from a featcal source checkout (pip install -e .)."
+        )
     return source
 
 
@@ -72,19 +74,29 @@ def _hub_id(value: str, option: str) -> str:
     except HFValidationError:
         valid = False
     if not valid:
-        raise FeatcalError(f"{option} {value!r} must be a Hub model id (namespace/name): the Space downloads it and "
-                           "cannot see folders on this machine. Publish the model first with `featcal push`.")
+        raise FeatcalError(
+            f"{option} {value!r} must be a Hub model id (namespace/name): the Space downloads it and "
+            "cannot see folders on this machine. Publish the model first with `featcal push`."
+        )
     return value
 
 
 def list_space_files(folder: Path) -> tuple[SpaceFile, ...]:
     """Every file under ``folder``, sorted, as it will land in the repository."""
-    return tuple(SpaceFile(p.relative_to(folder).as_posix(), p.stat().st_size)
-                 for p in sorted(folder.rglob("*")) if p.is_file())
+    return tuple(
+        SpaceFile(p.relative_to(folder).as_posix(), p.stat().st_size) for p in sorted(folder.rglob("*")) if p.is_file()
+    )
 
 
-def stage_space(out: str | Path, *, model_id: str = DEFAULT_MODEL_ID, base_model_id: str | None = None,
-                tasks_file: str | Path | None = None, examples: bool = True, progress: bool = True) -> Path:
+def stage_space(
+    out: str | Path,
+    *,
+    model_id: str = DEFAULT_MODEL_ID,
+    base_model_id: str | None = None,
+    tasks_file: str | Path | None = None,
+    examples: bool = True,
+    progress: bool = True,
+) -> Path:
     """Write the Space's files into ``out`` (created; it must not exist or be empty)."""
     from huggingface_hub import SpaceCard
 
@@ -114,10 +126,20 @@ def stage_space(out: str | Path, *, model_id: str = DEFAULT_MODEL_ID, base_model
     return out
 
 
-def push_space(repo_id: str, *, model_id: str = DEFAULT_MODEL_ID, base_model_id: str | None = None,
-               tasks_file: str | Path | None = None, private: bool = False, token: str | None = None,
-               dry_run: bool = False, endpoint: str | None = None, output: str | Path | None = None,
-               examples: bool = True, progress: bool = True) -> SpacePushResult:
+def push_space(
+    repo_id: str,
+    *,
+    model_id: str = DEFAULT_MODEL_ID,
+    base_model_id: str | None = None,
+    tasks_file: str | Path | None = None,
+    private: bool = False,
+    token: str | None = None,
+    dry_run: bool = False,
+    endpoint: str | None = None,
+    output: str | Path | None = None,
+    examples: bool = True,
+    progress: bool = True,
+) -> SpacePushResult:
     """Stage the Space (into ``output``, else a temporary folder) and upload it to ``repo_id`` in one commit.
 
     Creates the Space (Gradio SDK) if it does not exist. A dry run stages and lists the files
@@ -133,8 +155,14 @@ def push_space(repo_id: str, *, model_id: str = DEFAULT_MODEL_ID, base_model_id:
     check_repo_id(repo_id)
     api = None if dry_run else _hub_api(token, endpoint)  # token and offline problems show before staging
     with tempfile.TemporaryDirectory(prefix="featcal-space-") as tmp:
-        folder = stage_space(Path(output) if output else Path(tmp) / "space", model_id=model_id,
-                             base_model_id=base_model_id, tasks_file=tasks_file, examples=examples, progress=progress)
+        folder = stage_space(
+            Path(output) if output else Path(tmp) / "space",
+            model_id=model_id,
+            base_model_id=base_model_id,
+            tasks_file=tasks_file,
+            examples=examples,
+            progress=progress,
+        )
         files = list_space_files(folder)
         kept = folder if output else None
         if api is None:
@@ -146,8 +174,8 @@ def push_space(repo_id: str, *, model_id: str = DEFAULT_MODEL_ID, base_model_id:
 def _hub_api(token: str | None, endpoint: str | None):
     from huggingface_hub import HfApi
 
-    from featcal.loading import is_offline
     from featcal.hub import NOTHING_PUBLISHED, hub_token
+    from featcal.loading import is_offline
 
     if is_offline():
         raise FeatcalError(f"HF_HUB_OFFLINE is set: unset it to push the Space. {NOTHING_PUBLISHED}")
@@ -162,8 +190,12 @@ def _upload(api, folder: Path, repo_id: str, *, private: bool) -> tuple[str, str
     with hub_errors(repo_id, api.endpoint):
         check_namespace(repo_id, api.whoami())
         url = api.create_repo(repo_id, repo_type="space", space_sdk="gradio", private=private, exist_ok=True)
-        info = api.upload_folder(repo_id=repo_id, repo_type="space", folder_path=folder,
-                                 commit_message=f"featcal {__version__}: Space for {repo_id}",
-                                 delete_patterns=OWNED_PATTERNS)
+        info = api.upload_folder(
+            repo_id=repo_id,
+            repo_type="space",
+            folder_path=folder,
+            commit_message=f"featcal {__version__}: Space for {repo_id}",
+            delete_patterns=OWNED_PATTERNS,
+        )
     logger.info("Pushed the Space %s: %s", repo_id, info.commit_url)
     return str(url), info.commit_url

@@ -63,7 +63,9 @@ class SpaceSettings:
             try:
                 values = json.loads(config.read_text(encoding="utf-8"))
             except json.JSONDecodeError as exc:
-                raise FeatcalError(f"{config} is not valid JSON ({exc}): fix it or delete it to use the defaults.") from None
+                raise FeatcalError(
+                    f"{config} is not valid JSON ({exc}): fix it or delete it to use the defaults."
+                ) from None
             allowed = set(cls.__dataclass_fields__) - {"app_dir"}
             if not isinstance(values, dict) or set(values) - allowed:
                 raise FeatcalError(f"{config}: expected a JSON object with keys among {sorted(allowed)}.")

@@ -56,10 +56,20 @@ def render(model: SpaceModel, reply: Mapping[str, Any] | None) -> list[Any]:
     updates: list[Any] = [gr.Markdown(status)]
     for name in model.tasks:
         row = results.get(name)
-        updates.append(gr.Label(value=row["model"] if row else None, visible=row is not None,
-                                label=f"{name} · {Path(model.settings.model_id).name}"))
-        updates.append(gr.Label(value=row.get("base") if row else None, visible=bool(row and "base" in row),
-                                label=f"{name} · original CLIP"))
+        updates.append(
+            gr.Label(
+                value=row["model"] if row else None,
+                visible=row is not None,
+                label=f"{name} · {Path(model.settings.model_id).name}",
+            )
+        )
+        updates.append(
+            gr.Label(
+                value=row.get("base") if row else None,
+                visible=bool(row and "base" in row),
+                label=f"{name} · original CLIP",
+            )
+        )
     return updates
 
 
@@ -76,12 +86,17 @@ def build_demo(model: SpaceModel, examples: Mapping[str, Path]):
                 image = gr.Image(type="filepath", label="Image", sources=["upload", "clipboard"], elem_id="image")
                 task = gr.Dropdown(choices, value=ALL_TASKS, label="Task", elem_id="task")
                 with gr.Row():
-                    top_k = gr.Slider(1, MAX_TOP_K, value=settings.top_k, step=1, label="Classes shown", elem_id="top-k")
+                    top_k = gr.Slider(
+                        1, MAX_TOP_K, value=settings.top_k, step=1, label="Classes shown", elem_id="top-k"
+                    )
                     compare = gr.Checkbox(value=True, label="compare with the original CLIP", elem_id="compare")
                 button = gr.Button("Classify", variant="primary", elem_id="classify")
                 if examples:
-                    gr.Examples([[str(path), name] for name, path in examples.items()], inputs=[image, task],
-                                label="Examples, one per task (from its test split)")
+                    gr.Examples(
+                        [[str(path), name] for name, path in examples.items()],
+                        inputs=[image, task],
+                        label="Examples, one per task (from its test split)",
+                    )
             with gr.Column(scale=3):
                 status = gr.Markdown(elem_id="status")
                 labels = []
@@ -92,9 +107,14 @@ def build_demo(model: SpaceModel, examples: Mapping[str, Path]):
                 with gr.Accordion("Raw reply (what the API returns)", open=False):
                     raw = gr.JSON(label="reply")
         # The page calls the public `/predict` endpoint, then draws its reply: API users get the same numbers.
-        button.click(partial(classify, model), inputs=[image, task, top_k, compare], outputs=raw,
-                     api_name="predict", preprocess=False, concurrency_limit=settings.concurrency_limit,
-                     ).then(partial(render, model), inputs=raw, outputs=[status, *labels], api_visibility="private")
+        button.click(
+            partial(classify, model),
+            inputs=[image, task, top_k, compare],
+            outputs=raw,
+            api_name="predict",
+            preprocess=False,
+            concurrency_limit=settings.concurrency_limit,
+        ).then(partial(render, model), inputs=raw, outputs=[status, *labels], api_visibility="private")
     demo.queue(default_concurrency_limit=settings.concurrency_limit, max_size=settings.queue_size)
     return demo
 
@@ -107,8 +127,14 @@ class Space:
     model: SpaceModel
     example_folders: list[Path]
 
-    def launch(self, *, host: str | None = None, port: int | None = None, share: bool = False,
-               prevent_thread_lock: bool = False) -> None:
+    def launch(
+        self,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        share: bool = False,
+        prevent_thread_lock: bool = False,
+    ) -> None:
         """Serve the page with the Space's limits: upload size, queue, access to the example folders.
 
         ``host`` and ``port`` default to Gradio's (GRADIO_SERVER_NAME / GRADIO_SERVER_PORT, else
@@ -116,9 +142,17 @@ class Space:
         """
         import gradio as gr
 
-        self.demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=prevent_thread_lock,
-                         max_file_size=int(self.model.settings.max_file_mb * 1e6), show_error=True,
-                         allowed_paths=[str(f) for f in self.example_folders], theme=gr.themes.Soft(), css=CSS)
+        self.demo.launch(
+            server_name=host,
+            server_port=port,
+            share=share,
+            prevent_thread_lock=prevent_thread_lock,
+            max_file_size=int(self.model.settings.max_file_mb * 1e6),
+            show_error=True,
+            allowed_paths=[str(f) for f in self.example_folders],
+            theme=gr.themes.Soft(),
+            css=CSS,
+        )
 
     def close(self) -> None:
         self.demo.close()
