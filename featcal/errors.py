@@ -1,8 +1,121 @@
-"""The one exception type that featcal raises for problems the user can fix."""
+"""Typed exceptions for problems the user can fix; each carries the offending value.
+
+Library code raises these and never prints; the CLI (:mod:`featcal.cli.errors`) words them on one
+line and exits with status 2. Messages speak of parameters and inputs by their Python names
+(``lambda_ratio``), never by command-line flags: the CLI maps a parameter to its flag when it words
+the error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 
 class FeatcalError(Exception):
     """A problem with the user's input or environment, with a message that names the fix.
 
-    The CLI prints the message on one line and exits with status 2; library users catch it.
+    Args:
+        message: One line that names the input and how to fix it.
     """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidParameterError(FeatcalError, ValueError):
+    """A run option or method hyper-parameter with a value of the wrong type or outside its range.
+
+    Args:
+        name: The parameter's name (``lambda_ratio``, ``top_k``).
+        value: The value given.
+        expected: What the value must be, e.g. ``"a number >= 0"``.
+        owner: Whose parameter it is when not a run option, e.g. ``"merging method 'ties'"``.
+    """
+
+    def __init__(self, name: str, value: Any, expected: str, *, owner: str | None = None) -> None:
+        self.name = name
+        self.value = value
+        self.expected = expected
+        self.owner = owner
+        where = f"{owner}: " if owner else ""
+        super().__init__(f"{where}{name}={value!r} is invalid: it must be {expected}.")
+
+
+class UnknownNameError(FeatcalError, KeyError):
+    """A name that is not among the known ones (a task, a merging method, a parameter, a recipe key).
+
+    Args:
+        kind: What was named, e.g. ``"task"`` or ``"merging method"``.
+        names: The unknown name(s).
+        known: The names that would have been accepted.
+        hint: A sentence saying how to add or find one.
+    """
+
+    def __init__(self, kind: str, names: str | Sequence[str], known: Sequence[str], *, hint: str = "") -> None:
+        self.kind = kind
+        self.names = [names] if isinstance(names, str) else list(names)
+        self.known = list(known)
+        self.hint = hint
+        shown = self.names[0] if len(self.names) == 1 else self.names
+        message = f"Unknown {kind} {shown!r}; known: {', '.join(self.known) or 'none'}."
+        super().__init__(f"{message} {hint}".strip())
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.message
+
+
+class InputError(FeatcalError):
+    """An input (file, folder, model, dataset) that cannot be used as it is.
+
+    Args:
+        ref: The input as the user gave it (a path or a Hub id).
+        message: One line naming the input and the fix.
+    """
+
+    def __init__(self, ref: str | Path | None, message: str) -> None:
+        self.ref = None if ref is None else str(ref)
+        super().__init__(message)
+
+
+class ModelInputError(InputError):
+    """A model folder, checkpoint or Hub model that is missing, unreadable or does not fit the run."""
+
+
+class DatasetInputError(InputError):
+    """A task's dataset that is missing, lacks a split or column, or holds labels outside its classes.
+
+    Args:
+        task: The task whose dataset it is.
+        ref: The dataset's path or Hub id.
+        message: One line naming the dataset and the fix.
+    """
+
+    def __init__(self, task: str, ref: str | None, message: str) -> None:
+        self.task = task
+        super().__init__(ref, message)
+
+
+class RunFolderError(InputError):
+    """A run folder (or a file in it) that is missing, damaged or belongs to another run."""
+
+
+class ReleaseError(InputError):
+    """A release folder that is incomplete or differs from what export wrote."""
+
+
+class HubError(FeatcalError):
+    """The Hub refused a request, or could not be reached; nothing was published.
+
+    Args:
+        repo_id: The repository concerned, when there is one.
+        message: One line saying what happened and what to do.
+        status: The HTTP status of the refusal, when there was one.
+    """
+
+    def __init__(self, repo_id: str | None, message: str, *, status: int | None = None) -> None:
+        self.repo_id = repo_id
+        self.status = status
+        super().__init__(message)
