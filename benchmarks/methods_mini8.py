@@ -8,7 +8,6 @@ Writes benchmarks/results/methods_mini8.json and prints a markdown table (accura
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import tempfile
@@ -17,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from featcal.benchmark import ZooConfig, build_zoo, demo_run_config
+from featcal.demo import ZooConfig, build_zoo, demo_run_spec
 from featcal.merging import available_methods, get_method
-from featcal.pipeline import run_pipeline, stage_dir_name
+from featcal.pipeline import run_pipeline
+from featcal.runfolder import calibrated_stage_name, merged_stage_name
 
 RESULTS = Path(__file__).parent / "results" / "methods_mini8.json"
 
@@ -34,17 +34,16 @@ def main() -> None:
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, method in enumerate(args.methods):
-            base_config = demo_run_config(zoo, Path(tmp) / method, progress=False)
-            config = dataclasses.replace(
-                base_config, merge_method=method, merge_params={}, eval_zero_shot=i == 0, eval_experts=i == 0
+            spec = demo_run_spec(zoo, Path(tmp) / method, progress=False).replace(
+                merge_method=method, merge_params={}, eval_zero_shot=i == 0, eval_experts=i == 0
             )
             start = time.perf_counter()
-            results = run_pipeline(config)
+            results = {stage: report.to_json() for stage, report in run_pipeline(spec).items()}
             timings = json.loads((Path(tmp) / method / "timings.json").read_text())
-            name = stage_dir_name(method)
+            name, calibrated = merged_stage_name(method), calibrated_stage_name(method)
             rows[method] = {
                 "merged": results[name],
-                "featcal": results[f"featcal-{name}"],
+                "featcal": results[calibrated],
                 "params": get_method(method).resolved_params(),
                 "timings": timings,
                 "wall_s": time.perf_counter() - start,
@@ -53,7 +52,7 @@ def main() -> None:
                 rows["_zero_shot"], rows["_experts"] = results["zero-shot"], results["experts"]
             print(
                 f"{method}: {100 * results[name]['average']['accuracy']:.2f} → "
-                f"{100 * results[f'featcal-{name}']['average']['accuracy']:.2f}",
+                f"{100 * results[calibrated]['average']['accuracy']:.2f}",
                 flush=True,
             )
     tasks = [k for k in rows["_experts"] if k not in {"average", "run_id", "model_info"}]

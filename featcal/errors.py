@@ -52,15 +52,19 @@ class UnknownNameError(FeatcalError, KeyError):
         names: The unknown name(s).
         known: The names that would have been accepted.
         hint: A sentence saying how to add or find one.
+        where: The file or source the name came from, e.g. ``"Recipe r.yaml"``.
     """
 
-    def __init__(self, kind: str, names: str | Sequence[str], known: Sequence[str], *, hint: str = "") -> None:
+    def __init__(
+        self, kind: str, names: str | Sequence[str], known: Sequence[str], *, hint: str = "", where: str = ""
+    ) -> None:
         self.kind = kind
         self.names = [names] if isinstance(names, str) else list(names)
         self.known = list(known)
         self.hint = hint
         shown = self.names[0] if len(self.names) == 1 else self.names
-        message = f"Unknown {kind} {shown!r}; known: {', '.join(self.known) or 'none'}."
+        lead = f"{where}: unknown" if where else "Unknown"
+        message = f"{lead} {kind} {shown!r}; known: {', '.join(self.known) or 'none'}."
         super().__init__(f"{message} {hint}".strip())
 
     def __str__(self) -> str:  # KeyError would quote the message

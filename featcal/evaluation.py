@@ -12,6 +12,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from featcal.data import evaluation_loader
+from featcal.runfolder import MetricsReport, TaskMetrics
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,8 @@ class ZeroShotClassifier:
         num_workers: int = 0,
         max_samples: int | None = None,
         progress: bool = True,
-    ) -> dict[str, float]:
+    ) -> TaskMetrics:
+        """Accuracy, mean cross-entropy and image count of ``vision_model`` on ``task``'s test split."""
         loader = evaluation_loader(
             task, processor, batch_size=batch_size, num_workers=num_workers, max_samples=max_samples
         )
@@ -120,7 +122,7 @@ class ZeroShotClassifier:
             loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
             correct += int((logits.argmax(-1) == labels).sum())
             seen += int(labels.numel())
-        return {"accuracy": correct / seen, "loss": loss_sum / seen, "num_samples": seen}
+        return TaskMetrics(accuracy=correct / seen, loss=loss_sum / seen, num_samples=seen)
 
     def evaluate(
         self,
@@ -132,12 +134,25 @@ class ZeroShotClassifier:
         num_workers: int = 0,
         max_samples: int | None = None,
         progress: bool = True,
-    ) -> dict:
-        """The report the reference run writes as metrics.json: per task, average, model_info."""
+    ) -> MetricsReport:
+        """Accuracy and loss of ``vision_model`` on each task, their average and the model's size.
+
+        Args:
+            vision_model: A CLIP vision tower of the base's family.
+            tasks: The tasks, each evaluated on its test split.
+            processor: The base's image processor.
+            batch_size: Test images per batch.
+            num_workers: Data-loading worker processes.
+            max_samples: Evaluate only the first N test images of each task.
+            progress: Show progress bars.
+
+        Returns:
+            The report the reference run writes as metrics.json.
+        """
         vision_model = vision_model.to(self.device).eval()
-        report: dict = {"model_info": count_parameters(vision_model)}
+        results: dict[str, TaskMetrics] = {}
         for task in tqdm(tasks, desc="Evaluating tasks", disable=not progress):
-            report[task.name] = self.evaluate_task(
+            results[task.name] = self.evaluate_task(
                 vision_model,
                 task,
                 processor,
@@ -146,8 +161,5 @@ class ZeroShotClassifier:
                 max_samples=max_samples,
                 progress=progress,
             )
-            logger.info("%s: accuracy %.4f", task.name, report[task.name]["accuracy"])
-        accs = [report[t.name]["accuracy"] for t in tasks]
-        losses = [report[t.name]["loss"] for t in tasks]
-        report["average"] = {"accuracy": sum(accs) / len(accs), "loss": sum(losses) / len(losses)}
-        return report
+            logger.info("%s: accuracy %.4f", task.name, results[task.name].accuracy)
+        return MetricsReport.from_results(results, model_info=count_parameters(vision_model))

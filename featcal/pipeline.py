@@ -1,17 +1,16 @@
-"""A featcal run: merge → evaluate → calibrate → evaluate, each stage writing into a run folder.
+"""The stages of a run, over a :class:`~featcal.spec.RunSpec` and a run folder.
 
-Layout (the FeatCal reference run's): ``run_config.json``; ``<merge>/`` (``ta/`` for Task
-Arithmetic, else the method name) and ``featcal-<merge>/``, each a `CLIPVisionModel` folder with
-``metrics.json`` and ``run.log``; optionally ``zero-shot/`` and ``experts/`` metrics; ``timings.json``.
+merge → evaluate → calibrate → evaluate, each stage writing through :mod:`featcal.runfolder` into
+the reference run's layout. Inputs are resolved and checked (tasks, models, datasets, the merge)
+before the first file is written.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -22,69 +21,29 @@ from featcal import __version__
 from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.checkpoint import Checkpoint, check_compatible
 from featcal.data import calibration_pixels, load_task_split
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, InvalidParameterError
 from featcal.evaluation import ZeroShotClassifier, load_base_clip
-from featcal.io import atomic_write_json, config_hash, save_vision_model
+from featcal.io import save_vision_model
 from featcal.loading import resolve_model_folder
 from featcal.merging import get_method
+from featcal.runfolder import (
+    EXPERTS_DIR,
+    ZERO_SHOT_DIR,
+    MetricsReport,
+    calibrated_stage_name,
+    merged_stage_name,
+    write_run_config,
+    write_stage_report,
+    write_timings,
+)
+from featcal.spec import RunSpec
 from featcal.tasks import Task, task_table
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_OUTPUT_DIR = "outputs/clip-vit-b32-ta8"
-
-
-def default_eval_workers() -> int:
-    return min(8, os.cpu_count() or 1)
-
 
 @dataclass
-class RunConfig:
-    """Everything a run depends on; field names follow the `featcal run` options."""
-
-    output_dir: str = DEFAULT_OUTPUT_DIR
-    device: str = "auto"
-    seed: int = 42
-    tasks: list[str] | None = None
-    tasks_file: str | None = None
-    base_model_id: str | None = None
-    expert_model_format: str | None = None
-    merge_method: str = "task_arithmetic"
-    merge_params: dict[str, Any] = field(default_factory=dict)
-    featcal: FeatCalParams = field(default_factory=FeatCalParams)
-    eval_batch_size: int = 256
-    eval_num_workers: int = field(default_factory=default_eval_workers)
-    max_eval_samples: int | None = None
-    skip_ta: bool = False
-    ta_model_path: str | None = None
-    skip_eval_ta: bool = False
-    skip_featcal: bool = False
-    eval_zero_shot: bool = False
-    eval_experts: bool = False
-    cache_dir: str | None = None
-    progress: bool = True
-
-    def recipe(self, setup: Setup) -> dict[str, Any]:
-        """The reproducible part of the config, with tasks and models resolved (run_config.json)."""
-        return {
-            "featcal_version": __version__,
-            "base_model_id": setup.base_ref,
-            "experts": setup.expert_refs,
-            "tasks": [t.name for t in setup.tasks],
-            "tasks_table": {t.name: t.to_dict() for t in setup.tasks},
-            "seed": self.seed,
-            "merge": {
-                "method": self.merge_method,
-                "params": setup.merge_params,
-                "from": self.ta_model_path if self.skip_ta else None,
-            },
-            "featcal": None if self.skip_featcal else self.featcal.to_dict(),
-            "evaluation": {"max_eval_samples": self.max_eval_samples},
-        }
-
-
-@dataclass
-class Setup:
+class RunInputs:
     """A run's resolved inputs: tasks, model folders and lazily-read checkpoints."""
 
     tasks: list[Task]
@@ -102,59 +61,84 @@ class Setup:
         return CLIPVisionConfig.from_pretrained(str(self.base_folder))
 
 
-def stage_dir_name(method: str) -> str:
-    return "ta" if method == "task_arithmetic" else method
+def run_record(spec: RunSpec, inputs: RunInputs) -> dict[str, Any]:
+    """What ``run_config.json`` records: the spec's reproducible part, with tasks and models resolved.
+
+    Its hash is the run's id (``run_id``, and ``recipe_sha256`` in the released weights).
+    """
+    return {
+        "featcal_version": __version__,
+        "base_model_id": inputs.base_ref,
+        "experts": inputs.expert_refs,
+        "tasks": [t.name for t in inputs.tasks],
+        "tasks_table": {t.name: t.to_dict() for t in inputs.tasks},
+        "seed": spec.seed,
+        "merge": {
+            "method": spec.merge_method,
+            "params": inputs.merge_params,
+            "from": spec.ta_model_path if spec.skip_ta else None,
+        },
+        "featcal": None if spec.skip_featcal else spec.featcal.to_dict(),
+        "evaluation": {"max_eval_samples": spec.max_eval_samples},
+    }
 
 
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
+def resolve_device(name: str) -> torch.device:
+    """The torch device ``name`` stands for (``auto``: CUDA when torch sees a GPU, else the CPU).
+
+    Raises:
+        InvalidParameterError: for a name that is not a device, or CUDA where torch sees no GPU.
+    """
+    if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(spec)
+        device = torch.device(name)
     except RuntimeError:
-        raise FeatcalError(f"--device {spec!r} is not a device; use auto, cpu, cuda or cuda:N.") from None
+        raise InvalidParameterError("device", name, "auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise FeatcalError(f"--device {spec} asked for CUDA, but torch sees no GPU; use --device cpu.")
+        raise InvalidParameterError("device", name, "cpu or auto, since torch sees no GPU")
     return device
 
 
 def expert_ref(task: Task, pattern: str | None, table_pattern: str | None) -> str:
-    """Where task's expert comes from: --expert-model-format, else the task's entry, else the table's pattern."""
+    """Where task's expert comes from: ``expert_model_format``, else the task's entry, else the table's pattern."""
     if pattern is not None:
         if "{task}" not in pattern:
-            raise FeatcalError(f"--expert-model-format {pattern!r} must contain '{{task}}'.")
+            raise InvalidParameterError("expert_model_format", pattern, "a pattern containing '{task}'")
         return pattern.format(task=task.name)
     if task.expert:
         return task.expert
     if table_pattern:
         return table_pattern.format(task=task.name)
-    raise FeatcalError(f"Task {task.name!r} has no expert: give --expert-model-format or an 'expert' entry.")
+    raise InvalidParameterError(
+        "expert_model_format", None, f"a pattern with '{{task}}', since task {task.name!r} has no 'expert' entry"
+    )
 
 
-def resolve_setup(config: RunConfig, *, need_experts: bool = True) -> Setup:
+def resolve_inputs(spec: RunSpec, *, need_experts: bool = True) -> RunInputs:
     """Tasks, base and experts of a run, validated before anything is written."""
-    table = task_table(config.tasks_file)
-    names = config.tasks or (list(task_table(config.tasks_file, replace=True).tasks) if config.tasks_file else None)
+    table = task_table(spec.tasks_file)
+    names = spec.tasks or (list(task_table(spec.tasks_file, replace=True).tasks) if spec.tasks_file else None)
     tasks = table.select(names)
-    base_ref = config.base_model_id or table.base_model
+    base_ref = spec.base_model_id or table.base_model
     if not base_ref:
-        raise FeatcalError("No base model: give --base-model-id or 'base_model' in the tasks file.")
+        raise InvalidParameterError("base_model_id", None, "a Hub id or folder, since the task table names none")
     local = Path(base_ref).expanduser()
     base_ref = str(local.resolve()) if local.exists() else base_ref
-    base_folder = resolve_model_folder(base_ref, what="base model", cache_dir=config.cache_dir)
+    base_folder = resolve_model_folder(base_ref, what="base model", cache_dir=spec.cache_dir)
     base = Checkpoint(base_folder, name=f"base model {base_ref}")
     refs: dict[str, str] = {}
     experts: dict[str, Checkpoint] = {}
     if need_experts:
         for task in tasks:
-            refs[task.name] = expert_ref(task, config.expert_model_format, table.expert_model_pattern)
+            refs[task.name] = expert_ref(task, spec.expert_model_format, table.expert_model_pattern)
             folder = resolve_model_folder(
-                refs[task.name], what=f"expert for task {task.name!r}", cache_dir=config.cache_dir
+                refs[task.name], what=f"expert for task {task.name!r}", cache_dir=spec.cache_dir
             )
             experts[task.name] = Checkpoint(folder, name=refs[task.name])
         check_compatible(base, experts)
-    method = get_method(config.merge_method)
-    return Setup(tasks, base_ref, base_folder, refs, experts, base, method.resolved_params(**config.merge_params))
+    method = get_method(spec.merge_method)
+    return RunInputs(tasks, base_ref, base_folder, refs, experts, base, method.resolved_params(**spec.method_params()))
 
 
 def validate_datasets(tasks: list[Task], splits: tuple[str, ...] = ("train", "test")) -> None:
@@ -173,17 +157,18 @@ def check_finite(state: Mapping[str, torch.Tensor], what: str, experts: Mapping[
             raise FeatcalError(f"{what}: tensor {key!r} is not finite{where}.")
 
 
-def merge(setup: Setup, method: str) -> dict[str, torch.Tensor]:
+def merge(inputs: RunInputs, method: str) -> dict[str, torch.Tensor]:
     """The merged vision tower's state dict."""
-    merged = get_method(method)(setup.base, [setup.experts[t.name] for t in setup.tasks], **setup.merge_params)
-    check_finite(merged, f"The {method} merge", setup.experts)
+    merged = get_method(method)(inputs.base, [inputs.experts[t.name] for t in inputs.tasks], **inputs.merge_params)
+    check_finite(merged, f"The {method} merge", inputs.experts)
     return merged
 
 
-def build_vision_model(setup: Setup, state: Mapping[str, torch.Tensor]):
+def build_vision_model(inputs: RunInputs, state: Mapping[str, torch.Tensor]):
+    """A `CLIPVisionModel` of the base's configuration holding ``state``."""
     from transformers import CLIPVisionModel
 
-    model = CLIPVisionModel(setup.vision_config)
+    model = CLIPVisionModel(inputs.vision_config)
     model.load_state_dict(dict(state), strict=True)
     return model.eval()
 
@@ -203,7 +188,7 @@ def load_vision_folder(path: str | Path):
 
 
 def calibrate(
-    setup: Setup,
+    inputs: RunInputs,
     merged_model,
     params: FeatCalParams,
     *,
@@ -213,11 +198,11 @@ def calibrate(
     progress: bool = True,
 ):
     """The FeatCal-calibrated copy of ``merged_model``."""
-    by_name = {t.name: t for t in setup.tasks}
+    by_name = {t.name: t for t in inputs.tasks}
     model = featcal_calibrate(
         merged_model,
-        setup.base,
-        setup.experts,
+        inputs.base,
+        inputs.experts,
         lambda name: calibration_pixels(by_name[name], processor, params.num_calibration_examples, seed),
         params,
         device=device,
@@ -227,83 +212,84 @@ def calibrate(
     return model
 
 
-def _write_report(folder: Path, report: dict, run_id: str) -> None:
-    report = {**report, "run_id": run_id}
-    atomic_write_json(folder / "metrics.json", report)
-    atomic_write_json(folder / "run.log", report, indent=None)
+def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
+    """Run every stage ``spec`` asks for, writing the run folder ``spec.output_dir``.
 
+    Args:
+        spec: The run's options (see :class:`~featcal.spec.RunSpec`).
 
-def run_pipeline(config: RunConfig) -> dict[str, dict]:
-    """Run every stage the config asks for; returns the metrics of each evaluated stage."""
-    if config.skip_ta and not config.ta_model_path:
-        raise FeatcalError("--skip-ta needs --ta-model-path (the merged model folder to start from).")
-    device = resolve_device(config.device)
-    torch.manual_seed(config.seed)
-    setup = resolve_setup(config, need_experts=not (config.skip_ta and config.skip_featcal and not config.eval_experts))
-    validate_datasets(setup.tasks, splits=("test",) if config.skip_featcal else ("train", "test"))
-    out = Path(config.output_dir)
-    recipe = config.recipe(setup)
-    run_id = config_hash(recipe)
-    merge_name = stage_dir_name(config.merge_method)
+    Returns:
+        The evaluation report of each evaluated stage, by stage folder name (``zero-shot``,
+        ``experts``, ``ta``, ``featcal-ta``, …).
+
+    Raises:
+        FeatcalError: for any input that cannot be used (typed subclasses name it); raised before
+            any file is written whenever the problem can be seen up front.
+    """
+    device = resolve_device(spec.device)
+    torch.manual_seed(spec.seed)
+    inputs = resolve_inputs(spec, need_experts=not (spec.skip_ta and spec.skip_featcal and not spec.eval_experts))
+    validate_datasets(inputs.tasks, splits=("test",) if spec.skip_featcal else ("train", "test"))
+    out = Path(spec.output_dir)
+    record = run_record(spec, inputs)
+    merged_name, calibrated_name = merged_stage_name(spec.merge_method), calibrated_stage_name(spec.merge_method)
     start = time.perf_counter()
-    merged_state = None if config.skip_ta else merge(setup, config.merge_method)
+    merged_state = None if spec.skip_ta else merge(inputs, spec.merge_method)
     timings: dict[str, float] = {"merge_s": time.perf_counter() - start}
     # Everything is validated and merged: from here on, files are written.
-    atomic_write_json(out / "run_config.json", {**recipe, "run_id": run_id})
-    clip, tokenizer, processor = load_base_clip(setup.base_folder, device)
+    run_id = write_run_config(out, record)
+    clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
     classifier = ZeroShotClassifier(clip, tokenizer, device)
     eval_kwargs = dict(
-        batch_size=config.eval_batch_size,
-        num_workers=config.eval_num_workers,
-        max_samples=config.max_eval_samples,
-        progress=config.progress,
+        batch_size=spec.eval_batch_size,
+        num_workers=spec.eval_num_workers,
+        max_samples=spec.max_eval_samples,
+        progress=spec.progress,
     )
-    results: dict[str, dict] = {}
+    results: dict[str, MetricsReport] = {}
 
-    if config.eval_zero_shot:
-        results["zero-shot"] = classifier.evaluate(clip.vision_model, setup.tasks, processor, **eval_kwargs)
-        _write_report(out / "zero-shot", results["zero-shot"], run_id)
-    if config.eval_experts:
-        report: dict[str, Any] = {}
-        for task in setup.tasks:
-            expert = build_vision_model(setup, setup.experts[task.name])
-            report[task.name] = classifier.evaluate_task(expert, task, processor, **eval_kwargs)
-        report["average"] = {
-            k: sum(report[t.name][k] for t in setup.tasks) / len(setup.tasks) for k in ("accuracy", "loss")
+    if spec.eval_zero_shot:
+        results[ZERO_SHOT_DIR] = classifier.evaluate(clip.vision_model, inputs.tasks, processor, **eval_kwargs)
+        write_stage_report(out / ZERO_SHOT_DIR, results[ZERO_SHOT_DIR], run_id)
+    if spec.eval_experts:
+        per_task = {
+            task.name: classifier.evaluate_task(
+                build_vision_model(inputs, inputs.experts[task.name]), task, processor, **eval_kwargs
+            )
+            for task in inputs.tasks
         }
-        results["experts"] = report
-        _write_report(out / "experts", report, run_id)
+        results[EXPERTS_DIR] = MetricsReport.from_results(per_task)
+        write_stage_report(out / EXPERTS_DIR, results[EXPERTS_DIR], run_id)
 
-    merge_dir = out / merge_name
-    if config.skip_ta:
-        merged_model = load_vision_folder(config.ta_model_path)
+    merge_dir = out / merged_name
+    if spec.skip_ta:
+        merged_model = load_vision_folder(spec.ta_model_path)
     else:
-        merged_model = build_vision_model(setup, merged_state)
-        save_vision_model(merged_state, setup.vision_config, merge_dir)
-    if not config.skip_eval_ta:
+        merged_model = build_vision_model(inputs, merged_state)
+        save_vision_model(merged_state, inputs.vision_config, merge_dir)
+    if not spec.skip_eval_ta:
         start = time.perf_counter()
-        results[merge_name] = classifier.evaluate(merged_model, setup.tasks, processor, **eval_kwargs)
-        timings[f"eval_{merge_name}_s"] = time.perf_counter() - start
-        if not config.skip_ta:
-            _write_report(merge_dir, results[merge_name], run_id)
+        results[merged_name] = classifier.evaluate(merged_model, inputs.tasks, processor, **eval_kwargs)
+        timings[f"eval_{merged_name}_s"] = time.perf_counter() - start
+        if not spec.skip_ta:
+            write_stage_report(merge_dir, results[merged_name], run_id)
 
-    if not config.skip_featcal:
+    if not spec.skip_featcal:
         start = time.perf_counter()
         calibrated = calibrate(
-            setup,
+            inputs,
             merged_model,
-            config.featcal,
-            seed=config.seed,
+            spec.featcal,
+            seed=spec.seed,
             device=device,
             processor=processor,
-            progress=config.progress,
+            progress=spec.progress,
         )
         timings["calibrate_s"] = time.perf_counter() - start
-        cal_name = f"featcal-{merge_name}"
-        save_vision_model(calibrated.state_dict(), setup.vision_config, out / cal_name)
+        save_vision_model(calibrated.state_dict(), inputs.vision_config, out / calibrated_name)
         start = time.perf_counter()
-        results[cal_name] = classifier.evaluate(calibrated, setup.tasks, processor, **eval_kwargs)
-        timings[f"eval_{cal_name}_s"] = time.perf_counter() - start
-        _write_report(out / cal_name, results[cal_name], run_id)
-    atomic_write_json(out / "timings.json", {k: round(v, 3) for k, v in timings.items()})
+        results[calibrated_name] = classifier.evaluate(calibrated, inputs.tasks, processor, **eval_kwargs)
+        timings[f"eval_{calibrated_name}_s"] = time.perf_counter() - start
+        write_stage_report(out / calibrated_name, results[calibrated_name], run_id)
+    write_timings(out, timings)
     return results

@@ -19,6 +19,8 @@ import yaml
 from featcal.errors import FeatcalError
 
 BUILTIN_TABLE = "ta8_tasks.json"
+# The keys a metrics report keeps beside its tasks (featcal.runfolder.REPORT_KEYS).
+RESERVED_TASK_NAMES = frozenset({"average", "model_info", "run_id"})
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,12 @@ def parse_task_table(data: Any, *, root: Path | None = None, source: str = "task
     entries = data["tasks"] if "tasks" in data else data
     if not isinstance(entries, Mapping) or not entries:
         raise FeatcalError(f"{source}: 'tasks' must be a non-empty mapping of task names to entries.")
+    reserved = sorted(str(name) for name in entries if str(name) in RESERVED_TASK_NAMES)
+    if reserved:
+        raise FeatcalError(
+            f"{source}: task name(s) {reserved} are reserved for the metrics report "
+            f"({', '.join(sorted(RESERVED_TASK_NAMES))}); rename the task."
+        )
     tasks = {str(name): _parse_task(str(name), entry, root, source) for name, entry in entries.items()}
     return TaskTable(
         tasks=tasks,

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from featcal.benchmark import ZOO_VERSION, ZooConfig, build_zoo, default_cache_dir, zoo_path
-from featcal.benchmark import zoo as zoo_module
-from featcal.benchmark.images import MINI8_TASKS
-from featcal.benchmark.tokenizer import build_tokenizer
+from featcal.demo import ZOO_VERSION, ZooConfig, build_zoo, default_cache_dir, zoo_path
+from featcal.demo import zoo as zoo_module
+from featcal.demo.images import MINI8_TASKS
+from featcal.demo.tokenizer import build_tokenizer
 from featcal.errors import FeatcalError
 
 # A zoo small enough to build in seconds: it checks formats, not accuracies.

@@ -277,13 +277,10 @@ def test_recipe_values_apply_and_flags_win(world, tmp_path, capsys):
 def test_shipped_recipes_are_valid():
     from pathlib import Path
 
-    from featcal.cli import build_parser
-    from featcal.recipes import load_recipe
+    from featcal.spec import build_spec, load_recipe
 
-    parser = build_parser()
-    run = parser._subparsers._group_actions[0].choices["run"]
-    known = {a.dest: a for a in run._actions}
     recipes = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
     assert recipes
     for path in recipes:
-        assert load_recipe(path, known)
+        assert load_recipe(path)
+        assert build_spec(recipe=load_recipe(path), recipe_source=path)

@@ -16,7 +16,6 @@ import copy
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -28,33 +27,13 @@ from featcal.calibration.solves import anchor
 from featcal.calibration.statistics import product_dtype
 from featcal.checkpoint import Checkpoint
 from featcal.errors import FeatcalError
+from featcal.spec import FeatCalParams
 
 logger = logging.getLogger(__name__)
 
 StateDict = Mapping[str, torch.Tensor]
 
 STATISTICS_CHUNK_TOKENS = 4096  # rows per statistics product: large enough for full-speed matmuls
-
-
-@dataclass(frozen=True)
-class FeatCalParams:
-    """FeatCal hyper-parameters; the defaults are the published reference run's."""
-
-    num_calibration_examples: int = 256
-    calibration_batch_size: int = 16
-    lambda_ratio: float = 0.05
-    anchor_blend_rho: float = 2.2
-    teacher_interp_alpha: float = 0.25
-    covariance_eps: float = 1e-8
-
-    def __post_init__(self) -> None:
-        if self.num_calibration_examples < 1 or self.calibration_batch_size < 1:
-            raise FeatcalError("--num-calibration-examples and --calibration-batch-size must be at least 1.")
-        if self.lambda_ratio < 0 or self.covariance_eps < 0:
-            raise FeatcalError("--lambda-ratio and --covariance-eps must be non-negative.")
-
-    def to_dict(self) -> dict[str, float | int]:
-        return asdict(self)
 
 
 @contextmanager

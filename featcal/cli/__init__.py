@@ -11,7 +11,7 @@ from featcal import __version__
 from featcal.errors import FeatcalError
 
 # Modules that add subcommands; each has `register(subparsers)`.
-COMMAND_MODULES = ("featcal.cli.run", "featcal.cli.release", "featcal.cli.space", "featcal.cli.demo")
+COMMAND_MODULES = ("featcal.cli.pipeline_commands", "featcal.cli.release", "featcal.cli.space", "featcal.cli.demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,12 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    args.argv_flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     _configure_logging(args.quiet, args.verbose)
     try:
         return int(args.func(args) or 0)
     except FeatcalError as exc:
-        print(f"featcal: error: {exc}", file=sys.stderr)
+        from featcal.cli.errors import word_error
+
+        print(f"featcal: error: {word_error(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("featcal: interrupted", file=sys.stderr)

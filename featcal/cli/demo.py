@@ -6,8 +6,8 @@ import argparse
 import time
 from pathlib import Path
 
-from featcal.benchmark import MINI8_DEFAULTS, ZooConfig, build_zoo, demo_run_config
-from featcal.cli.common import show_progress
+from featcal.cli.common import format_results, show_progress
+from featcal.demo.run_spec import MINI8_DEFAULTS
 
 DEFAULT_OUTPUT_DIR = "outputs/mini8"
 STAGE_LABELS = {"zero-shot": "zero-shot", "experts": "expert", "ta": "TA", "featcal-ta": "TA+FeatCal"}
@@ -49,20 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=cmd_demo)
 
 
-def format_demo_table(results: dict[str, dict], tasks: list[str]) -> str:
-    """Accuracy (%) per task and on average: zero-shot base, each expert on its task, TA, TA+FeatCal."""
-    stages = [s for s in STAGE_LABELS if s in results]
-    width = max([len(t) for t in tasks] + [7])
-    lines = [f"{'task':<{width}}  " + "  ".join(f"{STAGE_LABELS[s]:>10}" for s in stages)]
-    for name in [*tasks, "average"]:
-        cells = [f"{100 * results[s][name]['accuracy']:>10.2f}" if name in results[s] else f"{'-':>10}" for s in stages]
-        lines.append(f"{name:<{width}}  " + "  ".join(cells))
-    return "\n".join(lines)
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
+    from featcal.demo import ZooConfig, build_zoo, demo_run_spec
     from featcal.pipeline import run_pipeline
 
     if args.threads:
@@ -73,12 +63,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     zoo = build_zoo(config, cache_dir=args.cache_dir, force=args.rebuild, progress=progress)
     built = time.perf_counter() - start
     print(f"Benchmark zoo: {zoo} ({built:.0f} s)")
-    run_config = demo_run_config(
+    spec = demo_run_spec(
         zoo, args.output_dir, device=args.device, progress=progress, scaling_factor=args.ta_scaling_factor
     )
-    results = run_pipeline(run_config)
-    tasks = [name for name in results["ta"] if name not in {"model_info", "average", "run_id"}]
-    print(format_demo_table(results, tasks))
+    results = run_pipeline(spec)
+    print(format_results({s: r for s, r in results.items() if s in STAGE_LABELS}, STAGE_LABELS, column=10))
     print(f"Run folder: {Path(args.output_dir).resolve()}")
     if not args.no_export:
         from featcal.release import export_release

@@ -4,7 +4,7 @@ from featcal.release.card import render_card, write_card
 from featcal.release.check import Release, check_release
 from featcal.release.export import export_release
 from featcal.release.push import PushResult, push_release
-from featcal.release.run import RunFolder, read_run, recipe_sha256
+from featcal.runfolder import RunFolder, read_run, recipe_sha256
 
 __all__ = [
     "PushResult",

@@ -22,10 +22,10 @@ from huggingface_hub.utils import validate_repo_id
 from featcal import __version__
 from featcal.errors import FeatcalError
 from featcal.io import atomic_write_text
-from featcal.pipeline import stage_dir_name
 from featcal.release.plot import PLOT_FILE, save_results_plot
 from featcal.release.results import ResultRow, results_rows
-from featcal.release.run import RunFolder, read_run
+from featcal.runfolder import RELEASE_DIR, RunFolder, merged_stage_name, read_run
+from featcal.spec import FeatCalParams, option_fields, option_of
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -34,13 +34,9 @@ TEMPLATE = "model_card.md.j2"
 CARD_FILE = "README.md"
 DEFAULT_LICENSE = "mit"  # the license of OpenAI's CLIP weights, which the TA8 base model carries
 TAGS = ["merge", "featcal", "model-merging", "clip", "vision", "image-classification"]
+# The recipe table's symbol and meaning of each FeatCal hyper-parameter, from the run spec.
 FEATCAL_PARAMS = {
-    "num_calibration_examples": ("n", "training images per task used for calibration"),
-    "calibration_batch_size": ("", "images per forward batch while collecting statistics"),
-    "lambda_ratio": ("λ", "strength of the pull towards the anchor weights"),
-    "anchor_blend_rho": ("ρ", "anchor = ρ·merged + (1−ρ)·base"),
-    "teacher_interp_alpha": ("α", "teacher input = α·expert + (1−α)·merged features"),
-    "covariance_eps": ("ε", "ridge added to the covariance solves"),
+    f.name: (option_of(f).symbol, option_of(f).card) for f, _, cls in option_fields() if cls is FeatCalParams
 }
 TIMING_LABELS = {"merge_s": "merge", "calibrate_s": "FeatCal calibration", "eval_s": "evaluation"}
 
@@ -78,7 +74,7 @@ def default_model_name(run: RunFolder) -> str:
     """A repository name for the release, e.g. ``clip-vit-base-patch32-ta-featcal``."""
     base = Path(run.base_model.rstrip("/")).name
     suffix = "-featcal" if run.calibrated else ""
-    return f"{base}-{stage_dir_name(run.method)}{suffix}"
+    return f"{base}-{merged_stage_name(run.method)}{suffix}"
 
 
 def _method_info(method: str) -> tuple[str, str | None]:
@@ -276,7 +272,7 @@ def write_card(
     Only the card and its image change; the weights and the rest of the folder are left as they are.
     """
     run = read_run(run_dir)
-    out = Path(out_dir).expanduser() if out_dir is not None else run.path / "release"
+    out = Path(out_dir).expanduser() if out_dir is not None else run.path / RELEASE_DIR
     out.mkdir(parents=True, exist_ok=True)
     card = write_card_files(run, out, repo_id=repo_id, license=license, template=template)
     logger.info("Wrote the model card %s", card)

@@ -12,7 +12,7 @@ from huggingface_hub import ModelCard
 from featcal.errors import FeatcalError
 from featcal.release.card import CARD_FILE
 from featcal.release.export import REQUIRED_FILES, WEIGHTS, load_vision_model
-from featcal.release.run import METRICS, RUN_CONFIG, read_json_file, recipe_sha256
+from featcal.runfolder import METRICS, RUN_CONFIG, read_json_file, recipe_sha256
 
 CHUNK = 1 << 20
 

@@ -16,7 +16,7 @@ from featcal.io import atomic_write_json, replace_dir
 from featcal.loading import resolve_model_folder
 from featcal.release.card import DEFAULT_LICENSE, check_repo_id, is_hub_id, write_card_files
 from featcal.release.plot import PLOT_FILE
-from featcal.release.run import METRICS, RUN_CONFIG, RunFolder, read_run
+from featcal.runfolder import METRICS, RELEASE_DIR, RUN_CONFIG, RunFolder, read_run
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def export_release(
     run = read_run(run_dir)
     if repo_id is not None:
         check_repo_id(repo_id)
-    out = Path(out_dir).expanduser() if out_dir is not None else run.path / "release"
+    out = Path(out_dir).expanduser() if out_dir is not None else run.path / RELEASE_DIR
     _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))

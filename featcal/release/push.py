@@ -22,7 +22,7 @@ from featcal.loading import is_offline
 from featcal.release.card import CARD_FILE, check_repo_id
 from featcal.release.check import ReleaseFile, check_release
 from featcal.release.export import WEIGHTS, export_release
-from featcal.release.run import RUN_CONFIG
+from featcal.runfolder import RELEASE_DIR, RUN_CONFIG
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def resolve_release_folder(folder: str | Path, repo_id: str) -> Path:
             f"{path} is neither a release folder (with {WEIGHTS}, {CARD_FILE}, metrics.json) nor a run folder "
             f"(with {RUN_CONFIG}): point at the output of `featcal run` or `featcal export`."
         )
-    release = path / "release"
+    release = path / RELEASE_DIR
     if not (release / WEIGHTS).is_file():
         logger.info("No release in %s yet: exporting it", path)
         export_release(path, release, repo_id=repo_id)

@@ -2,22 +2,29 @@
 
 `space/app.py` (what runs on Hugging Face) and `featcal space` (a local launch) both call
 :func:`create_space` then :meth:`Space.launch`; `featcal space push` lives in
-:mod:`featcal.space.publish`.
+:mod:`featcal.space.publish`. Names are imported on first use, so the CLI's parser does not load
+torch or gradio through this package.
 """
 
-from featcal.space.model import SpaceModel, resolve_model_source
-from featcal.space.predict import classify
-from featcal.space.settings import DEFAULT_BASE_MODEL_ID, DEFAULT_MODEL_ID, SpaceSettings
-from featcal.space.ui import Space, build_demo, create_space
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "DEFAULT_BASE_MODEL_ID",
-    "DEFAULT_MODEL_ID",
-    "Space",
-    "SpaceModel",
-    "SpaceSettings",
-    "build_demo",
-    "classify",
-    "create_space",
-    "resolve_model_source",
-]
+_EXPORTS = {
+    "SpaceModel": "featcal.space.model",
+    "resolve_model_source": "featcal.space.model",
+    "classify": "featcal.space.predict",
+    "DEFAULT_BASE_MODEL_ID": "featcal.space.settings",
+    "DEFAULT_MODEL_ID": "featcal.space.settings",
+    "SpaceSettings": "featcal.space.settings",
+    "Space": "featcal.space.ui",
+    "build_demo": "featcal.space.ui",
+    "create_space": "featcal.space.ui",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'featcal.space' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

@@ -20,14 +20,13 @@ from featcal.evaluation import ZeroShotClassifier, load_base_clip
 from featcal.io import read_json
 from featcal.loading import resolve_model_folder
 from featcal.pipeline import load_vision_folder, resolve_device
+from featcal.runfolder import RELEASE_DIR, RUN_CONFIG
 from featcal.space.heads import default_cache_dir, task_heads
 from featcal.space.settings import DEFAULT_BASE_MODEL_ID, SpaceSettings
 from featcal.tasks import Task, builtin_tasks, task_table
 
 logger = logging.getLogger(__name__)
 
-RUN_CONFIG = "run_config.json"
-RELEASE_DIR = "release"
 ALL_TASKS = "all"
 
 

@@ -1,18 +1,17 @@
-"""The mini8 benchmark run: the pipeline's RunConfig for a zoo, with the benchmark's defaults."""
+"""The mini8 benchmark run: the pipeline's RunSpec for a zoo, with the benchmark's defaults."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from featcal.calibration import FeatCalParams
-from featcal.pipeline import RunConfig
+from featcal.spec import FeatCalParams, RunSpec
 
 # Task Arithmetic and FeatCal settings of the benchmark: the reference run's (κ 0.3, n 256, λ 0.05,
 # ρ 2.2, α 0.25, seed 42), measured on mini8 in benchmarks/mini8.md.
 MINI8_DEFAULTS = {"scaling_factor": 0.3}
 
 
-def demo_run_config(
+def demo_run_spec(
     zoo: str | Path,
     output_dir: str | Path,
     *,
@@ -20,10 +19,10 @@ def demo_run_config(
     progress: bool = True,
     scaling_factor: float = MINI8_DEFAULTS["scaling_factor"],
     featcal: FeatCalParams | None = None,
-) -> RunConfig:
+) -> RunSpec:
     """A run over every task of ``zoo``: zero-shot base, experts, TA, TA+FeatCal, all evaluated."""
     zoo = Path(zoo)
-    return RunConfig(
+    return RunSpec(
         output_dir=str(output_dir),
         device=device,
         tasks_file=str(zoo / "tasks.json"),

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from featcal.benchmark.config import IMAGE_DRAW, ZOO_VERSION, ZooConfig
-from featcal.benchmark.images import MINI8_TASKS, ImageTask
-from featcal.benchmark.tokenizer import build_tokenizer
-from featcal.benchmark.training import TaskTensors, accuracy, finetune_expert, pretrain_clip, zero_shot_head
+from featcal.demo.config import IMAGE_DRAW, ZOO_VERSION, ZooConfig
+from featcal.demo.images import MINI8_TASKS, ImageTask
+from featcal.demo.tokenizer import build_tokenizer
+from featcal.demo.training import TaskTensors, accuracy, finetune_expert, pretrain_clip, zero_shot_head
 from featcal.errors import FeatcalError
 
 logger = logging.getLogger(__name__)

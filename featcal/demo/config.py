@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from featcal.benchmark.images import MINI8_TASKS
+from featcal.demo.images import MINI8_TASKS
 from featcal.errors import FeatcalError
 
 ZOO_VERSION = 3  # bump whenever images, training or file layout change: it keys the cache

@@ -1,0 +1,147 @@
+"""`featcal run` (the whole pipeline) and the single stages `merge`, `calibrate`, `evaluate`, `methods`.
+
+Flags come from :mod:`featcal.spec` through :mod:`featcal.cli.options`; the library is imported only
+inside the command that needs it, so ``featcal --help`` does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from featcal.cli.common import format_results, show_progress
+from featcal.cli.options import add_spec_options, given_values
+from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
+
+
+def spec_from_args(args: argparse.Namespace) -> RunSpec:
+    """The run spec: defaults, then the ``--recipe`` file, then the flags the user typed."""
+    recipe = load_recipe(args.recipe) if getattr(args, "recipe", None) else None
+    return build_spec(
+        cli=given_values(args), recipe=recipe, recipe_source=getattr(args, "recipe", None), progress=show_progress(args)
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from featcal.pipeline import run_pipeline
+
+    spec = spec_from_args(args)
+    results = run_pipeline(spec)
+    if results:
+        print(format_results(results))
+    print(f"Run folder: {Path(spec.output_dir).resolve()}")
+    released_stage_evaluated = not spec.skip_featcal or not (spec.skip_ta or spec.skip_eval_ta)
+    if released_stage_evaluated and not spec.no_export:
+        from featcal.release import export_release
+
+        print(f"Release folder: {export_release(spec.output_dir)}")
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from featcal.io import save_vision_model
+    from featcal.pipeline import merge, resolve_inputs
+
+    spec = spec_from_args(args)
+    inputs = resolve_inputs(spec)
+    folder = save_vision_model(merge(inputs, spec.merge_method), inputs.vision_config, args.output)
+    print(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts): {folder.resolve()}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from featcal.evaluation import load_base_clip
+    from featcal.io import save_vision_model
+    from featcal.pipeline import calibrate, load_vision_folder, resolve_device, resolve_inputs
+
+    spec = spec_from_args(args)
+    inputs = resolve_inputs(spec)
+    device = resolve_device(spec.device)
+    merged = load_vision_folder(args.merged)
+    _, _, processor = load_base_clip(inputs.base_folder)
+    model = calibrate(
+        inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor, progress=spec.progress
+    )
+    folder = save_vision_model(model.state_dict(), inputs.vision_config, args.output)
+    print(f"Calibrated model: {folder.resolve()}")
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from featcal.evaluation import ZeroShotClassifier, load_base_clip
+    from featcal.io import atomic_write_json
+    from featcal.pipeline import load_vision_folder, resolve_device, resolve_inputs
+    from featcal.runfolder import METRICS
+
+    spec = spec_from_args(args)
+    inputs = resolve_inputs(spec, need_experts=False)
+    device = resolve_device(spec.device)
+    clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
+    model = load_vision_folder(args.model) if args.model else clip.vision_model
+    report = ZeroShotClassifier(clip, tokenizer, device).evaluate(
+        model,
+        inputs.tasks,
+        processor,
+        batch_size=spec.eval_batch_size,
+        num_workers=spec.eval_num_workers,
+        max_samples=spec.max_eval_samples,
+        progress=spec.progress,
+    )
+    output = args.output or (Path(args.model) / METRICS if args.model else None)
+    if output:
+        atomic_write_json(output, report.to_json())
+    print(format_results({Path(args.model).name if args.model else "zero-shot": report}))
+    if output:
+        print(f"Metrics: {Path(output).resolve()}")
+    return 0
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from featcal.merging import available_methods, get_method
+    from featcal.runfolder import merged_stage_name
+
+    for name in available_methods():
+        method = get_method(name)
+        params = ", ".join(f"{k}={v}" for k, v in method.defaults.items()) or "no parameters"
+        print(
+            f"{name:<18} {method.pretty_name} ({params})  {method.reference_url}  → folder {merged_stage_name(name)}/"
+        )
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `run`, `merge`, `calibrate`, `evaluate` and `methods`, each with ``func`` set to its handler."""
+    p = subparsers.add_parser(
+        "run",
+        help="merge → evaluate → FeatCal → evaluate, into a run folder",
+        description="The whole pipeline, with the FeatCal reference run's options.",
+    )
+    p.add_argument(
+        "--recipe",
+        metavar="FILE",
+        help="YAML recipe: option names (without --) mapped to values; flags given here win",
+    )
+    add_spec_options(p)
+    p.set_defaults(func=cmd_run)
+
+    p = subparsers.add_parser("merge", help="merge experts into one model folder")
+    p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
+    add_spec_options(p, groups=(TASKS, MERGING), renamed={"merge_method": "--method"})
+    p.set_defaults(func=cmd_merge)
+
+    p = subparsers.add_parser("calibrate", help="calibrate a merged model folder with FeatCal")
+    p.add_argument("--merged", required=True, metavar="DIR", help="merged CLIPVisionModel folder")
+    p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
+    add_spec_options(p, groups=(TASKS, "FeatCal", RUNTIME))
+    p.set_defaults(func=cmd_calibrate)
+
+    p = subparsers.add_parser("evaluate", help="zero-shot accuracy of a vision model folder per task")
+    p.add_argument(
+        "--model", default=None, metavar="DIR", help="CLIPVisionModel folder (default: the base model's own tower)"
+    )
+    p.add_argument("--output", default=None, metavar="FILE", help="metrics JSON (default DIR/metrics.json)")
+    add_spec_options(p, groups=(TASKS, EVALUATION, RUNTIME), exclude=("expert_model_format", "seed"))
+    p.set_defaults(func=cmd_evaluate)
+
+    p = subparsers.add_parser("methods", help="list the merging methods and their hyper-parameters")
+    p.set_defaults(func=cmd_methods)

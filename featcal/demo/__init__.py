@@ -1,0 +1,31 @@
+"""The offline mini8 benchmark: eight procedural tasks, a small CLIP and its experts, built and cached.
+
+>>> from featcal.demo import ZooConfig, build_zoo
+>>> zoo = build_zoo(ZooConfig.mini8())          # doctest: +SKIP
+>>> (zoo / "tasks.json").is_file()              # doctest: +SKIP
+True
+
+Names are imported on first use, so ``featcal --help`` does not load torch through this package.
+"""
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "MINI8_DEFAULTS": "featcal.demo.run_spec",
+    "demo_run_spec": "featcal.demo.run_spec",
+    "ZOO_VERSION": "featcal.demo.config",
+    "ZooConfig": "featcal.demo.config",
+    "build_zoo": "featcal.demo.zoo",
+    "default_cache_dir": "featcal.demo.zoo",
+    "is_complete": "featcal.demo.zoo",
+    "zoo_path": "featcal.demo.zoo",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'featcal.demo' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

@@ -1,0 +1,437 @@
+"""The one typed definition of a run: every option's name, type, default, range and help.
+
+Everything else derives from the dataclasses here: the command-line flags and their help
+(:mod:`featcal.cli.options`), the validation and type conversion of YAML recipes
+(:func:`load_recipe`, :func:`build_spec`), the FeatCal section of ``run_config.json``
+(:meth:`FeatCalParams.to_dict`) and the recipe table of the model card (:func:`option_of`).
+
+An option is a dataclass field whose ``metadata["option"]`` is an :class:`Option`. Values given as
+text are converted when the conversion is unambiguous (YAML 1.1 reads ``1e-8`` as a string; a recipe
+may say ``"false"``); anything else raises :class:`~featcal.errors.InvalidParameterError` naming the
+parameter and the value. This module imports neither torch nor transformers, so ``featcal --help``
+stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from featcal.errors import FeatcalError, InputError, InvalidParameterError, UnknownNameError
+
+DEFAULT_OUTPUT_DIR = "outputs/clip-vit-b32-ta8"
+TRUE_WORDS = frozenset({"true", "yes", "on"})
+FALSE_WORDS = frozenset({"false", "no", "off"})
+
+
+@dataclass(frozen=True)
+class Option:
+    """What a field means to users: its help, flag, allowed range and how the model card shows it.
+
+    Args:
+        help: One line for ``--help`` (the default is appended when there is one).
+        group: The ``--help`` section the flag is listed under.
+        metavar: The placeholder shown in ``--help``.
+        ge: The smallest allowed value (numbers).
+        gt: The value the number must exceed.
+        symbol: The symbol used in the paper and the model card (``λ``).
+        card: The meaning shown in the model card's recipe table.
+        nargs: ``"+"`` for a list given as several words (``--tasks a b``).
+        recipe_key: The recipe key and flag name when it differs from the field name.
+    """
+
+    help: str
+    group: str
+    metavar: str | None = None
+    ge: float | None = None
+    gt: float | None = None
+    symbol: str = ""
+    card: str = ""
+    nargs: str | None = None
+    recipe_key: str | None = None
+
+    def expected(self, kind: str) -> str:
+        """The allowed values in words, e.g. ``"a whole number >= 1"``."""
+        bound = f" >= {self.ge:g}" if self.ge is not None else f" > {self.gt:g}" if self.gt is not None else ""
+        return f"{kind}{bound}"
+
+
+def option(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, **meta: Any) -> Any:
+    """A dataclass field that is a user-facing option (see :class:`Option` for ``meta``)."""
+    return field(default=default, default_factory=default_factory, metadata={"option": Option(**meta)})
+
+
+def option_of(f: dataclasses.Field) -> Option | None:
+    """The :class:`Option` of a dataclass field, None for internal fields."""
+    return f.metadata.get("option")
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    """The field's name as a flag or recipe key, without dashes: ``lambda-ratio``, ``merge-param``."""
+    opt = option_of(f)
+    return (opt.recipe_key if opt and opt.recipe_key else f.name).replace("_", "-")
+
+
+# --- conversion of one value ---------------------------------------------------------------------
+
+
+def _base_type(annotation: Any) -> tuple[Any, bool]:
+    """``(type, optional)`` of an annotation such as ``int | None``."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(annotation))
+    return annotation, False
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in TRUE_WORDS | FALSE_WORDS:
+        return value.strip().lower() in TRUE_WORDS
+    raise ValueError
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        return int(value.strip())
+    raise ValueError
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        number = float(value.strip())
+    else:
+        raise ValueError
+    if not math.isfinite(number):
+        raise ValueError
+    return number
+
+
+def _as_str(value: Any) -> str:
+    if isinstance(value, (str, Path)):
+        return str(value)
+    raise ValueError
+
+
+def _as_str_list(value: Any) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if isinstance(items, Sequence) and items and all(isinstance(v, str) for v in items):
+        return list(items)
+    raise ValueError
+
+
+def _as_params(value: Any) -> dict[str, Any]:
+    """Method hyper-parameters: a mapping, or ``KEY=VALUE`` words (values read as YAML scalars)."""
+    import yaml
+
+    if isinstance(value, Mapping):
+        return {str(k).replace("-", "_"): v for k, v in value.items()}
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, Sequence):
+        raise ValueError
+    params: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = str(item).partition("=")
+        if not sep or not key.strip():
+            raise ValueError
+        params[key.strip().replace("-", "_")] = yaml.safe_load(text)
+    return params
+
+
+_CONVERTERS: dict[Any, tuple[Any, str]] = {
+    bool: (_as_bool, "true or false"),
+    int: (_as_int, "a whole number"),
+    float: (_as_float, "a finite number"),
+    str: (_as_str, "a text"),
+    list[str]: (_as_str_list, "one or more names"),
+    dict[str, Any]: (_as_params, "a mapping of names to values, or KEY=VALUE items"),
+}
+
+
+def convert_value(f: dataclasses.Field, annotation: Any, value: Any, *, owner: str | None = None) -> Any:
+    """``value`` converted to the field's type and checked against its range.
+
+    Raises:
+        InvalidParameterError: naming the field (or ``owner``'s key) when the value does not fit.
+    """
+    kind, optional = _base_type(annotation)
+    opt = option_of(f)
+    name = flag_name(f) if owner else f.name
+    if value is None or (optional and isinstance(value, str) and value.strip().lower() in {"null", "none", "~"}):
+        if optional:
+            return None
+        raise InvalidParameterError(name, value, _CONVERTERS[kind][1], owner=owner)
+    converter, words = _CONVERTERS[kind]
+    expected = opt.expected(words) if opt else words
+    if optional:
+        expected += " (or null)"
+    try:
+        converted = converter(value)
+    except (ValueError, TypeError):
+        raise InvalidParameterError(name, value, expected, owner=owner) from None
+    if opt and ((opt.ge is not None and converted < opt.ge) or (opt.gt is not None and converted <= opt.gt)):
+        raise InvalidParameterError(name, value, expected, owner=owner)
+    return converted
+
+
+def _validate(obj: Any) -> None:
+    """Convert and check every option field of the dataclass ``obj`` in place."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if option_of(f) is None:
+            continue
+        object.__setattr__(obj, f.name, convert_value(f, hints[f.name], getattr(obj, f.name)))
+
+
+# --- the run's options ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FeatCalParams:
+    """FeatCal hyper-parameters; the defaults are the published reference run's.
+
+    Raises:
+        InvalidParameterError: when a value has the wrong type or lies outside its range.
+    """
+
+    num_calibration_examples: int = option(
+        256, help="calibration images per task, from the train split", group="FeatCal", metavar="N", ge=1,
+        symbol="n", card="training images per task used for calibration",
+    )  # fmt: skip
+    calibration_batch_size: int = option(
+        16, help="images per forward batch while collecting statistics", group="FeatCal", metavar="B", ge=1,
+        card="images per forward batch while collecting statistics",
+    )  # fmt: skip
+    lambda_ratio: float = option(
+        0.05, help="ridge towards the anchor", group="FeatCal", metavar="λ", ge=0,
+        symbol="λ", card="strength of the pull towards the anchor weights",
+    )  # fmt: skip
+    anchor_blend_rho: float = option(
+        2.2, help="anchor ρ·merged + (1−ρ)·base", group="FeatCal", metavar="ρ",
+        symbol="ρ", card="anchor = ρ·merged + (1−ρ)·base",
+    )  # fmt: skip
+    teacher_interp_alpha: float = option(
+        0.25, help="teacher input α·expert + (1−α)·student", group="FeatCal", metavar="α",
+        symbol="α", card="teacher input = α·expert + (1−α)·merged features",
+    )  # fmt: skip
+    covariance_eps: float = option(
+        1e-8, help="ridge added to the covariance solves", group="FeatCal", metavar="ε", ge=0,
+        symbol="ε", card="ridge added to the covariance solves",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def to_dict(self) -> dict[str, float | int]:
+        """The values by name, as ``run_config.json`` records them."""
+        return dataclasses.asdict(self)
+
+
+def default_eval_workers() -> int:
+    """Data-loading workers for evaluation: one per CPU, at most 8."""
+    return min(8, os.cpu_count() or 1)
+
+
+TASKS = "tasks and models"
+MERGING = "merging"
+EVALUATION = "evaluation"
+RUNTIME = "runtime"
+STAGES = "stages"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a run depends on; the field names are the `featcal run` options' and recipe keys.
+
+    Build one directly from Python (values are converted and checked), or from a recipe and
+    command-line values with :func:`build_spec`.
+
+    Raises:
+        InvalidParameterError: when a value has the wrong type or lies outside its range, or when
+            ``skip_ta`` is set without ``ta_model_path``.
+    """
+
+    output_dir: str = option(DEFAULT_OUTPUT_DIR, help="run folder", group="output", metavar="DIR")
+    tasks: list[str] | None = option(
+        None, help="tasks to use (default: every task of tasks-file, else the eight TA8 tasks)", group=TASKS,
+        metavar="TASK", nargs="+",
+    )  # fmt: skip
+    tasks_file: str | None = option(
+        None, help="JSON or YAML task table adding to (or replacing) the built-in TA8 tasks", group=TASKS,
+        metavar="FILE",
+    )  # fmt: skip
+    base_model_id: str | None = option(
+        None, help="base CLIPModel, Hub id or folder (default: the task table's, openai/clip-vit-base-patch32)",
+        group=TASKS, metavar="ID_OR_DIR",
+    )  # fmt: skip
+    expert_model_format: str | None = option(
+        None, help="expert id or folder pattern with {task} (default: each task's 'expert' entry)", group=TASKS,
+        metavar="PATTERN",
+    )  # fmt: skip
+    cache_dir: str | None = option(None, help="Hub cache folder", group=TASKS, metavar="DIR")
+    merge_method: str = option(
+        "task_arithmetic", help="merging method (see `featcal methods`)", group=MERGING, metavar="NAME"
+    )
+    ta_scaling_factor: float | None = option(
+        None, help="scaling factor κ of the task vectors (methods that have one; default 0.3)", group=MERGING,
+        metavar="K", symbol="κ",
+    )  # fmt: skip
+    merge_params: dict[str, Any] = option(
+        default_factory=dict, help="any other hyper-parameter of the merging method, repeatable", group=MERGING,
+        metavar="KEY=VALUE", recipe_key="merge_param",
+    )  # fmt: skip
+    featcal: FeatCalParams = field(default_factory=FeatCalParams)
+    eval_batch_size: int = option(256, help="test images per batch", group=EVALUATION, metavar="B", ge=1)
+    eval_num_workers: int = option(
+        default_factory=default_eval_workers, help="data-loading workers (default: min(8, CPUs))",
+        group=EVALUATION, metavar="W", ge=0,
+    )  # fmt: skip
+    max_eval_samples: int | None = option(
+        None, help="evaluate only the first N test images per task (quick runs)", group=EVALUATION, metavar="N",
+        ge=1,
+    )  # fmt: skip
+    device: str = option("auto", help="auto, cpu, cuda or cuda:N", group=RUNTIME)
+    seed: int = option(42, help="seed of the calibration shuffle", group=RUNTIME, ge=0)
+    skip_ta: bool = option(False, help="start from ta-model-path instead of merging", group=STAGES)
+    ta_model_path: str | None = option(None, help="merged model folder for skip-ta", group=STAGES, metavar="DIR")
+    skip_eval_ta: bool = option(False, help="do not evaluate the merged baseline", group=STAGES)
+    skip_featcal: bool = option(False, help="merge (and evaluate) only", group=STAGES)
+    eval_zero_shot: bool = option(False, help="also evaluate the base model zero-shot", group=STAGES)
+    eval_experts: bool = option(False, help="also evaluate each expert on its own task", group=STAGES)
+    no_export: bool = option(False, help="do not write the release folder (<output-dir>/release)", group=STAGES)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.featcal, Mapping):
+            object.__setattr__(self, "featcal", FeatCalParams(**self.featcal))
+        _validate(self)
+        if self.skip_ta and not self.ta_model_path:
+            raise InvalidParameterError(
+                "ta_model_path", None, "the merged model folder to start from, since skip_ta is set"
+            )
+
+    def method_params(self) -> dict[str, Any]:
+        """The merging method's hyper-parameters: ``merge_params`` with ``ta_scaling_factor`` folded in."""
+        params = dict(self.merge_params)
+        if self.ta_scaling_factor is not None:
+            params["scaling_factor"] = self.ta_scaling_factor
+        return params
+
+    def replace(self, **changes: Any) -> RunSpec:
+        """A copy with ``changes`` applied (and checked)."""
+        return dataclasses.replace(self, **changes)
+
+
+# --- fields, recipes and layering ----------------------------------------------------------------
+
+
+def option_fields(cls: type = RunSpec) -> list[tuple[dataclasses.Field, Any, type]]:
+    """``(field, annotation, owner class)`` of every option of ``cls``, nested dataclasses flattened."""
+    hints = typing.get_type_hints(cls)
+    out: list[tuple[dataclasses.Field, Any, type]] = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.extend(option_fields(hints[f.name]))
+        elif option_of(f) is not None:
+            out.append((f, hints[f.name], cls))
+    return out
+
+
+def recipe_keys() -> dict[str, str]:
+    """Every accepted recipe key (``lambda-ratio``) mapped to its field name (``lambda_ratio``)."""
+    return {flag_name(f): f.name for f, _, _ in option_fields()}
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    """The recipe's raw values keyed by field name; unknown keys are an error naming them.
+
+    Keys are the option names without the leading dashes (``merge-method`` or ``merge_method``).
+    Values are converted and checked by :func:`build_spec`.
+
+    Raises:
+        InputError: when the file is missing or not a YAML mapping.
+        UnknownNameError: for a key that is not an option.
+    """
+    import yaml
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise InputError(path, f"Recipe {path} does not exist.")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise InputError(path, f"Recipe {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(data, Mapping):
+        raise InputError(path, f"Recipe {path}: expected a mapping of option names to values.")
+    keys = recipe_keys()
+    values: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).lstrip("-").replace("_", "-")
+        if key not in keys:
+            raise UnknownNameError(
+                "option",
+                str(raw_key),
+                sorted(keys),
+                where=f"Recipe {path}",
+                hint="Use the names of `featcal run --help`.",
+            )
+        values[keys[key]] = value
+    return values
+
+
+def build_spec(
+    *,
+    cli: Mapping[str, Any] | None = None,
+    recipe: Mapping[str, Any] | None = None,
+    recipe_source: str | Path | None = None,
+    **internal: Any,
+) -> RunSpec:
+    """The run spec from its layers: defaults, then the recipe, then values given on the command line.
+
+    Args:
+        cli: Values given on the command line, by field name (only those the user typed).
+        recipe: Values read by :func:`load_recipe`, by field name.
+        recipe_source: The recipe's path, named in errors about its values.
+        **internal: Fields that are not options (``progress``).
+
+    Returns:
+        The checked :class:`RunSpec`. ``merge_params`` merge key by key, the command line winning.
+
+    Raises:
+        InvalidParameterError: naming the recipe key or the parameter whose value does not fit.
+    """
+    run_values: dict[str, Any] = dict(internal)
+    featcal_values: dict[str, Any] = {}
+    layers = [(recipe or {}, f"recipe {recipe_source}" if recipe_source else "recipe"), (cli or {}, None)]
+    for values, owner in layers:
+        for f, annotation, cls in option_fields():
+            if f.name not in values:
+                continue
+            value = convert_value(f, annotation, values[f.name], owner=owner)
+            target = featcal_values if cls is FeatCalParams else run_values
+            if f.name == "merge_params":
+                value = {**target.get(f.name, {}), **value}
+            target[f.name] = value
+    try:
+        return RunSpec(featcal=FeatCalParams(**featcal_values), **run_values)
+    except InvalidParameterError:
+        raise
+    except (TypeError, ValueError) as exc:  # pragma: no cover - a field list out of step with RunSpec
+        raise FeatcalError(f"Inconsistent run options: {exc}") from None
