@@ -281,5 +281,20 @@ def featcal_calibrate(
     params: FeatCalParams | None = None,
     **kwargs,
 ) -> nn.Module:
-    """A calibrated copy of ``merged`` (see :class:`FeatCalibrator` for the keyword arguments)."""
+    """FeatCal: re-solve every calibrated linear and LayerNorm of ``merged``, layer by layer.
+
+    Args:
+        merged: The merged vision tower (left unchanged).
+        base: The base model's vision-tower tensors (e.g. a lazily-read ``Checkpoint``).
+        experts: Each task's expert tensors, by task name.
+        load_images: ``load_images(task)`` gives that task's calibration pixels, ``[n, 3, H, W]``.
+        params: Hyper-parameters (default: the published reference run's).
+        **kwargs: Passed to :class:`FeatCalibrator`: ``device``, ``progress``, ``adapter``, ``stats_dtype``.
+
+    Returns:
+        A calibrated copy of ``merged`` on the calibration device.
+
+    Raises:
+        FeatcalError: when an expert lacks a tensor the calibration needs.
+    """
     return FeatCalibrator(params or FeatCalParams(), **kwargs).calibrate(merged, base, experts, load_images)

@@ -8,11 +8,11 @@ with the number of tasks; ``solve`` then returns the calibrated parameters. The 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-from featcal.calibration.statistics import LayerNormMoments, PairMoments
+from featcal.calibration.statistics import LayerNormMoments, PairMoments, Sums
 
 logger = logging.getLogger(__name__)
 
@@ -20,15 +20,6 @@ logger = logging.getLogger(__name__)
 def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
     """A(P) = ρ·P_m + (1−ρ)·P_0."""
     return torch.lerp(base, merged, rho)
-
-
-class _Zeroable:
-    def zero_(self) -> None:
-        """Reset every sum to zero, in place (to reuse the memory for another layer)."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None:
-                value.zero_()
 
 
 def solve_spd(lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
@@ -45,7 +36,7 @@ def solve_spd(lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class LinearSystem(_Zeroable):
+class LinearSystem(Sums):
     """Σ_t s_t·C_ss,t (``lhs``), Σ_t s_t·C_sτ,t·W_tᵀ (``rhs``) and the bias terms, for one nn.Linear."""
 
     lhs: torch.Tensor
@@ -105,7 +96,7 @@ class LinearSystem(_Zeroable):
 
 
 @dataclass
-class LayerNormSystem(_Zeroable):
+class LayerNormSystem(Sums):
     """Per-dimension sums of the 2×2 LayerNorm affine system, for one nn.LayerNorm."""
 
     energy: torch.Tensor

@@ -1,7 +1,7 @@
 """FeatCal statistics: weighted sums over tokens, additive across batches, tasks and processes.
 
 Each moments class holds raw sums (never means), so two accumulators over disjoint data add exactly,
-and a ``torch.distributed`` all-reduce of the sums gives the statistics of the union.
+and a sum of the sums over processes gives the statistics of the union.
 
 The products behind the sums run in float32 (or the inputs' dtype when wider) on large row chunks
 through :class:`GramAccumulator`, which computes only the upper block triangle of the symmetric
@@ -40,22 +40,22 @@ def _add_cast(target: torch.Tensor, source: torch.Tensor) -> None:
     target += source if source.dtype == target.dtype else source.to(target.dtype)
 
 
-class _Sums:
-    """Shared behaviour: element-wise addition, reset, in-place all-reduce."""
+class Sums:
+    """Dataclass fields that are tensors of sums: element-wise addition and an in-place reset.
+
+    Shared by the moments here and the normal-equation systems of :mod:`featcal.calibration.solves`;
+    fields that are None (a linear without bias) are skipped.
+    """
 
     def __add__(self, other):
         return type(self)(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def zero_(self) -> None:
+        """Reset every sum to zero, in place (to reuse the memory for another layer)."""
         for f in fields(self):
-            getattr(self, f.name).zero_()
-
-    def all_reduce(self) -> None:
-        """Sum these statistics over all processes of the default ``torch.distributed`` group."""
-        import torch.distributed as dist
-
-        for f in fields(self):
-            dist.all_reduce(getattr(self, f.name))
+            value = getattr(self, f.name)
+            if value is not None:
+                value.zero_()
 
 
 def _zeros(device, dtype, *shapes):
@@ -63,7 +63,7 @@ def _zeros(device, dtype, *shapes):
 
 
 @dataclass
-class LinearMoments(_Sums):
+class LinearMoments(Sums):
     """Sums for one linear submodule's input: Σw, Σw·x_s, Σw·x_e, Σw·x_s x_sᵀ, Σw·x_s x_eᵀ."""
 
     sum_w: torch.Tensor
@@ -109,7 +109,7 @@ class LinearMoments(_Sums):
 
 
 @dataclass
-class ProjectedLinearMoments(_Sums):
+class ProjectedLinearMoments(Sums):
     """Sums for a linear whose expert outputs y_e = W_t·x_e (bias left out) are narrower than its
     inputs: Σw, Σw·x_s, Σw·y_e, Σw·x_s x_sᵀ, Σw·x_s y_eᵀ.
 
@@ -277,7 +277,7 @@ class GramAccumulator:
 
 
 @dataclass
-class LayerNormMoments(_Sums):
+class LayerNormMoments(Sums):
     """Sums for one LayerNorm's input: Σw, Σw·z, Σw·z² with z = LN(x_s) without affine."""
 
     sum_w: torch.Tensor
