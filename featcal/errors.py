@@ -62,9 +62,9 @@ class UnknownNameError(FeatcalError, KeyError):
         self.names = [names] if isinstance(names, str) else list(names)
         self.known = list(known)
         self.hint = hint
-        shown = self.names[0] if len(self.names) == 1 else self.names
-        lead = f"{where}: unknown" if where else "Unknown"
-        message = f"{lead} {kind} {shown!r}; known: {', '.join(self.known) or 'none'}."
+        shown = names if isinstance(names, str) else self.names
+        lead = f"{where}: unknown {kind} {shown!r}" if where else f"Unknown {kind} {shown!r}"
+        message = f"{lead}; known: {', '.join(self.known) or 'none'}."
         super().__init__(f"{message} {hint}".strip())
 
     def __str__(self) -> str:  # KeyError would quote the message

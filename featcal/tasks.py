@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, UnknownNameError
 
 BUILTIN_TABLE = "ta8_tasks.json"
 # The keys a metrics report keeps beside its tasks (featcal.runfolder.REPORT_KEYS).
@@ -75,9 +75,11 @@ class TaskTable:
             return list(self.tasks.values())
         unknown = [n for n in names if n not in self.tasks]
         if unknown:
-            raise FeatcalError(
-                f"Unknown task(s) {unknown} in {self.source} tasks; known: {sorted(self.tasks)}. "
-                "Add them with --tasks-file FILE."
+            raise UnknownNameError(
+                "task(s)",
+                unknown,
+                sorted(self.tasks),
+                hint=f"The {self.source} tasks lack them: add them with a tasks file.",
             )
         return [self.tasks[n] for n in names]
 

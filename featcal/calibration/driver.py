@@ -264,7 +264,7 @@ class FeatCalibrator:
             )
             raise FeatcalError(
                 f"FeatCal produced non-finite values for {prefix}{bad}; check the inputs "
-                "(non-finite expert weights or features) or raise --lambda-ratio."
+                "(non-finite expert weights or features) or raise lambda_ratio."
             )
         for name, (weight, bias) in solved.items():
             module = modules[name]
