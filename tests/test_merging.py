@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from featcal.checkpoint import Checkpoint
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, InvalidParameterError, UnknownNameError
 from featcal.merging import available_methods, get_method
 from featcal.merging.iso_c import isotropic
 from featcal.merging.wudi import interference_gradient, interference_loss, interference_moments, solve
@@ -109,24 +109,40 @@ def test_inputs_not_mutated_and_buffers_copied(method: str) -> None:
 @pytest.mark.parametrize("method", ALL_METHODS)
 def test_unknown_hyper_parameter_raises(method: str) -> None:
     base, experts = random_models()
-    with pytest.raises(FeatcalError, match="no parameter"):
+    with pytest.raises(UnknownNameError, match="Unknown parameter of merging method") as caught:
         get_method(method)(base, experts, not_a_parameter=1)
+    assert caught.value.names == ["not_a_parameter"]
+    assert caught.value.known == list(get_method(method).defaults)
 
 
 @pytest.mark.parametrize(
-    ("method", "params"),
+    ("method", "params", "expected"),
     [
-        ("ties", {"merge_func": "median"}),
-        ("ties", {"top_k": 0}),
-        ("ties", {"top_k": 120}),
-        ("wudi", {"iterations": -1}),
-        ("wudi", {"lr": 0.0}),
+        ("ties", {"merge_func": "median"}, "one of 'sum', 'mean', 'max'"),
+        ("ties", {"top_k": 0}, "a finite number in (0, 100]"),
+        ("ties", {"top_k": 120}, "a finite number in (0, 100]"),
+        ("ties", {"top_k": float("inf")}, "a finite number in (0, 100]"),
+        ("wudi", {"iterations": -1}, "an integer >= 0"),
+        ("wudi", {"iterations": 2.5}, "an integer >= 0"),
+        ("wudi", {"iterations": True}, "an integer >= 0"),
+        ("wudi", {"lr": 0.0}, "a finite number > 0"),
+        ("task_arithmetic", {"scaling_factor": True}, "a finite number"),
+        ("task_arithmetic", {"scaling_factor": float("nan")}, "a finite number"),
+        ("task_arithmetic", {"scaling_factor": "inf"}, "a finite number"),
+        ("task_arithmetic", {"scaling_factor": [0.3]}, "a finite number"),
     ],
 )
-def test_bad_hyper_parameter_value_raises(method: str, params: dict) -> None:
+def test_bad_hyper_parameter_value_raises(method: str, params: dict, expected: str) -> None:
+    """Choices, ranges and types come from the signature; the error names the parameter, not a flag."""
     base, experts = random_models()
-    with pytest.raises(FeatcalError, match=next(iter(params))):
+    ((name, value),) = params.items()
+    with pytest.raises(FeatcalError, match=name) as caught:
         get_method(method)(base, experts, **params)
+    error = caught.value
+    assert isinstance(error, InvalidParameterError) and isinstance(error, ValueError)
+    assert (error.name, error.expected, error.owner) == (name, expected, f"merging method {method!r}")
+    assert error.value is value
+    assert "--" not in str(error)
 
 
 def test_numbers_given_as_text_are_read_as_numbers() -> None:
@@ -137,8 +153,38 @@ def test_numbers_given_as_text_are_read_as_numbers() -> None:
     as_numbers = wudi(base, experts, lr=1e-3, iterations=3)
     assert all(torch.equal(as_text[k], as_numbers[k]) for k in as_numbers)
     assert wudi.resolved_params(lr="1e-4") == {"iterations": 400, "lr": 1e-4}
-    with pytest.raises(FeatcalError, match="lr must be a number"):
+    with pytest.raises(FeatcalError, match="lr='fast' is invalid: it must be a finite number"):
         wudi(base, experts, lr="fast")
+    resolved = wudi.resolved_params(iterations="4e2", lr=1)
+    assert resolved == {"iterations": 400, "lr": 1.0}
+    assert type(resolved["iterations"]) is int and type(resolved["lr"]) is float
+    assert get_method("ties").resolved_params(top_k=50, merge_func=None) == {
+        "scaling_factor": 0.3,
+        "top_k": 50.0,
+        "merge_func": "sum",
+    }
+
+
+def test_unknown_method_and_no_experts_raise_with_their_data() -> None:
+    with pytest.raises(UnknownNameError, match="Unknown merging method 'nope'") as caught:
+        get_method("nope")
+    assert caught.value.names == ["nope"] and set(ALL_METHODS) <= set(caught.value.known)
+    base, _ = random_models()
+    with pytest.raises(InvalidParameterError, match="experts") as empty:
+        get_method("task_arithmetic")(base, [])
+    assert empty.value.name == "experts" and empty.value.value == []
+
+
+def test_parameters_are_listed_with_type_range_choices_and_default() -> None:
+    ties = get_method("ties")
+    assert [str(p) for p in ties.params] == [
+        "scaling_factor: float = 0.3",
+        "top_k: float in (0, 100] = 20.0",
+        "merge_func: 'sum' | 'mean' | 'max' = 'sum'",
+    ]
+    assert [str(p) for p in get_method("wudi").params] == ["iterations: int >= 0 = 400", "lr: float > 0 = 1e-05"]
+    assert get_method("simple_average").params == ()
+    assert ties.description.startswith("θ = θ0 + scaling_factor")
 
 
 def test_half_precision_is_kept() -> None:

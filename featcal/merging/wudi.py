@@ -16,12 +16,12 @@ per tensor: each Adam step is then one matrix product, whatever the number of ta
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
 
 import torch
 
-from featcal.errors import FeatcalError
 from featcal.merging.common import is_matrix, progress, read_task_vectors
-from featcal.merging.registry import StateDict, is_mergeable, merge_method
+from featcal.merging.registry import Range, StateDict, is_mergeable, merge_method
 
 
 @merge_method(
@@ -33,14 +33,10 @@ def wudi(
     base: StateDict,
     experts: Sequence[StateDict],
     *,
-    iterations: int = 400,
-    lr: float = 1e-5,
+    iterations: Annotated[int, Range(ge=0)] = 400,
+    lr: Annotated[float, Range(gt=0)] = 1e-5,
 ) -> dict[str, torch.Tensor]:
-    """θ = θ0 + τm, with τm from ``iterations`` Adam steps at learning rate ``lr`` per 2-D tensor."""
-    if iterations < 0 or int(iterations) != iterations:
-        raise FeatcalError(f"WUDI: iterations must be a non-negative integer; got {iterations!r}.")
-    if not lr > 0:
-        raise FeatcalError(f"WUDI: lr must be positive; got {lr!r}.")
+    """θ = θ0 + τm, τm from Adam steps on the interference loss (2-D tensors), else the mean task vector."""
     merged: dict[str, torch.Tensor] = {}
     for key in progress(list(base), "WUDI"):
         theta0 = base[key]
@@ -49,7 +45,7 @@ def wudi(
             continue
         base32, tvs = read_task_vectors(base, experts, key)
         if is_matrix(theta0):
-            delta = solve(tvs, iterations=int(iterations), lr=lr)
+            delta = solve(tvs, iterations=iterations, lr=lr)
         else:
             delta = tvs.sum(dim=0) / len(experts)
         merged[key] = (base32 + delta).to(theta0.dtype)
