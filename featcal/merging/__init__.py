@@ -8,6 +8,6 @@ from featcal.merging import (  # noqa: F401  (importing a module registers its m
     tsv,
     wudi,
 )
-from featcal.merging.registry import MergeMethod, available_methods, get_method, merge_method
+from featcal.merging.registry import MergeMethod, Range, available_methods, get_method, merge_method
 
-__all__ = ["MergeMethod", "available_methods", "get_method", "merge_method"]
+__all__ = ["MergeMethod", "Range", "available_methods", "get_method", "merge_method"]

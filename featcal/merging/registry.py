@@ -1,8 +1,10 @@
 """The registry of merging methods: a decorator turns a typed function into a named method.
 
-A method is a pure function ``fn(base, experts, *, <hyper-parameters>) -> merged`` over state dicts
-(``Mapping[str, Tensor]``; usually lazily-read :class:`~featcal.checkpoint.Checkpoint` objects, so
-experts stream one tensor at a time). It must not modify its inputs.
+Most methods are **per-tensor kernels**: ``kernel(base, task_vectors, *, <hyper-parameters>)``
+returns one merged float32 tensor, and the streaming driver (:mod:`featcal.merging.driver`) runs it
+over the model one tensor at a time. A method that needs the whole model at once (TIES's top-k over
+each whole task vector) registers with ``whole_model=True`` and maps state dicts to a state dict:
+``fn(base, experts, *, <hyper-parameters>) -> dict[str, Tensor]``.
 
 Hyper-parameters are the function's keyword-only arguments. Their annotations give the type
 (``float``, ``int``, ``bool``, ``str`` or ``Literal[...]`` choices), optionally bounded by a
@@ -18,16 +20,17 @@ import inspect
 import math
 import numbers
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 import torch
 
 from featcal.errors import InvalidParameterError, UnknownNameError
+from featcal.merging.common import StateDict
+from featcal.merging.driver import KERNEL_INPUTS, merge_tensorwise
 
 F = TypeVar("F", bound=Callable[..., Any])
-StateDict = Mapping[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -167,8 +170,10 @@ class MergeMethod:
         pretty_name: The name for people (``"TIES-Merging"``).
         reference_url: The paper.
         description: One line saying what the method computes.
-        fn: The function, ``fn(base, experts, **hyper_parameters) -> merged state dict``.
+        fn: The per-tensor kernel or, for a whole-model method, the state-dict function.
         params: The hyper-parameters, in the function's order.
+        inputs: The kernel's positional parameters (among
+            :data:`~featcal.merging.driver.KERNEL_INPUTS`); ``None`` for a whole-model method.
     """
 
     name: str
@@ -177,6 +182,12 @@ class MergeMethod:
     description: str
     fn: Callable[..., Any]
     params: tuple[HyperParameter, ...]
+    inputs: tuple[str, ...] | None
+
+    @property
+    def whole_model(self) -> bool:
+        """Whether the method needs the whole model at once instead of one tensor at a time."""
+        return self.inputs is None
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -229,7 +240,9 @@ class MergeMethod:
             raise InvalidParameterError(
                 "experts", experts, "at least one expert state dict", owner=f"merging method {self.name!r}"
             )
-        return self.fn(base, experts, **resolved)
+        if self.inputs is None:
+            return self.fn(base, experts, **resolved)
+        return merge_tensorwise(self.fn, self.inputs, base, experts, resolved, desc=self.pretty_name)
 
 
 class MethodRegistry:
@@ -265,44 +278,50 @@ def merge_method(
     pretty_name: str,
     reference_url: str,
     description: str | None = None,
+    whole_model: bool = False,
     registry: MethodRegistry | None = None,
 ) -> Callable[[F], F]:
     """Register the decorated function as the merging method ``name``.
 
-    The function takes ``(base, experts)`` state dicts and returns the merged state dict without
-    modifying them. Its keyword-only arguments are the hyper-parameters, each annotated ``float``,
-    ``int``, ``bool``, ``str`` or ``Literal[...]``, optionally ``Annotated[..., Range(...)]``, with a
-    default.
+    A per-tensor kernel takes, by name, positional tensors among ``base`` (θ0), ``task_vectors``
+    (τ, stacked (T, ...)) and ``experts`` (θ_t, stacked), all float32, and returns the merged
+    float32 tensor; it must name ``task_vectors`` or ``experts``. A whole-model function takes
+    ``(base, experts)`` state dicts and returns the merged state dict without modifying them. In both
+    the keyword-only arguments are the hyper-parameters, each annotated ``float``, ``int``, ``bool``,
+    ``str`` or ``Literal[...]``, optionally ``Annotated[..., Range(...)]``, with a default.
 
     Args:
         name: The registry name, as recipes and :func:`get_method` give it.
         pretty_name: The name for people, shown in model cards.
         reference_url: The paper.
         description: One line for ``featcal methods``; default the first line of the docstring.
+        whole_model: The function maps state dicts to a state dict instead of being a kernel.
         registry: Where to register; default :data:`METHODS`, which :func:`get_method` reads.
 
     Returns:
         A decorator that registers the function and returns it unchanged.
 
     Raises:
-        TypeError: If the function does not take ``(base, experts)``, or a hyper-parameter lacks a
-            default or has an unsupported annotation.
+        TypeError: If the function's signature is not a kernel's (or a whole-model function's), or a
+            hyper-parameter lacks a default or has an unsupported annotation.
         ValueError: If ``name`` is taken or a default is outside its own type or range.
     """
 
     def register(fn: F) -> F:
-        params = _read_signature(fn, name)
+        inputs, params = _read_signature(fn, name, whole_model=whole_model)
         doc = inspect.getdoc(fn) or ""
         summary = description if description is not None else (doc.splitlines() or [""])[0]
-        method = MergeMethod(name, pretty_name, reference_url, summary, fn, params)
+        method = MergeMethod(name, pretty_name, reference_url, summary, fn, params, inputs)
         (METHODS if registry is None else registry).add(method)
         return fn
 
     return register
 
 
-def _read_signature(fn: Callable[..., Any], name: str) -> tuple[HyperParameter, ...]:
-    """The hyper-parameters of ``fn``."""
+def _read_signature(
+    fn: Callable[..., Any], name: str, *, whole_model: bool
+) -> tuple[tuple[str, ...] | None, tuple[HyperParameter, ...]]:
+    """The kernel inputs (``None`` for a whole-model function) and hyper-parameters of ``fn``."""
     where = f"merging method {name!r}"
     hints = typing.get_type_hints(fn, include_extras=True)
     positional: list[str] = []
@@ -314,9 +333,16 @@ def _read_signature(fn: Callable[..., Any], name: str) -> tuple[HyperParameter, 
             params.append(_hyper_parameter(p, hints.get(p.name), where))
         else:
             raise TypeError(f"{where}: *{p.name} is not allowed; hyper-parameters are keyword-only arguments")
-    if len(positional) != 2:
-        raise TypeError(f"{where}: a merging method takes (base, experts); got {positional}")
-    return tuple(params)
+    if whole_model:
+        if len(positional) != 2:
+            raise TypeError(f"{where}: a whole-model method takes (base, experts); got {positional}")
+        return None, tuple(params)
+    if not set(positional) <= set(KERNEL_INPUTS) or not {"task_vectors", "experts"} & set(positional):
+        raise TypeError(
+            f"{where}: a kernel's positional parameters are named among {', '.join(KERNEL_INPUTS)}, "
+            f"with task_vectors or experts; got {positional}"
+        )
+    return tuple(positional), tuple(params)
 
 
 def _hyper_parameter(p: inspect.Parameter, annotation: Any, where: str) -> HyperParameter:
@@ -371,8 +397,3 @@ def available_methods() -> list[str]:
     from featcal import merging  # noqa: F401
 
     return METHODS.names()
-
-
-def is_mergeable(tensor: torch.Tensor) -> bool:
-    """Floating-point tensors are merged; integer buffers are copied from the base."""
-    return tensor.is_floating_point()

@@ -19,14 +19,15 @@ from typing import Annotated, Literal
 
 import torch
 
-from featcal.merging.common import progress, read_task_vectors
-from featcal.merging.registry import Range, StateDict, is_mergeable, merge_method
+from featcal.merging.common import StateDict, is_mergeable, progress, read_task_vectors
+from featcal.merging.registry import Range, merge_method
 
 
 @merge_method(
     "ties",
     pretty_name="TIES-Merging",
     reference_url="https://arxiv.org/abs/2306.01708",
+    whole_model=True,
 )
 def ties(
     base: StateDict,
@@ -37,6 +38,8 @@ def ties(
     merge_func: Literal["sum", "mean", "max"] = "sum",
 ) -> dict[str, torch.Tensor]:
     """θ = θ0 + scaling_factor · the disjoint merge of the task vectors trimmed to their top_k % entries.
+
+    A whole-model method: each task's magnitude threshold is taken over its whole task vector.
 
     Args:
         base: The base state dict; not modified.
