@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from featcal.checkpoint import Checkpoint
+from featcal.cli import main
 from featcal.errors import FeatcalError, InvalidParameterError, UnknownNameError
 from featcal.merging import Range, available_methods, get_method, merge_method
 from featcal.merging.iso_c import isotropic
@@ -178,7 +179,7 @@ def test_unknown_method_and_no_experts_raise_with_their_data() -> None:
     assert empty.value.name == "experts" and empty.value.value == []
 
 
-def test_parameters_are_listed_with_type_range_choices_and_default() -> None:
+def test_parameters_are_listed_with_type_range_choices_and_default(capsys) -> None:
     ties = get_method("ties")
     assert ties.whole_model and not get_method("tsv").whole_model
     assert [str(p) for p in ties.params] == [
@@ -189,6 +190,16 @@ def test_parameters_are_listed_with_type_range_choices_and_default() -> None:
     assert [str(p) for p in get_method("wudi").params] == ["iterations: int >= 0 = 400", "lr: float > 0 = 1e-05"]
     assert get_method("simple_average").params == ()
     assert ties.description.startswith("θ = θ0 + scaling_factor")
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for line in [
+        "ties               TIES-Merging  https://arxiv.org/abs/2306.01708  → folder ties/",
+        "                   top_k: float in (0, 100] = 20.0",
+        "                   merge_func: 'sum' | 'mean' | 'max' = 'sum'",
+        "task_arithmetic    Task Arithmetic  https://arxiv.org/abs/2212.04089  → folder ta/",
+        "                   lr: float > 0 = 1e-05",
+    ]:
+        assert line in out.splitlines(), line
 
 
 def test_half_precision_is_kept() -> None:
