@@ -307,6 +307,14 @@ def test_a_kernel_with_a_bad_signature_is_refused_when_registered(fn, error: typ
         merge_method("bad", pretty_name="Bad", reference_url="", registry=MethodRegistry())(fn)
 
 
+def test_a_range_has_one_or_two_bounds() -> None:
+    assert [str(Range(gt=0, le=100)), str(Range(ge=1)), str(Range(lt=0.5))] == ["in (0, 100]", ">= 1", "< 0.5"]
+    assert 100 in Range(gt=0, le=100) and 0 not in Range(gt=0, le=100)
+    for bad in ({}, {"gt": 0, "ge": 0}, {"lt": 1, "le": 1}):
+        with pytest.raises(TypeError, match="one or two bounds"):
+            Range(**bad)
+
+
 # --- One expert -------------------------------------------------------------------------------------
 
 

@@ -53,10 +53,10 @@ class Range:
     le: float | None = None
 
     def __post_init__(self) -> None:
-        if (self.gt is None and self.ge is None and self.lt is None and self.le is None) or (
-            (self.gt is not None and self.ge is not None) or (self.lt is not None and self.le is not None)
-        ):
-            raise TypeError(f"{self!r}: give at most one lower bound (gt, ge) and one upper bound (lt, le)")
+        lower = [bound for bound in (self.gt, self.ge) if bound is not None]
+        upper = [bound for bound in (self.lt, self.le) if bound is not None]
+        if not lower + upper or len(lower) > 1 or len(upper) > 1:
+            raise TypeError(f"{self!r}: give one or two bounds, at most one of gt, ge and one of lt, le")
 
     def __contains__(self, value: float) -> bool:
         return (
