@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Annotated, Literal
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from featcal.checkpoint import Checkpoint
-from featcal.errors import FeatcalError
-from featcal.merging import available_methods, get_method
+from featcal.cli import main
+from featcal.errors import FeatcalError, InvalidParameterError, UnknownNameError
+from featcal.merging import Range, available_methods, get_method, merge_method
 from featcal.merging.iso_c import isotropic
+from featcal.merging.registry import MethodRegistry
 from featcal.merging.wudi import interference_gradient, interference_loss, interference_moments, solve
 
 F = Path(__file__).parent / "fixtures" / "tiny-clip-3task"
@@ -109,24 +113,40 @@ def test_inputs_not_mutated_and_buffers_copied(method: str) -> None:
 @pytest.mark.parametrize("method", ALL_METHODS)
 def test_unknown_hyper_parameter_raises(method: str) -> None:
     base, experts = random_models()
-    with pytest.raises(FeatcalError, match="no parameter"):
+    with pytest.raises(UnknownNameError, match="Unknown parameter of merging method") as caught:
         get_method(method)(base, experts, not_a_parameter=1)
+    assert caught.value.names == ["not_a_parameter"]
+    assert caught.value.known == list(get_method(method).defaults)
 
 
 @pytest.mark.parametrize(
-    ("method", "params"),
+    ("method", "params", "expected"),
     [
-        ("ties", {"merge_func": "median"}),
-        ("ties", {"top_k": 0}),
-        ("ties", {"top_k": 120}),
-        ("wudi", {"iterations": -1}),
-        ("wudi", {"lr": 0.0}),
+        ("ties", {"merge_func": "median"}, "one of 'sum', 'mean', 'max'"),
+        ("ties", {"top_k": 0}, "a finite number in (0, 100]"),
+        ("ties", {"top_k": 120}, "a finite number in (0, 100]"),
+        ("ties", {"top_k": float("inf")}, "a finite number in (0, 100]"),
+        ("wudi", {"iterations": -1}, "an integer >= 0"),
+        ("wudi", {"iterations": 2.5}, "an integer >= 0"),
+        ("wudi", {"iterations": True}, "an integer >= 0"),
+        ("wudi", {"lr": 0.0}, "a finite number > 0"),
+        ("task_arithmetic", {"scaling_factor": True}, "a finite number"),
+        ("task_arithmetic", {"scaling_factor": float("nan")}, "a finite number"),
+        ("task_arithmetic", {"scaling_factor": "inf"}, "a finite number"),
+        ("task_arithmetic", {"scaling_factor": [0.3]}, "a finite number"),
     ],
 )
-def test_bad_hyper_parameter_value_raises(method: str, params: dict) -> None:
+def test_bad_hyper_parameter_value_raises(method: str, params: dict, expected: str) -> None:
+    """Choices, ranges and types come from the signature; the error names the parameter, not a flag."""
     base, experts = random_models()
-    with pytest.raises(FeatcalError, match=next(iter(params))):
+    ((name, value),) = params.items()
+    with pytest.raises(FeatcalError, match=name) as caught:
         get_method(method)(base, experts, **params)
+    error = caught.value
+    assert isinstance(error, InvalidParameterError) and isinstance(error, ValueError)
+    assert (error.name, error.expected, error.owner) == (name, expected, f"merging method {method!r}")
+    assert error.value is value
+    assert "--" not in str(error)
 
 
 def test_numbers_given_as_text_are_read_as_numbers() -> None:
@@ -137,8 +157,49 @@ def test_numbers_given_as_text_are_read_as_numbers() -> None:
     as_numbers = wudi(base, experts, lr=1e-3, iterations=3)
     assert all(torch.equal(as_text[k], as_numbers[k]) for k in as_numbers)
     assert wudi.resolved_params(lr="1e-4") == {"iterations": 400, "lr": 1e-4}
-    with pytest.raises(FeatcalError, match="lr must be a number"):
+    with pytest.raises(FeatcalError, match="lr='fast' is invalid: it must be a finite number"):
         wudi(base, experts, lr="fast")
+    resolved = wudi.resolved_params(iterations="4e2", lr=1)
+    assert resolved == {"iterations": 400, "lr": 1.0}
+    assert type(resolved["iterations"]) is int and type(resolved["lr"]) is float
+    assert get_method("ties").resolved_params(top_k=50, merge_func=None) == {
+        "scaling_factor": 0.3,
+        "top_k": 50.0,
+        "merge_func": "sum",
+    }
+
+
+def test_unknown_method_and_no_experts_raise_with_their_data() -> None:
+    with pytest.raises(UnknownNameError, match="Unknown merging method 'nope'") as caught:
+        get_method("nope")
+    assert caught.value.names == ["nope"] and set(ALL_METHODS) <= set(caught.value.known)
+    base, _ = random_models()
+    with pytest.raises(InvalidParameterError, match="experts") as empty:
+        get_method("task_arithmetic")(base, [])
+    assert empty.value.name == "experts" and empty.value.value == []
+
+
+def test_parameters_are_listed_with_type_range_choices_and_default(capsys) -> None:
+    ties = get_method("ties")
+    assert ties.whole_model and not get_method("tsv").whole_model
+    assert [str(p) for p in ties.params] == [
+        "scaling_factor: float = 0.3",
+        "top_k: float in (0, 100] = 20.0",
+        "merge_func: 'sum' | 'mean' | 'max' = 'sum'",
+    ]
+    assert [str(p) for p in get_method("wudi").params] == ["iterations: int >= 0 = 400", "lr: float > 0 = 1e-05"]
+    assert get_method("simple_average").params == ()
+    assert ties.description.startswith("θ = θ0 + scaling_factor")
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for line in [
+        "ties               TIES-Merging  https://arxiv.org/abs/2306.01708  → folder ties/",
+        "                   top_k: float in (0, 100] = 20.0",
+        "                   merge_func: 'sum' | 'mean' | 'max' = 'sum'",
+        "task_arithmetic    Task Arithmetic  https://arxiv.org/abs/2212.04089  → folder ta/",
+        "                   lr: float > 0 = 1e-05",
+    ]:
+        assert line in out.splitlines(), line
 
 
 def test_half_precision_is_kept() -> None:
@@ -148,6 +209,110 @@ def test_half_precision_is_kept() -> None:
     for method in ALL_METHODS:
         merged = get_method(method)(base, experts, **({"iterations": 3} if method == "wudi" else {}))
         assert merged["proj.weight"].dtype == torch.float16, method
+
+
+# --- The kernel API ---------------------------------------------------------------------------------
+
+
+def test_a_new_method_is_a_few_lines_through_the_kernel_api() -> None:
+    """A per-tensor kernel in a registry of its own (the package's registry is left as it was)."""
+    registry = MethodRegistry()
+
+    @merge_method("median", pretty_name="Median", reference_url="https://example.org", registry=registry)
+    def median(
+        base: torch.Tensor, task_vectors: torch.Tensor, *, scaling_factor: Annotated[float, Range(ge=0)] = 1.0
+    ) -> torch.Tensor:
+        """θ0 plus scaling_factor times the entry-wise median of the task vectors."""
+        return base + scaling_factor * task_vectors.median(dim=0).values
+
+    method = registry.get("median")
+    assert (method.name, method.pretty_name, method.reference_url) == ("median", "Median", "https://example.org")
+    assert method.description == "θ0 plus scaling_factor times the entry-wise median of the task vectors."
+    assert method.defaults == {"scaling_factor": 1.0} and method.inputs == ("base", "task_vectors")
+    assert "median" not in available_methods() and registry.names() == ["median"]
+
+    base, experts = random_models()
+    base_copy = {k: v.clone() for k, v in base.items()}
+    merged = method(base, experts, scaling_factor="0.5")
+    for key, theta0 in base.items():
+        if theta0.is_floating_point():
+            want = theta0 + 0.5 * torch.stack([e[key] - theta0 for e in experts]).median(dim=0).values
+            assert torch.equal(merged[key], want), key
+        else:
+            assert torch.equal(merged[key], theta0) and merged[key].data_ptr() != theta0.data_ptr()
+        assert torch.equal(base[key], base_copy[key])
+    with pytest.raises(InvalidParameterError, match=r"scaling_factor=-1 is invalid: it must be a finite number >= 0"):
+        method(base, experts, scaling_factor=-1)
+    with pytest.raises(ValueError, match="registered twice"):
+        merge_method("median", pretty_name="Median", reference_url="", registry=registry)(median)
+
+
+def test_kernels_may_take_the_experts_and_whole_model_methods_say_so() -> None:
+    registry = MethodRegistry()
+
+    @merge_method("pick", pretty_name="Pick", reference_url="", registry=registry)
+    def pick(experts: torch.Tensor, *, index: Literal[0, 1, 2] = 0) -> torch.Tensor:
+        """One expert's weights."""
+        return experts[index]
+
+    @merge_method("first", pretty_name="First", reference_url="", whole_model=True, registry=registry)
+    def first(base: dict, experts: list, *, keep: bool = True) -> dict[str, torch.Tensor]:
+        """The first expert, whole."""
+        return {key: tensor.clone() for key, tensor in experts[0].items()}
+
+    base, experts = random_models()
+    picked = registry.get("pick")(base, experts, index=2)
+    assert all(torch.equal(picked[k], experts[2][k]) for k in base)
+    assert picked["proj.weight"].untyped_storage().nbytes() == picked["proj.weight"].nbytes  # not a view of all T
+    with pytest.raises(InvalidParameterError, match=r"index=3 is invalid: it must be one of 0, 1, 2"):
+        registry.get("pick")(base, experts, index=3)
+    registry.add(
+        dataclasses.replace(registry.get("pick"), name="all", pretty_name="All", fn=lambda experts, index: experts)
+    )
+    with pytest.raises(ValueError, match=r"merging kernel 'All' returned shape \(3, 6, 5\) for proj.weight \(6, 5\)"):
+        registry.get("all")(base, experts)
+    assert registry.get("first").whole_model and registry.get("first").inputs is None
+    assert all(torch.equal(registry.get("first")(base, experts)[k], experts[0][k]) for k in base)
+    with pytest.raises(InvalidParameterError, match="keep"):
+        registry.get("first")(base, experts, keep="yes")
+
+
+def no_annotation(base: torch.Tensor, task_vectors: torch.Tensor, *, k=1.0) -> torch.Tensor:
+    return base
+
+
+def unknown_input(base: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+    return base
+
+
+def range_on_text(task_vectors: torch.Tensor, *, mode: Annotated[str, Range(gt=0)] = "a") -> torch.Tensor:
+    return task_vectors[0]
+
+
+def default_out_of_range(task_vectors: torch.Tensor, *, k: Annotated[int, Range(ge=1)] = 0) -> torch.Tensor:
+    return task_vectors[0]
+
+
+@pytest.mark.parametrize(
+    ("fn", "error"),
+    [
+        (no_annotation, TypeError),
+        (unknown_input, TypeError),
+        (range_on_text, TypeError),
+        (default_out_of_range, ValueError),
+    ],
+)
+def test_a_kernel_with_a_bad_signature_is_refused_when_registered(fn, error: type) -> None:
+    with pytest.raises(error, match="merging method 'bad'"):
+        merge_method("bad", pretty_name="Bad", reference_url="", registry=MethodRegistry())(fn)
+
+
+def test_a_range_has_one_or_two_bounds() -> None:
+    assert [str(Range(gt=0, le=100)), str(Range(ge=1)), str(Range(lt=0.5))] == ["in (0, 100]", ">= 1", "< 0.5"]
+    assert 100 in Range(gt=0, le=100) and 0 not in Range(gt=0, le=100)
+    for bad in ({}, {"gt": 0, "ge": 0}, {"lt": 1, "le": 1}):
+        with pytest.raises(TypeError, match="one or two bounds"):
+            Range(**bad)
 
 
 # --- One expert -------------------------------------------------------------------------------------

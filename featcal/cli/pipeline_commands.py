@@ -102,10 +102,9 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
     for name in available_methods():
         method = get_method(name)
-        params = ", ".join(f"{k}={v}" for k, v in method.defaults.items()) or "no parameters"
-        print(
-            f"{name:<18} {method.pretty_name} ({params})  {method.reference_url}  → folder {merged_stage_name(name)}/"
-        )
+        print(f"{name:<18} {method.pretty_name}  {method.reference_url}  → folder {merged_stage_name(name)}/")
+        for line in [method.description, *map(str, method.params)]:
+            print(f"{'':<18} {line}")
     return 0
 
 

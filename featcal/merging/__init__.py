@@ -1,13 +1,15 @@
-"""Merging methods, one module each, behind a registry (see :mod:`featcal.merging.registry`)."""
+"""Merging methods, one module each, behind a registry (see :mod:`featcal.merging.registry`).
 
-from featcal.merging import (  # noqa: F401  (importing a module registers its method)
-    iso_c,
-    simple_average,
-    task_arithmetic,
-    ties,
-    tsv,
-    wudi,
-)
-from featcal.merging.registry import MergeMethod, available_methods, get_method, merge_method
+Every module of this package is imported here, so a module that registers a method with
+:func:`merge_method` is all a new method takes.
+"""
 
-__all__ = ["MergeMethod", "available_methods", "get_method", "merge_method"]
+import importlib
+import pkgutil
+
+from featcal.merging.registry import MergeMethod, Range, available_methods, get_method, merge_method
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["MergeMethod", "Range", "available_methods", "get_method", "merge_method"]

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 import torch
 from tqdm.auto import tqdm
 
-from featcal.merging.registry import StateDict
-
 T = TypeVar("T")
+StateDict = Mapping[str, torch.Tensor]
+
+
+def is_mergeable(tensor: torch.Tensor) -> bool:
+    """Floating-point tensors are merged; integer buffers are copied from the base."""
+    return tensor.is_floating_point()
 
 
 def read_task_vectors(base: StateDict, experts: Sequence[StateDict], key: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,8 +24,12 @@ def read_task_vectors(base: StateDict, experts: Sequence[StateDict], key: str) -
     tensor.
     """
     theta0 = base[key].to(torch.float32, copy=True)
-    stacked = torch.stack([expert[key].to(torch.float32) for expert in experts])
-    return theta0, stacked.sub_(theta0)
+    return theta0, read_experts(experts, key).sub_(theta0)
+
+
+def read_experts(experts: Sequence[StateDict], key: str) -> torch.Tensor:
+    """The experts' tensors ``key`` in float32, stacked along a new first dimension (T, ...)."""
+    return torch.stack([expert[key].to(torch.float32) for expert in experts])
 
 
 def is_matrix(tensor: torch.Tensor) -> bool:

@@ -12,12 +12,10 @@ FusionBench would give weight σ̄ to arbitrary null-space directions of the SVD
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from featcal.merging.common import is_matrix, numerical_rank, progress, read_task_vectors
-from featcal.merging.registry import StateDict, is_mergeable, merge_method
+from featcal.merging.common import is_matrix, numerical_rank
+from featcal.merging.registry import merge_method
 
 
 @merge_method(
@@ -25,18 +23,19 @@ from featcal.merging.registry import StateDict, is_mergeable, merge_method
     pretty_name="Iso-C",
     reference_url="https://arxiv.org/abs/2502.04959",
 )
-def iso_c(base: StateDict, experts: Sequence[StateDict], *, scaling_factor: float = 1.0) -> dict[str, torch.Tensor]:
-    """θ = θ0 + ``scaling_factor`` · isotropic sum (2-D tensors) or mean task vector (others)."""
-    merged: dict[str, torch.Tensor] = {}
-    for key in progress(list(base), "Iso-C"):
-        theta0 = base[key]
-        if not is_mergeable(theta0):
-            merged[key] = theta0.clone()
-            continue
-        base32, tvs = read_task_vectors(base, experts, key)
-        delta = isotropic(tvs.sum(dim=0)) if is_matrix(theta0) else tvs.mean(dim=0)
-        merged[key] = (base32 + scaling_factor * delta).to(theta0.dtype)
-    return merged
+def iso_c(base: torch.Tensor, task_vectors: torch.Tensor, *, scaling_factor: float = 1.0) -> torch.Tensor:
+    """θ = θ0 + scaling_factor · the isotropic sum (2-D tensors) or the mean task vector (others).
+
+    Args:
+        base: θ0, float32.
+        task_vectors: τ_t = θ_t − θ0 stacked over the tasks, float32 (T, *θ0.shape).
+        scaling_factor: α, the weight of the merged task vector.
+
+    Returns:
+        The merged tensor, float32.
+    """
+    delta = isotropic(task_vectors.sum(dim=0)) if is_matrix(base) else task_vectors.mean(dim=0)
+    return base + scaling_factor * delta
 
 
 def isotropic(matrix: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from featcal.merging.registry import StateDict, is_mergeable, merge_method
+from featcal.merging.registry import merge_method
 
 
 @merge_method(
@@ -14,16 +12,18 @@ from featcal.merging.registry import StateDict, is_mergeable, merge_method
     pretty_name="Simple Average",
     reference_url="https://arxiv.org/abs/2203.05482",
 )
-def simple_average(base: StateDict, experts: Sequence[StateDict]) -> dict[str, torch.Tensor]:
-    """The mean of the experts' weights, one tensor at a time; integer buffers come from the base."""
-    merged: dict[str, torch.Tensor] = {}
-    for key in base:
-        theta0 = base[key]
-        if not is_mergeable(theta0):
-            merged[key] = theta0.clone()
-            continue
-        total = torch.zeros(theta0.shape, dtype=torch.float32)
-        for expert in experts:
-            total += expert[key].to(torch.float32)
-        merged[key] = (total / len(experts)).to(theta0.dtype)
-    return merged
+def simple_average(experts: torch.Tensor) -> torch.Tensor:
+    """θ = (1/T) Σ_t θ_t: the mean of the experts' weights.
+
+    The experts' weights are summed as they are, not as θ0 + mean τ, which would round differently.
+
+    Args:
+        experts: θ_t stacked over the tasks, float32 (T, ...).
+
+    Returns:
+        The merged tensor, float32.
+    """
+    total = torch.zeros_like(experts[0])
+    for theta in experts:
+        total += theta
+    return total / len(experts)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from featcal.merging.registry import StateDict, is_mergeable, merge_method
+from featcal.merging.registry import merge_method
 
 
 @merge_method(
@@ -14,19 +12,18 @@ from featcal.merging.registry import StateDict, is_mergeable, merge_method
     pretty_name="Task Arithmetic",
     reference_url="https://arxiv.org/abs/2212.04089",
 )
-def task_arithmetic(
-    base: StateDict, experts: Sequence[StateDict], *, scaling_factor: float = 0.3
-) -> dict[str, torch.Tensor]:
-    """Add ``scaling_factor`` times the sum of the task vectors to the base, one tensor at a time."""
-    merged: dict[str, torch.Tensor] = {}
-    for key in base:
-        theta0 = base[key]
-        if not is_mergeable(theta0):
-            merged[key] = theta0.clone()
-            continue
-        acc = theta0.to(torch.float32)
-        delta = torch.zeros_like(acc)
-        for expert in experts:
-            delta += expert[key].to(torch.float32) - acc
-        merged[key] = (acc + scaling_factor * delta).to(theta0.dtype)
-    return merged
+def task_arithmetic(base: torch.Tensor, task_vectors: torch.Tensor, *, scaling_factor: float = 0.3) -> torch.Tensor:
+    """θ = θ0 + scaling_factor · Σ_t τ_t: the base plus the scaled sum of the task vectors.
+
+    Args:
+        base: θ0, float32.
+        task_vectors: τ_t = θ_t − θ0 stacked over the tasks, float32 (T, *θ0.shape).
+        scaling_factor: κ, the weight of the summed task vectors.
+
+    Returns:
+        The merged tensor, float32.
+    """
+    total = torch.zeros_like(base)
+    for tv in task_vectors:  # task by task, in order: the published sum, to the last bit
+        total += tv
+    return base + scaling_factor * total

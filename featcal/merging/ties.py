@@ -15,38 +15,42 @@ set at the end).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated, Literal
 
 import torch
 
-from featcal.errors import FeatcalError
-from featcal.merging.common import progress, read_task_vectors
-from featcal.merging.registry import StateDict, is_mergeable, merge_method
-
-MERGE_FUNCS = ("sum", "mean", "max")
+from featcal.merging.common import StateDict, is_mergeable, progress, read_task_vectors
+from featcal.merging.registry import Range, merge_method
 
 
 @merge_method(
     "ties",
     pretty_name="TIES-Merging",
     reference_url="https://arxiv.org/abs/2306.01708",
+    whole_model=True,
 )
 def ties(
     base: StateDict,
     experts: Sequence[StateDict],
     *,
     scaling_factor: float = 0.3,
-    top_k: float = 20.0,
-    merge_func: str = "sum",
+    top_k: Annotated[float, Range(gt=0, le=100)] = 20.0,
+    merge_func: Literal["sum", "mean", "max"] = "sum",
 ) -> dict[str, torch.Tensor]:
-    """θ = θ0 + ``scaling_factor`` · disjoint-merge of the trimmed task vectors.
+    """θ = θ0 + scaling_factor · the disjoint merge of the task vectors trimmed to their top_k % entries.
 
-    ``top_k`` is the percentage of each task vector's entries kept (FusionBench calls it
-    ``threshold``); ``merge_func`` is one of ``sum``, ``mean``, ``max``.
+    A whole-model method: each task's magnitude threshold is taken over its whole task vector.
+
+    Args:
+        base: The base state dict; not modified.
+        experts: The experts' state dicts; not modified.
+        scaling_factor: λ, the weight of the merged task vector.
+        top_k: The percentage of each task vector's entries kept (FusionBench's ``threshold``).
+        merge_func: How the kept values that agree with the elected sign are aggregated.
+
+    Returns:
+        The merged state dict, with the base's keys and dtypes.
     """
-    if merge_func not in MERGE_FUNCS:
-        raise FeatcalError(f"TIES: merge_func must be one of {', '.join(MERGE_FUNCS)}; got {merge_func!r}.")
-    if not 0 < top_k <= 100:
-        raise FeatcalError(f"TIES: top_k is a percentage of entries kept, in (0, 100]; got {top_k!r}.")
     keys = [key for key in base if is_mergeable(base[key])]
     thresholds = torch.stack(
         [magnitude_threshold(base, e, keys, top_k) for e in progress(experts, "TIES thresholds", unit="task")]

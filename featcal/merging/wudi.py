@@ -15,13 +15,12 @@ per tensor: each Adam step is then one matrix product, whatever the number of ta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Annotated
 
 import torch
 
-from featcal.errors import FeatcalError
-from featcal.merging.common import is_matrix, progress, read_task_vectors
-from featcal.merging.registry import StateDict, is_mergeable, merge_method
+from featcal.merging.common import is_matrix
+from featcal.merging.registry import Range, merge_method
 
 
 @merge_method(
@@ -30,30 +29,28 @@ from featcal.merging.registry import StateDict, is_mergeable, merge_method
     reference_url="https://arxiv.org/abs/2503.08099",
 )
 def wudi(
-    base: StateDict,
-    experts: Sequence[StateDict],
+    base: torch.Tensor,
+    task_vectors: torch.Tensor,
     *,
-    iterations: int = 400,
-    lr: float = 1e-5,
-) -> dict[str, torch.Tensor]:
-    """θ = θ0 + τm, with τm from ``iterations`` Adam steps at learning rate ``lr`` per 2-D tensor."""
-    if iterations < 0 or int(iterations) != iterations:
-        raise FeatcalError(f"WUDI: iterations must be a non-negative integer; got {iterations!r}.")
-    if not lr > 0:
-        raise FeatcalError(f"WUDI: lr must be positive; got {lr!r}.")
-    merged: dict[str, torch.Tensor] = {}
-    for key in progress(list(base), "WUDI"):
-        theta0 = base[key]
-        if not is_mergeable(theta0):
-            merged[key] = theta0.clone()
-            continue
-        base32, tvs = read_task_vectors(base, experts, key)
-        if is_matrix(theta0):
-            delta = solve(tvs, iterations=int(iterations), lr=lr)
-        else:
-            delta = tvs.sum(dim=0) / len(experts)
-        merged[key] = (base32 + delta).to(theta0.dtype)
-    return merged
+    iterations: Annotated[int, Range(ge=0)] = 400,
+    lr: Annotated[float, Range(gt=0)] = 1e-5,
+) -> torch.Tensor:
+    """θ = θ0 + τm, τm from Adam steps on the interference loss (2-D tensors), else the mean task vector.
+
+    Args:
+        base: θ0, float32.
+        task_vectors: τ_t = θ_t − θ0 stacked over the tasks, float32 (T, *θ0.shape).
+        iterations: The number of Adam steps per 2-D tensor.
+        lr: Adam's learning rate.
+
+    Returns:
+        The merged tensor, float32.
+    """
+    if is_matrix(base):
+        delta = solve(task_vectors, iterations=iterations, lr=lr)
+    else:
+        delta = task_vectors.sum(dim=0) / len(task_vectors)
+    return base + delta
 
 
 def solve(task_vectors: torch.Tensor, *, iterations: int, lr: float) -> torch.Tensor:

@@ -1,0 +1,82 @@
+"""The streaming driver of per-tensor merging methods: the model is merged one tensor at a time.
+
+For every key of the base, integer buffers (``position_ids``) are copied from the base; for every
+floating-point tensor the driver reads that one tensor of each expert (experts are usually lazily-read
+:class:`~featcal.checkpoint.Checkpoint` objects), hands the kernel float32 copies, and casts the
+kernel's result back to the base tensor's dtype. Memory stays bounded by ``len(experts)`` copies of
+the largest tensor, whatever the method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from featcal.merging.common import StateDict, is_mergeable, progress, read_experts, read_task_vectors
+
+KERNEL_INPUTS = ("base", "task_vectors", "experts")
+"""The names a kernel's positional parameters may take, each naming what the driver passes:
+
+* ``base``: θ0, the base tensor in float32;
+* ``task_vectors``: τ = θ_t − θ0 stacked over the experts, float32 of shape (T, *θ0.shape);
+* ``experts``: θ_t stacked over the experts, float32 of shape (T, *θ0.shape).
+"""
+
+
+def merge_tensorwise(
+    kernel: Callable[..., torch.Tensor],
+    inputs: Sequence[str],
+    base: StateDict,
+    experts: Sequence[StateDict],
+    params: Mapping[str, Any],
+    *,
+    desc: str,
+) -> dict[str, torch.Tensor]:
+    """Merge ``experts`` into ``base`` by calling ``kernel(*inputs, **params)`` on each tensor.
+
+    Args:
+        kernel: The per-tensor function. It returns a tensor of θ0's shape; its arguments are fresh
+            float32 copies, so it may overwrite them.
+        inputs: The kernel's positional parameters, each one of :data:`KERNEL_INPUTS`.
+        base: The base state dict.
+        experts: The experts' state dicts, each with the base's keys.
+        params: The validated hyper-parameters, passed as keyword arguments.
+        desc: The progress bar's label.
+
+    Returns:
+        The merged state dict, with the base's keys, shapes and dtypes.
+
+    Raises:
+        ValueError: If the kernel returns a tensor of another shape (a bug in the kernel).
+    """
+    merged: dict[str, torch.Tensor] = {}
+    for key in progress(list(base), desc):
+        theta0 = base[key]
+        if not is_mergeable(theta0):
+            merged[key] = theta0.clone()
+            continue
+        result = kernel(*_kernel_inputs(base, experts, key, inputs), **params)
+        if result.shape != theta0.shape:
+            raise ValueError(
+                f"merging kernel {desc!r} returned shape {tuple(result.shape)} for {key} {tuple(theta0.shape)}"
+            )
+        result = result.to(theta0.dtype)
+        # A view into the stacked inputs (``experts[0]``) would keep all T copies alive: copy it out.
+        merged[key] = result.clone() if result.untyped_storage().nbytes() > result.nbytes else result
+    return merged
+
+
+def _kernel_inputs(base: StateDict, experts: Sequence[StateDict], key: str, names: Sequence[str]) -> list[torch.Tensor]:
+    """The float32 tensors ``names`` for one key, reading each expert's tensor once."""
+    if "experts" not in names:
+        theta0, task_vectors = read_task_vectors(base, experts, key)
+        values = {"base": theta0, "task_vectors": task_vectors}
+    else:
+        values = {"experts": read_experts(experts, key)}
+        if "base" in names or "task_vectors" in names:
+            values["base"] = base[key].to(torch.float32, copy=True)
+        if "task_vectors" in names:
+            values["task_vectors"] = values["experts"] - values["base"]
+    return [values[name] for name in names]
