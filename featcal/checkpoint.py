@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, ModelInputError
 
 VISION_PREFIX = "vision_model."
 _INDEX_NAME = "model.safetensors.index.json"
@@ -51,7 +51,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     def __init__(self, path: str | Path, *, name: str | None = None) -> None:
         self.path = Path(path)
         self.name = name or str(path)
-        self._handles = [safe_open(str(f), framework="pt") for f in _weight_files(self.path)]
+        self.files = _weight_files(self.path)
+        self._handles = [safe_open(str(f), framework="pt") for f in self.files]
         raw: dict[str, int] = {}
         for i, handle in enumerate(self._handles):
             for key in handle.keys():
@@ -74,6 +75,25 @@ class Checkpoint(Mapping[str, torch.Tensor]):
             raise KeyError(f"{self.name} has no tensor {key!r}") from None
         return self._handles[i].get_tensor(raw_key)
 
+    def file_of(self, key: str) -> Path:
+        """The safetensors file that holds ``key``."""
+        return self.files[self._where[key][0]]
+
+    def check_finite(self) -> None:
+        """Raise naming the file and tensor of the first NaN or infinite value, reading one tensor at a time.
+
+        Raises:
+            ModelInputError: when a floating-point tensor holds a NaN or an infinity.
+        """
+        for key in self:
+            value = self[key]
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise ModelInputError(
+                    self.name,
+                    f"{self.name}: tensor {key!r} in {self.file_of(key)} is not finite (NaN or infinity); "
+                    "replace the checkpoint with a healthy one.",
+                )
+
     def shape(self, key: str) -> tuple[int, ...]:
         i, raw_key = self._where[key]
         return tuple(self._handles[i].get_slice(raw_key).get_shape())
@@ -88,23 +108,38 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         return f"Checkpoint({self.name!r}, {len(self)} tensors)"
 
 
-def check_compatible(base: Checkpoint, experts: Mapping[str, Checkpoint]) -> None:
-    """Raise a :class:`FeatcalError` naming the expert whose keys or shapes differ from the base."""
-    base_keys = set(base)
-    for task, expert in experts.items():
-        keys = set(expert)
-        if keys != base_keys:
-            missing = sorted(base_keys - keys)[:3]
-            extra = sorted(keys - base_keys)[:3]
-            raise FeatcalError(
-                f"Expert for task {task!r} ({expert.name}) does not match the base model's vision "
-                f"tower: missing {missing}, unexpected {extra}. Experts must be fine-tuned from the "
-                "base model (same architecture and parameter names)."
+def check_same_architecture(base: Checkpoint, shapes: Mapping[str, tuple[int, ...]], what: str, ref: str) -> None:
+    """Raise naming ``what`` when its tensor names or shapes differ from the base's vision tower.
+
+    Args:
+        base: The base model's vision tower.
+        shapes: The other model's tensor shapes by name (without the ``vision_model.`` prefix).
+        what: How to name the other model, e.g. ``"Expert for task 'mnist' (…)"``.
+        ref: The other model's path or id, carried by the error.
+
+    Raises:
+        ModelInputError: for a missing or unexpected tensor, or a shape that differs.
+    """
+    base_keys, keys = set(base), set(shapes)
+    if keys != base_keys:
+        missing = sorted(base_keys - keys)[:3]
+        extra = sorted(keys - base_keys)[:3]
+        raise ModelInputError(
+            ref,
+            f"{what} does not match the base model's vision tower: missing {missing}, unexpected {extra}. "
+            "It must be fine-tuned or merged from the base model (same architecture and parameter names).",
+        )
+    for key in sorted(base_keys):
+        if tuple(shapes[key]) != base.shape(key):
+            raise ModelInputError(
+                ref,
+                f"{what}: tensor {key!r} has shape {tuple(shapes[key])}, the base model has {base.shape(key)}. "
+                "It must share the base model's architecture.",
             )
-        for key in base_keys:
-            if expert.shape(key) != base.shape(key):
-                raise FeatcalError(
-                    f"Expert for task {task!r} ({expert.name}): tensor {key!r} has shape "
-                    f"{expert.shape(key)}, the base model has {base.shape(key)}. Experts must share "
-                    "the base model's architecture."
-                )
+
+
+def check_compatible(base: Checkpoint, experts: Mapping[str, Checkpoint]) -> None:
+    """Raise a :class:`ModelInputError` naming the expert whose keys or shapes differ from the base."""
+    for expert in experts.values():
+        shapes = {key: expert.shape(key) for key in expert}
+        check_same_architecture(base, shapes, expert.name, str(expert.path))

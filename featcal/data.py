@@ -32,6 +32,20 @@ def load_task_split(task: Task, split: str):
         )
     if len(ds) == 0:
         raise FeatcalError(f"Task {task.name!r}: split {split_name!r} of {spec.path!r} is empty.")
+    return with_decoded_images(ds, spec.image_column)
+
+
+def with_decoded_images(ds, column: str):
+    """``ds`` with its image column decoded as PIL images.
+
+    Parquet written by ``datasets`` records the column as an ``Image`` feature; parquet written by
+    pyarrow directly (or other tools) holds the same ``{bytes, path}`` structs without that record.
+    """
+    import datasets
+
+    feature = ds.features[column]
+    if isinstance(feature, dict) and set(feature) == {"bytes", "path"}:
+        return ds.cast_column(column, datasets.Image())
     return ds
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from featcal.data import evaluation_loader
+from featcal.errors import ModelInputError
 from featcal.runfolder import MetricsReport, TaskMetrics
 from featcal.tasks import Task
 
@@ -30,12 +33,48 @@ def count_parameters(model: nn.Module) -> dict[str, float | int]:
 
 
 def load_base_clip(folder: str | Path, device: torch.device | str = "cpu"):
-    """The base `CLIPModel` (text tower, projections, logit scale), its tokenizer and image processor."""
+    """The base `CLIPModel` (text tower, projections, logit scale), its tokenizer and image processor.
+
+    Raises:
+        ModelInputError: when the folder is not a complete CLIPModel: another model type, or weights
+            that transformers would leave missing (randomly initialised) or ignore.
+    """
     from transformers import AutoTokenizer, CLIPModel
 
-    model = CLIPModel.from_pretrained(str(folder)).to(device).eval()
+    check_clip_model_folder(folder)
+    try:
+        model, info = CLIPModel.from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelInputError(str(folder), f"The base model {folder} does not load as a CLIPModel ({exc}).") from None
+    problems = [f"{kind} {sorted(map(str, keys))[:3]}" for kind, keys in info.items() if keys]
+    if problems:
+        raise ModelInputError(
+            str(folder),
+            f"The base model {folder} is not a complete CLIPModel: {'; '.join(problems)}. Give the full CLIP "
+            "(vision and text towers) the experts were fine-tuned from.",
+        )
+    model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return model, tokenizer, load_image_processor(folder)
+
+
+def check_clip_model_folder(folder: str | Path) -> None:
+    """Refuse a base model folder whose config is not a CLIPModel's (e.g. a lone CLIPVisionModel).
+
+    Raises:
+        ModelInputError: naming the folder, its model type and the fix.
+    """
+    config = Path(folder) / "config.json"
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        raise ModelInputError(str(folder), f"The base model {folder} has no readable config.json.") from None
+    if model_type != "clip":
+        raise ModelInputError(
+            str(folder),
+            f"The base model {folder} is a {model_type!r} model, not a CLIPModel with a text tower (model_type "
+            "'clip'): give the full CLIP the experts were fine-tuned from, e.g. openai/clip-vit-base-patch32.",
+        )
 
 
 def load_image_processor(folder: str | Path):
@@ -112,16 +151,15 @@ class ZeroShotClassifier:
         for pixels, labels in tqdm(loader, desc=f"Evaluating {task.name}", leave=False, disable=not progress):
             labels = labels.to(self.device)
             logits = self.logits(vision_model, pixels, task)
-            if int(labels.max()) >= logits.shape[1] or int(labels.min()) < 0:
-                from featcal.errors import FeatcalError
-
-                raise FeatcalError(
-                    f"Task {task.name!r}: labels run to {int(labels.max())} but the task has "
-                    f"{logits.shape[1]} class names; fix 'classnames' in the tasks file."
-                )
             loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
             correct += int((logits.argmax(-1) == labels).sum())
             seen += int(labels.numel())
+        if not math.isfinite(loss_sum):
+            raise ModelInputError(
+                None,
+                f"Task {task.name!r}: the model's outputs are not finite (NaN or infinity) on its test images; "
+                "check the model's weights.",
+            )
         return TaskMetrics(accuracy=correct / seen, loss=loss_sum / seen, num_samples=seen)
 
     def evaluate(

@@ -15,12 +15,29 @@ if TYPE_CHECKING:
     import torch
 
 
+def current_umask() -> int:
+    """The process's file-creation mask (read without changing it for long)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def as_if_created(path: str | Path, *, folder: bool = False) -> None:
+    """Give ``path`` the permissions a plain ``open``/``mkdir`` would have: 0666/0777 less the umask.
+
+    ``tempfile`` creates private files (0600) and folders (0700); what featcal renames into place
+    from there is meant to be read by the user's group and the Hub client like any other output.
+    """
+    os.chmod(path, (0o777 if folder else 0o666) & ~current_umask())
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        as_if_created(tmp)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -30,7 +47,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def atomic_write_json(path: str | Path, data: Any, *, indent: int | None = 2) -> None:
-    atomic_write_text(path, json.dumps(data, indent=indent) + "\n")
+    """Write ``data`` as strict JSON (``NaN`` and ``Infinity`` are refused with a ValueError)."""
+    atomic_write_text(path, json.dumps(data, indent=indent, allow_nan=False) + "\n")
 
 
 def read_json(path: str | Path) -> Any:
@@ -64,6 +82,7 @@ def save_vision_model(state: Mapping[str, torch.Tensor], vision_config, folder: 
     model.load_state_dict(dict(state), strict=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:
+        as_if_created(tmp, folder=True)
         model.save_pretrained(tmp)
         replace_dir(tmp, folder)
     except BaseException:

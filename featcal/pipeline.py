@@ -19,10 +19,10 @@ import torch
 
 from featcal import __version__
 from featcal.calibration import FeatCalParams, featcal_calibrate
-from featcal.checkpoint import Checkpoint, check_compatible
+from featcal.checkpoint import Checkpoint, check_compatible, check_same_architecture
 from featcal.data import calibration_pixels, load_task_split
-from featcal.errors import FeatcalError, InvalidParameterError
-from featcal.evaluation import ZeroShotClassifier, load_base_clip
+from featcal.errors import DatasetInputError, FeatcalError, InvalidParameterError, ModelInputError
+from featcal.evaluation import ZeroShotClassifier, check_clip_model_folder, load_base_clip
 from featcal.io import save_vision_model
 from featcal.loading import resolve_model_folder
 from featcal.merging import get_method
@@ -126,7 +126,9 @@ def resolve_inputs(spec: RunSpec, *, need_experts: bool = True) -> RunInputs:
     local = Path(base_ref).expanduser()
     base_ref = str(local.resolve()) if local.exists() else base_ref
     base_folder = resolve_model_folder(base_ref, what="base model", cache_dir=spec.cache_dir)
+    check_clip_model_folder(base_folder)
     base = Checkpoint(base_folder, name=f"base model {base_ref}")
+    base.check_finite()
     refs: dict[str, str] = {}
     experts: dict[str, Checkpoint] = {}
     if need_experts:
@@ -135,32 +137,50 @@ def resolve_inputs(spec: RunSpec, *, need_experts: bool = True) -> RunInputs:
             folder = resolve_model_folder(
                 refs[task.name], what=f"expert for task {task.name!r}", cache_dir=spec.cache_dir
             )
-            experts[task.name] = Checkpoint(folder, name=refs[task.name])
+            experts[task.name] = Checkpoint(folder, name=f"Expert for task {task.name!r} ({refs[task.name]})")
         check_compatible(base, experts)
+        for expert in experts.values():
+            expert.check_finite()
     method = get_method(spec.merge_method)
     return RunInputs(tasks, base_ref, base_folder, refs, experts, base, method.resolved_params(**spec.method_params()))
 
 
 def validate_datasets(tasks: list[Task], splits: tuple[str, ...] = ("train", "test")) -> None:
-    """Load each task's splits once, so a missing split or column fails before anything is written."""
+    """Load each task's splits once, so a missing split or column, or a label outside the task's
+    classes, fails before anything is written (the labels are read from their column alone)."""
     for task in tasks:
         for split in splits:
-            load_task_split(task, split)
+            check_labels(task, load_task_split(task, split), split)
 
 
-def check_finite(state: Mapping[str, torch.Tensor], what: str, experts: Mapping[str, Checkpoint] | None = None) -> None:
-    """Raise naming the first non-finite tensor (and the expert that holds one, if any)."""
+def check_labels(task: Task, dataset, split: str) -> None:
+    """Raise naming the task, split and label when a label lies outside ``[0, number of class names)``."""
+    import pyarrow.compute as pc
+
+    bounds = pc.min_max(dataset.data.column(task.dataset.label_column)).as_py()
+    low, high = int(bounds["min"]), int(bounds["max"])
+    if low < 0 or high >= len(task.classnames):
+        bad = low if low < 0 else high
+        raise DatasetInputError(
+            task.name,
+            task.dataset.path,
+            f"Task {task.name!r}: the {split} split of {task.dataset.path} has label {bad}, but the task has "
+            f"{len(task.classnames)} class names (labels 0 to {len(task.classnames) - 1}); fix 'classnames' in "
+            "the tasks file or the dataset.",
+        )
+
+
+def check_finite(state: Mapping[str, torch.Tensor], what: str) -> None:
+    """Raise naming the first non-finite tensor of a result computed from finite inputs."""
     for key, value in state.items():
         if value.is_floating_point() and not torch.isfinite(value).all():
-            culprit = next((t for t, e in (experts or {}).items() if not torch.isfinite(e[key]).all()), None)
-            where = f" (expert {culprit!r} has non-finite values there)" if culprit else ""
-            raise FeatcalError(f"{what}: tensor {key!r} is not finite{where}.")
+            raise FeatcalError(f"{what}: tensor {key!r} is not finite, although every input is.")
 
 
 def merge(inputs: RunInputs, method: str) -> dict[str, torch.Tensor]:
     """The merged vision tower's state dict."""
     merged = get_method(method)(inputs.base, [inputs.experts[t.name] for t in inputs.tasks], **inputs.merge_params)
-    check_finite(merged, f"The {method} merge", inputs.experts)
+    check_finite(merged, f"The {method} merge")
     return merged
 
 
@@ -173,18 +193,32 @@ def build_vision_model(inputs: RunInputs, state: Mapping[str, torch.Tensor]):
     return model.eval()
 
 
-def load_vision_folder(path: str | Path):
-    """A `CLIPVisionModel` from a folder (safetensors only)."""
+def load_vision_folder(path: str | Path, base: Checkpoint | None = None):
+    """A `CLIPVisionModel` from a folder (safetensors only), in float32, its tensors checked.
+
+    Args:
+        path: A `CLIPVisionModel` (or `CLIPModel`) folder.
+        base: When given, the model must have the base's vision architecture.
+
+    Raises:
+        ModelInputError: for a folder without config or safetensors weights, a tensor that is not
+            finite (naming file and tensor), or an architecture other than the base's.
+    """
     from transformers import CLIPVisionModel
 
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise FeatcalError(
+        raise ModelInputError(
+            str(folder),
             f"{folder} is not a model folder (no config.json); "
-            "pass a folder written by `featcal merge` or `save_pretrained`."
+            "pass a folder written by `featcal merge` or `save_pretrained`.",
         )
-    Checkpoint(folder)  # raises a clear error for missing or pickle-only weights
-    return CLIPVisionModel.from_pretrained(str(folder), use_safetensors=True).eval()
+    checkpoint = Checkpoint(folder)  # raises a clear error for missing or pickle-only weights
+    checkpoint.check_finite()
+    if base is not None:
+        shapes = {key: checkpoint.shape(key) for key in checkpoint}
+        check_same_architecture(base, shapes, f"The model {folder}", str(folder))
+    return CLIPVisionModel.from_pretrained(str(folder), use_safetensors=True, dtype=torch.float32).eval()
 
 
 def calibrate(
@@ -233,12 +267,16 @@ def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
     out = Path(spec.output_dir)
     record = run_record(spec, inputs)
     merged_name, calibrated_name = merged_stage_name(spec.merge_method), calibrated_stage_name(spec.merge_method)
-    start = time.perf_counter()
-    merged_state = None if spec.skip_ta else merge(inputs, spec.merge_method)
-    timings: dict[str, float] = {"merge_s": time.perf_counter() - start}
-    # Everything is validated and merged: from here on, files are written.
-    run_id = write_run_config(out, record)
     clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
+    start = time.perf_counter()
+    if spec.skip_ta:
+        merged_state, merged_model = None, load_vision_folder(spec.ta_model_path, inputs.base)
+    else:
+        merged_state = merge(inputs, spec.merge_method)
+        merged_model = build_vision_model(inputs, merged_state)
+    timings: dict[str, float] = {"merge_s": time.perf_counter() - start}
+    # Everything is validated, loaded and merged: from here on, files are written.
+    run_id = write_run_config(out, record)
     classifier = ZeroShotClassifier(clip, tokenizer, device)
     eval_kwargs = dict(
         batch_size=spec.eval_batch_size,
@@ -262,10 +300,7 @@ def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
         write_stage_report(out / EXPERTS_DIR, results[EXPERTS_DIR], run_id)
 
     merge_dir = out / merged_name
-    if spec.skip_ta:
-        merged_model = load_vision_folder(spec.ta_model_path)
-    else:
-        merged_model = build_vision_model(inputs, merged_state)
+    if merged_state is not None:
         save_vision_model(merged_state, inputs.vision_config, merge_dir)
     if not spec.skip_eval_ta:
         start = time.perf_counter()

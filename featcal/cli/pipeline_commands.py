@@ -52,12 +52,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from featcal.evaluation import load_base_clip
     from featcal.io import save_vision_model
-    from featcal.pipeline import calibrate, load_vision_folder, resolve_device, resolve_inputs
+    from featcal.pipeline import calibrate, load_vision_folder, resolve_device, resolve_inputs, validate_datasets
 
     spec = spec_from_args(args)
-    inputs = resolve_inputs(spec)
     device = resolve_device(spec.device)
-    merged = load_vision_folder(args.merged)
+    inputs = resolve_inputs(spec)
+    validate_datasets(inputs.tasks, splits=("train",))
+    merged = load_vision_folder(args.merged, inputs.base)
     _, _, processor = load_base_clip(inputs.base_folder)
     model = calibrate(
         inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor, progress=spec.progress
@@ -70,14 +71,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from featcal.evaluation import ZeroShotClassifier, load_base_clip
     from featcal.io import atomic_write_json
-    from featcal.pipeline import load_vision_folder, resolve_device, resolve_inputs
+    from featcal.pipeline import load_vision_folder, resolve_device, resolve_inputs, validate_datasets
     from featcal.runfolder import METRICS
 
     spec = spec_from_args(args)
-    inputs = resolve_inputs(spec, need_experts=False)
     device = resolve_device(spec.device)
+    inputs = resolve_inputs(spec, need_experts=False)
+    validate_datasets(inputs.tasks, splits=("test",))
     clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
-    model = load_vision_folder(args.model) if args.model else clip.vision_model
+    model = load_vision_folder(args.model, inputs.base) if args.model else clip.vision_model
     report = ZeroShotClassifier(clip, tokenizer, device).evaluate(
         model,
         inputs.tasks,

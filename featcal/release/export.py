@@ -12,7 +12,7 @@ from pathlib import Path
 
 from featcal import __version__
 from featcal.errors import FeatcalError
-from featcal.io import atomic_write_json, replace_dir
+from featcal.io import as_if_created, atomic_write_json, replace_dir
 from featcal.loading import resolve_model_folder
 from featcal.release.card import DEFAULT_LICENSE, check_repo_id, is_hub_id, write_card_files
 from featcal.release.plot import PLOT_FILE
@@ -126,7 +126,7 @@ def export_release(
     _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a release folder is meant to be shared
+    as_if_created(tmp, folder=True)  # mkdtemp makes it private; a release folder is meant to be shared
     try:
         _write_weights(run, tmp)
         _write_processor(run, tmp)

@@ -1,0 +1,62 @@
+"""Dataset faults: labels outside the classes, missing splits and columns, parquet however written."""
+
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from featcal.cli import main
+
+FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
+FAST += ["--device", "cpu", "--max-eval-samples", "2"]
+
+
+@pytest.fixture
+def world_copy(world, tmp_path):
+    root = tmp_path / "w"
+    shutil.copytree(world["root"], root)
+    return root
+
+
+def rewrite_labels(parquet, change) -> None:
+    table = pq.read_table(parquet)
+    labels = table.column("label").to_pylist()
+    labels = change(labels)
+    index = table.schema.get_field_index("label")
+    table = table.set_column(index, pa.field("label", pa.int64()), pa.array(labels, pa.int64()))
+    pq.write_table(table.replace_schema_metadata(None), parquet)  # written by pyarrow directly
+
+
+def run(capsys, root, out, *extra):
+    code = main(["-q", "run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(out), *FAST, *extra])
+    return code, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize(("split", "bad"), [("test", 99), ("train", -1)])
+def test_a_label_outside_the_classes_is_refused_up_front(world_copy, tmp_path, capsys, split, bad) -> None:
+    # The bad label sits in the last row: evaluation of the first two images alone would never see it.
+    parquet = next((world_copy / "data" / "task1" / "data").glob(f"{split}-*.parquet"))
+    rewrite_labels(parquet, lambda labels: [*labels[:-1], bad])
+    out = tmp_path / "out"
+    code, err = run(capsys, world_copy, out)
+    assert code == 2 and len(err.splitlines()) == 1
+    assert f"'task1': the {split} split" in err and f"has label {bad}" in err and "class names" in err
+    assert not out.exists()
+
+
+def test_parquet_written_by_pyarrow_directly_is_read(world_copy, tmp_path, capsys) -> None:
+    for parquet in (world_copy / "data").rglob("*.parquet"):
+        rewrite_labels(parquet, lambda labels: labels)
+    assert run(capsys, world_copy, tmp_path / "out", "--skip-featcal")[0] == 0
+
+
+def test_a_missing_split_is_refused_before_writing(world_copy, tmp_path, capsys) -> None:
+    table = json.loads((world_copy / "tasks.json").read_text())
+    table["tasks"]["task0"]["dataset"]["test_split"] = "validation"
+    (world_copy / "tasks.json").write_text(json.dumps(table))
+    out = tmp_path / "out"
+    code, err = run(capsys, world_copy, out)
+    assert code == 2 and "'task0'" in err and "validation" in err
+    assert not out.exists()
