@@ -24,8 +24,8 @@ from featcal.checkpoint import Checkpoint, check_compatible
 from featcal.data import calibration_pixels, load_task_split
 from featcal.errors import FeatcalError
 from featcal.evaluation import ZeroShotClassifier, load_base_clip
+from featcal.hub import resolve_model_folder
 from featcal.io import atomic_write_json, config_hash, save_vision_model
-from featcal.loading import resolve_model_folder
 from featcal.merging import get_method
 from featcal.tasks import Task, task_table
 

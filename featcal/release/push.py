@@ -17,8 +17,7 @@ from huggingface_hub.hf_api import RepoFile
 
 from featcal import __version__
 from featcal.errors import FeatcalError
-from featcal.hub import NOTHING_PUBLISHED, check_namespace, hub_errors, hub_token
-from featcal.loading import is_offline
+from featcal.hub import NOTHING_PUBLISHED, check_namespace, hub_errors, hub_token, is_offline
 from featcal.release.card import CARD_FILE, check_repo_id
 from featcal.release.check import ReleaseFile, check_release
 from featcal.release.export import WEIGHTS, export_release

@@ -174,8 +174,7 @@ def push_space(
 def _hub_api(token: str | None, endpoint: str | None):
     from huggingface_hub import HfApi
 
-    from featcal.hub import NOTHING_PUBLISHED, hub_token
-    from featcal.loading import is_offline
+    from featcal.hub import NOTHING_PUBLISHED, hub_token, is_offline
 
     if is_offline():
         raise FeatcalError(f"HF_HUB_OFFLINE is set: unset it to push the Space. {NOTHING_PUBLISHED}")
