@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from featcal.hub import HubFile
 from featcal.release import export_release, push_release, write_card
 from featcal.release.card import DEFAULT_LICENSE
-from featcal.release.check import ReleaseFile
 
 
 def _add_card_options(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def _add_card_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--template", metavar="FILE", help="your own Jinja model card template")
 
 
-def _file_table(files: tuple[ReleaseFile, ...]) -> str:
+def _file_table(files: tuple[HubFile, ...]) -> str:
     width = max((len(f.path_in_repo) for f in files), default=0)
     lines = [f"  {f.path_in_repo:<{width}}  {f.size:>13,d} bytes" for f in files]
     return "\n".join([*lines, f"  {len(files)} files, {sum(f.size for f in files):,d} bytes"])
