@@ -8,10 +8,36 @@ import sys
 from collections.abc import Sequence
 
 from featcal import __version__
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, InvalidParameterError
 
 # Modules that add subcommands; each has `register(subparsers)`.
 COMMAND_MODULES = ("featcal.cli.run", "featcal.cli.release", "featcal.cli.space", "featcal.cli.demo")
+
+
+# The parameters of the publishing API (push_release, push_space, export_release, render_card) that
+# `featcal push`, `featcal space push`, `featcal export` and `featcal card` set from a flag.
+PUBLISH_FLAGS = {
+    "repo_id": "--repo",
+    "token": "--token",
+    "endpoint": "--endpoint",
+    "model_id": "--model-id",
+    "base_model_id": "--base-model-id",
+}
+
+
+def publish_error_message(exc: FeatcalError) -> str:
+    """The message of ``exc`` with the publishing API's parameter names worded as the flags that set them.
+
+    An :class:`InvalidParameterError` for one of :data:`PUBLISH_FLAGS` reads ``--repo 'x' is invalid: ...``
+    instead of ``repo_id='x' is invalid: ...``; a parameter a message names in backticks (```token```)
+    becomes its flag (``--token``). Other messages are unchanged.
+    """
+    message = str(exc)
+    if isinstance(exc, InvalidParameterError) and exc.owner is None and exc.name in PUBLISH_FLAGS:
+        message = f"{PUBLISH_FLAGS[exc.name]} {exc.value!r} is invalid: it must be {exc.expected}."
+    for name, flag in PUBLISH_FLAGS.items():
+        message = message.replace(f"`{name}`", flag)
+    return message
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except FeatcalError as exc:
-        print(f"featcal: error: {exc}", file=sys.stderr)
+        print(f"featcal: error: {publish_error_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("featcal: interrupted", file=sys.stderr)
