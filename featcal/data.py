@@ -39,8 +39,8 @@ def load_dataset_split(path: str, split: str, *, name: str | None = None, task: 
         The split, a ``datasets.Dataset``.
 
     Raises:
-        DatasetInputError: The folder does not exist, the Hub cannot be reached, the split is missing,
-            or the dataset cannot be loaded.
+        DatasetInputError: The folder does not exist, ``path`` is no Hub id, the Hub cannot be reached,
+            the split is missing, or the dataset cannot be loaded.
     """
     import datasets
 

@@ -16,7 +16,7 @@ can be reached, which token to use and how the Hub's refusals read, lives here:
 
 Errors are typed and carry the offending value (:class:`~featcal.errors.HubError` its ``repo_id`` and
 HTTP ``status``, :class:`~featcal.errors.InvalidParameterError` its ``name`` and ``value``); messages
-name parameters in backticks (```token```), never command-line flags. The token is handed to
+name parameters between backticks (pass `token`), never command-line flags. The token is handed to
 ``huggingface_hub`` and never logged or put in a message.
 """
 

@@ -29,7 +29,7 @@ def publish_error_message(exc: FeatcalError) -> str:
     """The message of ``exc`` with the publishing API's parameter names worded as the flags that set them.
 
     An :class:`InvalidParameterError` for one of :data:`PUBLISH_FLAGS` reads ``--repo 'x' is invalid: ...``
-    instead of ``repo_id='x' is invalid: ...``; a parameter a message names in backticks (```token```)
+    instead of ``repo_id='x' is invalid: ...``; a parameter a message names between backticks (`token`)
     becomes its flag (``--token``). Other messages are unchanged.
     """
     message = str(exc)
