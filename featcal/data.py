@@ -1,4 +1,8 @@
-"""Task images as tensors: calibration subsets and evaluation loaders over Hub-format datasets."""
+"""Task datasets and their images as tensors: loading, calibration subsets and evaluation loaders.
+
+A task's dataset is a Hub dataset id or a local folder in the Hub's parquet layout; which one it is,
+and whether the Hub may be asked, is decided by :mod:`featcal.hub`.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,62 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from featcal.errors import FeatcalError
-from featcal.loading import load_dataset_split
+from featcal.errors import DatasetInputError
+from featcal.hub import OFFLINE_HINT, hub_reachable, is_hub_id, is_offline, local_path
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
 
 ImageProcessor = Callable[..., dict]
+
+
+def load_dataset_split(path: str, split: str, *, name: str | None = None, task: str = "?"):
+    """One split of a dataset, from a local parquet repo folder or a Hub id.
+
+    A Hub dataset is asked for only when the Hub answers, or from the cache when ``HF_HUB_OFFLINE``
+    is set.
+
+    Args:
+        path: A local dataset folder or a Hub dataset id.
+        split: The split to load (``"train"``, ``"test"``).
+        name: The dataset's configuration, if it has several.
+        task: The task the dataset is for (carried by the errors).
+
+    Returns:
+        The split, a ``datasets.Dataset``.
+
+    Raises:
+        DatasetInputError: The folder does not exist, ``path`` is no Hub id, the Hub cannot be reached,
+            the split is missing, or the dataset cannot be loaded.
+    """
+    import datasets
+
+    local = local_path(path)
+    if local is not None and not local.exists():
+        raise DatasetInputError(task, path, f"Task {task!r}: the dataset folder {path} does not exist.")
+    if local is None and not is_hub_id(path):
+        raise DatasetInputError(
+            task,
+            path,
+            f"Task {task!r}: the dataset {path!r} is neither an existing folder nor a Hub id ('namespace/name').",
+        )
+    if local is None and not is_offline() and not hub_reachable():
+        # With HF_HUB_OFFLINE set, datasets can still serve a cached copy.
+        raise DatasetInputError(
+            task, path, f"Task {task!r}: cannot load dataset {path!r}: the Hub cannot be reached. {OFFLINE_HINT}"
+        )
+    try:
+        return datasets.load_dataset(str(local) if local is not None else path, name, split=split)
+    except ValueError as exc:
+        if "split" in str(exc).lower():
+            raise DatasetInputError(
+                task, path, f"Task {task!r}: dataset {path!r} has no split {split!r} ({exc})."
+            ) from None
+        raise DatasetInputError(task, path, f"Task {task!r}: cannot load dataset {path!r}: {exc}") from None
+    except (FileNotFoundError, ConnectionError) as exc:
+        raise DatasetInputError(
+            task, path, f"Task {task!r}: cannot load dataset {path!r}: {exc}. {OFFLINE_HINT}"
+        ) from None
 
 
 def load_task_split(task: Task, split: str):
@@ -26,12 +79,16 @@ def load_task_split(task: Task, split: str):
     ds = load_dataset_split(spec.path, split_name, name=spec.name, task=task.name)
     missing = [c for c in (spec.image_column, spec.label_column) if c not in ds.column_names]
     if missing:
-        raise FeatcalError(
+        raise DatasetInputError(
+            task.name,
+            spec.path,
             f"Task {task.name!r}: dataset {spec.path!r} split {split_name!r} has no column(s) {missing}; "
-            f"it has {ds.column_names}. Set image_column/label_column in the tasks file."
+            f"it has {ds.column_names}. Set image_column/label_column in the tasks file.",
         )
     if len(ds) == 0:
-        raise FeatcalError(f"Task {task.name!r}: split {split_name!r} of {spec.path!r} is empty.")
+        raise DatasetInputError(
+            task.name, spec.path, f"Task {task.name!r}: split {split_name!r} of {spec.path!r} is empty."
+        )
     return with_decoded_images(ds, spec.image_column)
 
 

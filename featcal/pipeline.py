@@ -23,8 +23,8 @@ from featcal.checkpoint import Checkpoint, check_compatible, check_same_architec
 from featcal.data import calibration_pixels, load_task_split
 from featcal.errors import DatasetInputError, FeatcalError, InvalidParameterError, ModelInputError
 from featcal.evaluation import ZeroShotClassifier, check_clip_model_folder, load_base_clip
+from featcal.hub import resolve_model_folder
 from featcal.io import save_vision_model
-from featcal.loading import resolve_model_folder
 from featcal.merging import get_method
 from featcal.runfolder import (
     EXPERTS_DIR,

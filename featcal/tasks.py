@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from featcal.errors import FeatcalError, UnknownNameError
+from featcal.hub import local_path
 
 BUILTIN_TABLE = "ta8_tasks.json"
 # The keys a metrics report keeps beside its tasks (featcal.runfolder.REPORT_KEYS).
@@ -94,21 +95,14 @@ class TaskTable:
         )
 
 
-def _looks_local(value: str, root: Path | None) -> Path | None:
-    """The local path ``value`` names, if it names one (relative paths resolve against ``root``)."""
-    candidate = Path(value).expanduser()
-    if candidate.is_absolute():
-        return candidate
-    if value.startswith(("./", "../")) or (root is not None and (root / candidate).exists()):
-        return ((root or Path.cwd()) / candidate).resolve()
-    return None
-
-
 def _resolve_ref(value: str | None, root: Path | None) -> str | None:
+    """``value`` as written in a tasks file: a local path made absolute (relative to ``root``), else as is."""
     if value is None:
         return None
-    local = _looks_local(value, root)
-    return str(local) if local is not None else value
+    local = local_path(value, root)
+    if local is None:
+        return value
+    return str(local if local.is_absolute() else local.resolve())
 
 
 def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:

@@ -25,8 +25,9 @@ import pytest
 
 import featcal.cli
 from featcal.errors import FeatcalError
+from featcal.hub import local_files as list_space_files
 from featcal.space import SpaceModel, SpaceSettings
-from featcal.space.publish import list_space_files, push_space, space_source
+from featcal.space.publish import push_space, space_source
 
 gradio_client = pytest.importorskip("gradio_client")
 

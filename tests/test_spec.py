@@ -91,12 +91,15 @@ def test_bad_recipe_values_name_the_key_and_the_value(tmp_path, capsys, text: st
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--num-calibration-examples", "0"], "--num-calibration-examples 0: invalid, it must be a whole number >= 1"),
-        (["--lambda-ratio", "-1"], "--lambda-ratio -1: invalid, it must be a finite number >= 0"),
-        (["--eval-num-workers", "-2"], "--eval-num-workers -2: invalid, it must be a whole number >= 0"),
-        (["--ta-scaling-factor", "inf"], "--ta-scaling-factor inf: invalid, it must be a finite number"),
+        (
+            ["--num-calibration-examples", "0"],
+            "--num-calibration-examples '0' is invalid: it must be a whole number >= 1",
+        ),
+        (["--lambda-ratio", "-1"], "--lambda-ratio '-1' is invalid: it must be a finite number >= 0"),
+        (["--eval-num-workers", "-2"], "--eval-num-workers '-2' is invalid: it must be a whole number >= 0"),
+        (["--ta-scaling-factor", "inf"], "--ta-scaling-factor 'inf' is invalid: it must be a finite number"),
         (["--skip-ta"], "--ta-model-path is missing: it must be the merged model folder to start from"),
-        (["--merge-param", "oops"], "--merge-param ['oops']: invalid"),
+        (["--merge-param", "oops"], "--merge-param ['oops'] is invalid"),
     ],
 )
 def test_bad_flag_values_name_the_flag(tmp_path, capsys, argv: list[str], message: str) -> None:

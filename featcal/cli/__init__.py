@@ -14,6 +14,8 @@ from featcal.errors import FeatcalError
 COMMAND_MODULES = ("featcal.cli.pipeline_commands", "featcal.cli.release", "featcal.cli.space", "featcal.cli.demo")
 
 
+# The parameters of the publishing API (push_release, push_space, export_release, render_card) that
+# `featcal push`, `featcal space push`, `featcal export` and `featcal card` set from a flag.
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 

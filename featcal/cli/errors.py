@@ -1,20 +1,43 @@
-"""How the CLI words a library error: one line, with parameters named by their flags."""
+"""How the CLI words a library error: one line, with parameters named by the flags that set them."""
 
 from __future__ import annotations
 
 from featcal.errors import FeatcalError, InvalidParameterError
 
+# Parameters of the publishing API (push_release, push_space) and the flags that set them.
+PUBLISH_FLAGS = {
+    "repo_id": "--repo",
+    "token": "--token",
+    "endpoint": "--endpoint",
+    "model_id": "--model-id",
+    "base_model_id": "--base-model-id",
+}
+
+
+def flag_for(name: str) -> str | None:
+    """The flag that sets the parameter ``name``: a run option's, else a publishing one's."""
+    from featcal.cli.options import flag
+
+    try:
+        return flag(name)
+    except KeyError:
+        return PUBLISH_FLAGS.get(name)
+
 
 def word_error(exc: FeatcalError) -> str:
-    """The one-line message for ``exc``: run options are named by their flags (``--lambda-ratio``)."""
-    if isinstance(exc, InvalidParameterError) and exc.owner is None:
-        from featcal.cli.options import flag
+    """The one-line message for ``exc``, with parameter names worded as their flags.
 
-        try:
-            name = flag(exc.name)
-        except KeyError:
-            return exc.message
+    An :class:`InvalidParameterError` of a run option or publishing parameter reads
+    ``--lambda-ratio '-1' is invalid: ...`` (``--ta-model-path is missing: ...`` when no value was
+    given) instead of ``lambda_ratio=-1 is invalid: ...``; a publishing parameter that a message names
+    between backticks (`token`) becomes its flag. Other messages are unchanged.
+    """
+    message = exc.message
+    if isinstance(exc, InvalidParameterError) and exc.owner is None and (name := flag_for(exc.name)):
         if exc.value is None:
-            return f"{name} is missing: it must be {exc.expected}."
-        return f"{name} {exc.value}: invalid, it must be {exc.expected}."
-    return exc.message
+            message = f"{name} is missing: it must be {exc.expected}."
+        else:
+            message = f"{name} {exc.value!r} is invalid: it must be {exc.expected}."
+    for parameter, name in PUBLISH_FLAGS.items():
+        message = message.replace(f"`{parameter}`", name)
+    return message

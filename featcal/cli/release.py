@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from featcal.cli.tables import file_table
 from featcal.release import export_release, push_release, write_card
 from featcal.release.card import DEFAULT_LICENSE
-from featcal.release.check import ReleaseFile
 
 
 def _add_card_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repo", metavar="ID", help="Hub repository the card names (namespace/name)")
     parser.add_argument("--license", default=DEFAULT_LICENSE, help=f"license in the card (default: {DEFAULT_LICENSE})")
     parser.add_argument("--template", metavar="FILE", help="your own Jinja model card template")
-
-
-def _file_table(files: tuple[ReleaseFile, ...]) -> str:
-    width = max((len(f.path_in_repo) for f in files), default=0)
-    lines = [f"  {f.path_in_repo:<{width}}  {f.size:>13,d} bytes" for f in files]
-    return "\n".join([*lines, f"  {len(files)} files, {sum(f.size for f in files):,d} bytes"])
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -46,7 +40,7 @@ def run_push(args: argparse.Namespace) -> int:
         endpoint=args.endpoint,
     )
     if result.dry_run:
-        print(f"Dry run: would upload {result.folder} to {result.repo_id}:\n{_file_table(result.files)}")
+        print(f"Dry run: would upload {result.folder} to {result.repo_id}:\n{file_table(result.files)}")
         return 0
     if not result.changed:
         print(f"{result.repo_id} already holds this release: nothing to commit.")

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from featcal.cli.common import show_progress
+from featcal.cli.tables import file_table
 from featcal.space.settings import DEFAULT_MODEL_ID
 
 
@@ -21,12 +22,6 @@ def cmd_space(args: argparse.Namespace) -> int:
     )
     create_space(settings, progress=show_progress(args)).launch(host=args.host, port=args.port, share=args.share)
     return 0
-
-
-def _file_table(files) -> str:
-    width = max((len(f.path_in_repo) for f in files), default=0)
-    lines = [f"  {f.path_in_repo:<{width}}  {f.size:>11,d} bytes" for f in files]
-    return "\n".join([*lines, f"  {len(files)} files, {sum(f.size for f in files):,d} bytes"])
 
 
 def cmd_push(args: argparse.Namespace) -> int:
@@ -47,7 +42,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     )
     where = f" (staged in {result.folder})" if result.folder else ""
     if result.dry_run:
-        print(f"Dry run: would upload to the Space {result.repo_id}{where}:\n{_file_table(result.files)}")
+        print(f"Dry run: would upload to the Space {result.repo_id}{where}:\n{file_table(result.files)}")
         return 0
     print(
         f"Space: {result.space_url}\nCommit: {result.commit_url}\n{len(result.files)} files{where}; "

@@ -16,11 +16,10 @@ from typing import Any
 import jinja2
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 
 from featcal import __version__
 from featcal.errors import FeatcalError
+from featcal.hub import check_repo_id, is_hub_id
 from featcal.io import atomic_write_text
 from featcal.release.plot import PLOT_FILE, save_results_plot
 from featcal.release.results import ResultRow, results_rows
@@ -48,26 +47,6 @@ def timing_label(key: str) -> str:
     if key.startswith("eval_") and key.endswith("_s"):
         return f"evaluation of `{key[5:-2]}/`"
     return key
-
-
-def is_hub_id(ref: str | None) -> bool:
-    """Whether ``ref`` names a Hub repository rather than a local folder."""
-    if not ref or ref.startswith((".", "~", "/")) or Path(ref).expanduser().exists():
-        return False
-    try:
-        validate_repo_id(ref)
-    except HFValidationError:
-        return False
-    return True
-
-
-def check_repo_id(repo_id: str) -> str:
-    """``repo_id`` if it is a valid Hub repository id, else a FeatcalError."""
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as exc:
-        raise FeatcalError(f"{repo_id!r} is not a valid Hub repository id ({exc}); use 'namespace/name'.") from None
-    return repo_id
 
 
 def default_model_name(run: RunFolder) -> str:

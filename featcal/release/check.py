@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,35 +9,10 @@ import yaml
 from huggingface_hub import ModelCard
 
 from featcal.errors import FeatcalError
+from featcal.hub import HubFile, local_files
 from featcal.release.card import CARD_FILE
 from featcal.release.export import REQUIRED_FILES, WEIGHTS, load_vision_model
 from featcal.runfolder import METRICS, RUN_CONFIG, read_json_file, recipe_sha256
-
-CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class ReleaseFile:
-    """One file of a release: its path in the repository, on disk, and its size."""
-
-    path_in_repo: str
-    local: Path
-    size: int
-
-    def sha256(self) -> str:
-        digest = hashlib.sha256()
-        with self.local.open("rb") as f:
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
-        return digest.hexdigest()
-
-    def git_blob_sha1(self) -> str:
-        """The git object id of the file (what the Hub lists for files not stored in LFS)."""
-        digest = hashlib.sha1(f"blob {self.size}\0".encode())
-        with self.local.open("rb") as f:
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
-        return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -46,7 +20,7 @@ class Release:
     """A checked release folder."""
 
     folder: Path
-    files: tuple[ReleaseFile, ...]
+    files: tuple[HubFile, ...]
     recipe_sha256: str
     card: ModelCard
 
@@ -54,16 +28,6 @@ class Release:
     def model_name(self) -> str | None:
         """The repository the card was rendered for (the name in its ``model-index``)."""
         return self.card.data.model_name
-
-
-def release_files(folder: Path) -> tuple[ReleaseFile, ...]:
-    """Every file under ``folder`` that is uploaded (hidden files and folders are skipped)."""
-    files = []
-    for path in sorted(folder.rglob("*")):
-        rel = path.relative_to(folder)
-        if path.is_file() and not any(part.startswith(".") for part in rel.parts):
-            files.append(ReleaseFile(rel.as_posix(), path, path.stat().st_size))
-    return tuple(files)
 
 
 def _weights_recipe(path: Path) -> str:
@@ -114,4 +78,4 @@ def check_release(folder: str | Path) -> Release:
             f"{folder / RUN_CONFIG} is not the recipe of the weights in {folder / WEIGHTS} "
             f"(hash {recipe_sha256(config)[:12]} vs {recipe[:12]}); {fix}."
         )
-    return Release(folder=folder, files=release_files(folder), recipe_sha256=recipe, card=card)
+    return Release(folder=folder, files=local_files(folder), recipe_sha256=recipe, card=card)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from featcal import __version__
 from featcal.errors import FeatcalError
+from featcal.hub import check_repo_id, is_hub_id, local_path, resolve_model_folder
 from featcal.io import as_if_created, atomic_write_json, replace_dir
-from featcal.loading import resolve_model_folder
-from featcal.release.card import DEFAULT_LICENSE, check_repo_id, is_hub_id, write_card_files
+from featcal.release.card import DEFAULT_LICENSE, write_card_files
 from featcal.release.plot import PLOT_FILE
 from featcal.runfolder import METRICS, RELEASE_DIR, RUN_CONFIG, RunFolder, read_run
 
@@ -76,7 +76,8 @@ def _write_weights(run: RunFolder, out: Path) -> None:
 def _write_processor(run: RunFolder, out: Path) -> None:
     from featcal.evaluation import load_image_processor
 
-    if not is_hub_id(run.base_model) and not Path(run.base_model).expanduser().exists():
+    local = local_path(run.base_model)
+    if not is_hub_id(run.base_model) and (local is None or not local.exists()):
         raise FeatcalError(
             f"The base model folder {run.base_model!r} named in {run.path / RUN_CONFIG} does not exist here "
             "(a relative path is relative to where `featcal run` ran): export from there, or fix the path."

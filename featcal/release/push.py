@@ -13,14 +13,12 @@ from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import RepositoryNotFoundError
-from huggingface_hub.hf_api import RepoFile
 
 from featcal import __version__
-from featcal.errors import FeatcalError
-from featcal.hub import NOTHING_PUBLISHED, check_namespace, hub_errors, hub_token
-from featcal.loading import is_offline
-from featcal.release.card import CARD_FILE, check_repo_id
-from featcal.release.check import ReleaseFile, check_release
+from featcal.errors import ReleaseError
+from featcal.hub import HubFile, check_repo_id, hub_api, hub_files, publishing, verify_hub_files
+from featcal.release.card import CARD_FILE
+from featcal.release.check import check_release
 from featcal.release.export import WEIGHTS, export_release
 from featcal.runfolder import RELEASE_DIR, RUN_CONFIG
 
@@ -33,7 +31,7 @@ class PushResult:
 
     repo_id: str
     folder: Path
-    files: tuple[ReleaseFile, ...]
+    files: tuple[HubFile, ...]
     dry_run: bool = False
     repo_url: str | None = None
     commit_url: str | None = None
@@ -52,9 +50,10 @@ def resolve_release_folder(folder: str | Path, repo_id: str) -> Path:
     if (path / WEIGHTS).is_file():
         return path
     if not (path / RUN_CONFIG).is_file():
-        raise FeatcalError(
+        raise ReleaseError(
+            path,
             f"{path} is neither a release folder (with {WEIGHTS}, {CARD_FILE}, metrics.json) nor a run folder "
-            f"(with {RUN_CONFIG}): point at the output of `featcal run` or `featcal export`."
+            f"(with {RUN_CONFIG}): point at the output of `featcal run` or `featcal export`.",
         )
     release = path / RELEASE_DIR
     if not (release / WEIGHTS).is_file():
@@ -74,27 +73,6 @@ def _ensure_repo(api: HfApi, repo_id: str, *, private: bool, revision: str | Non
         api.create_branch(repo_id, branch=revision, exist_ok=True)
         info = None
     return (info or api.repo_info(repo_id, revision=revision)).sha
-
-
-def _verify(files: tuple[ReleaseFile, ...], listed: dict[str, RepoFile], where: str) -> None:
-    """Raise unless every file sent is listed by the Hub with the same size and content hash."""
-    problems = []
-    for f in files:
-        remote = listed.get(f.path_in_repo)
-        if remote is None:
-            problems.append(f"{f.path_in_repo} is missing")
-        elif remote.size != f.size:
-            problems.append(f"{f.path_in_repo} has {remote.size} bytes, {f.size} were sent")
-        else:
-            kind, listed_hash, local_hash = (
-                ("LFS sha256", remote.lfs.sha256, f.sha256())
-                if remote.lfs is not None
-                else ("git oid", remote.blob_id, f.git_blob_sha1())
-            )
-            if listed_hash != local_hash:
-                problems.append(f"{f.path_in_repo} has {kind} {listed_hash[:12]}, {local_hash[:12]} was sent")
-    if problems:
-        raise FeatcalError(f"After the push, {where} differs from the release folder: {'; '.join(problems)}.")
 
 
 def push_release(
@@ -119,9 +97,7 @@ def push_release(
     Example:
         >>> push_release("runs/ta8", "me/clip-vit-b32-ta8-featcal", private=True)  # doctest: +SKIP
     """
-    if "/" not in repo_id:
-        raise FeatcalError(f"--repo {repo_id!r} needs a namespace: use 'your-user-or-org/{repo_id}'.")
-    check_repo_id(repo_id)
+    check_repo_id(repo_id, namespace=True)
     release = check_release(resolve_release_folder(folder, repo_id))
     if release.model_name != repo_id:
         logger.warning(
@@ -134,23 +110,16 @@ def push_release(
         )
     if dry_run:
         return PushResult(repo_id=repo_id, folder=release.folder, files=release.files, dry_run=True)
-    if is_offline():
-        raise FeatcalError(f"HF_HUB_OFFLINE is set: unset it to push to the Hub. {NOTHING_PUBLISHED}")
-    api = HfApi(endpoint=endpoint, token=hub_token(token))
+    api = hub_api(token, endpoint, repo_id=repo_id)
     name = repo_id.split("/")[1]
     message = commit_message or f"Upload {name} (featcal {__version__}, recipe {release.recipe_sha256[:12]})"
-    with hub_errors(repo_id, api.endpoint):
-        check_namespace(repo_id, api.whoami())
+    with publishing(api, repo_id):
         head = _ensure_repo(api, repo_id, private=private, revision=revision)
         operations = [CommitOperationAdd(f.path_in_repo, f.local) for f in release.files]
         info = api.create_commit(repo_id, operations, commit_message=message, revision=revision, create_pr=create_pr)
         listed_revision = info.pr_revision or revision
-        listed = {
-            entry.path: entry
-            for entry in api.list_repo_tree(repo_id, revision=listed_revision, recursive=True)
-            if isinstance(entry, RepoFile)
-        }
-    _verify(release.files, listed, f"{repo_id}@{listed_revision or 'main'}")
+        listed = hub_files(api, repo_id, revision=listed_revision)
+    verify_hub_files(release.files, listed, repo_id=repo_id, revision=listed_revision, source="the release folder")
     logger.info("Pushed %s to %s: %s", release.folder, repo_id, info.commit_url)
     return PushResult(
         repo_id=repo_id,

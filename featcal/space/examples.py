@@ -13,8 +13,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from featcal.data import load_task_split, to_rgb
-from featcal.errors import FeatcalError
-from featcal.loading import hub_reachable, is_offline
+from featcal.errors import DatasetInputError
+from featcal.hub import hub_reachable, is_hub_id, is_offline, local_path
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -29,12 +29,15 @@ def example_path(folder: Path, task: Task) -> Path:
 
 def _first_test_image(task: Task, *, remote: bool):
     spec = task.dataset
-    if Path(spec.path).expanduser().is_dir():
+    local = local_path(spec.path)
+    if local is not None and local.is_dir():
         return load_task_split(task, "test")[0][spec.image_column]
     if not remote:
         return None
+    if not is_hub_id(spec.path):
+        raise DatasetInputError(task.name, spec.path, f"{spec.path!r} is neither a dataset folder nor a Hub dataset id")
     if is_offline() or not hub_reachable():
-        raise FeatcalError(f"the Hub cannot be reached to read {spec.path!r}")
+        raise DatasetInputError(task.name, spec.path, f"the Hub cannot be reached to read {spec.path!r}")
     import datasets
 
     rows = datasets.load_dataset(spec.path, spec.name, split=spec.test_split, streaming=True)

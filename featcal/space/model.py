@@ -15,10 +15,10 @@ import torch
 from PIL import Image
 
 from featcal.data import pixel_values
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, ModelInputError
 from featcal.evaluation import ZeroShotClassifier, load_base_clip
+from featcal.hub import is_hub_id, local_path, resolve_model_folder
 from featcal.io import read_json
-from featcal.loading import resolve_model_folder
 from featcal.pipeline import load_vision_folder, resolve_device
 from featcal.runfolder import RELEASE_DIR, RUN_CONFIG
 from featcal.space.heads import default_cache_dir, task_heads
@@ -51,29 +51,32 @@ def resolve_model_source(ref: str) -> ModelSource:
 
     A run folder gives its ``release/`` when it has one, else its single ``featcal-*/`` stage.
     """
-    path = Path(ref).expanduser()
-    if not path.is_dir():
+    path = local_path(ref)
+    if path is None or not path.is_dir():
         return ModelSource(ref, resolve_model_folder(ref, what="Space model"))
     if (path / RELEASE_DIR / "config.json").is_file():
         return ModelSource(ref, path / RELEASE_DIR, path)
     if (path / "config.json").is_file():
         return ModelSource(ref, path, path if (path / RUN_CONFIG).is_file() else None)
     if not (path / RUN_CONFIG).is_file():
-        raise FeatcalError(
+        raise ModelInputError(
+            ref,
             f"{path} is neither a model folder (config.json, model.safetensors), a release folder "
-            f"nor a run folder ({RUN_CONFIG}): point --model at the output of `featcal run`."
+            f"nor a run folder ({RUN_CONFIG}): point --model at the output of `featcal run`.",
         )
     stages = sorted(p for p in path.glob("featcal-*") if (p / "config.json").is_file())
     if not stages:
-        raise FeatcalError(
+        raise ModelInputError(
+            ref,
             f"The run folder {path} has no calibrated model (featcal-*/) and no {RELEASE_DIR}/ yet: "
-            "finish the run, or pass a model folder with --model."
+            "finish the run, or pass a model folder with --model.",
         )
     if len(stages) > 1:
         names = ", ".join(p.name for p in stages)
-        raise FeatcalError(
+        raise ModelInputError(
+            ref,
             f"The run folder {path} holds several calibrated models ({names}): "
-            f"pass one of them, e.g. --model {stages[0]}."
+            f"pass one of them, e.g. --model {stages[0]}.",
         )
     return ModelSource(ref, stages[0], path)
 
@@ -83,8 +86,10 @@ def base_model_ref(settings: SpaceSettings, source: ModelSource) -> str:
     if settings.base_model_id:
         return settings.base_model_id
     recorded = source.recipe().get("base_model_id")
-    if isinstance(recorded, str) and (Path(recorded).is_dir() or not recorded.startswith(("/", ".", "~"))):
-        return recorded
+    if isinstance(recorded, str):
+        local = local_path(recorded)
+        if (local is not None and local.is_dir()) or is_hub_id(recorded):
+            return recorded
     return DEFAULT_BASE_MODEL_ID
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import featcal
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, InvalidParameterError
+from featcal.hub import HIDDEN_PATTERNS, HubFile, check_repo_id, hub_api, is_hub_id, local_files, publishing
 from featcal.io import atomic_write_json
 from featcal.space.examples import collect_examples
 from featcal.space.model import space_tasks
@@ -32,19 +33,11 @@ SKIPPED = ("__pycache__", "*.pyc", "*.pyo", ".*")
 
 
 @dataclass(frozen=True)
-class SpaceFile:
-    """One file of the staged Space, by its path in the repository."""
-
-    path_in_repo: str
-    size: int
-
-
-@dataclass(frozen=True)
 class SpacePushResult:
     """What a push did (or, for a dry run, would upload)."""
 
     repo_id: str
-    files: tuple[SpaceFile, ...]
+    files: tuple[HubFile, ...]
     folder: Path | None
     dry_run: bool
     space_url: str | None = None
@@ -63,29 +56,16 @@ def space_source() -> Path:
     return source
 
 
-def _hub_id(value: str, option: str) -> str:
-    """``value`` if it names a Hub repository rather than a local folder, else a FeatcalError."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(value)
-        valid = not Path(value).expanduser().exists()
-    except HFValidationError:
-        valid = False
-    if not valid:
-        raise FeatcalError(
-            f"{option} {value!r} must be a Hub model id (namespace/name): the Space downloads it and "
-            "cannot see folders on this machine. Publish the model first with `featcal push`."
+def _hub_id(value: str, name: str) -> str:
+    """``value`` if it names a Hub repository rather than a local folder, else an error naming ``name``."""
+    if not is_hub_id(value):
+        raise InvalidParameterError(
+            name,
+            value,
+            "a Hub model id (namespace/name): the Space downloads it and cannot see folders on this machine "
+            "(publish the model first with `featcal push`)",
         )
     return value
-
-
-def list_space_files(folder: Path) -> tuple[SpaceFile, ...]:
-    """Every file under ``folder``, sorted, as it will land in the repository."""
-    return tuple(
-        SpaceFile(p.relative_to(folder).as_posix(), p.stat().st_size) for p in sorted(folder.rglob("*")) if p.is_file()
-    )
 
 
 def stage_space(
@@ -103,8 +83,8 @@ def stage_space(
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FeatcalError(f"{out} is not empty: pick a new folder for the staged Space.")
-    model_id = _hub_id(model_id, "--model-id")
-    base_model_id = _hub_id(base_model_id, "--base-model-id") if base_model_id else None
+    model_id = _hub_id(model_id, "model_id")
+    base_model_id = _hub_id(base_model_id, "base_model_id") if base_model_id else None
     tasks_path = Path(tasks_file).expanduser() if tasks_file is not None else None
     tasks = space_tasks(SpaceSettings(tasks_file=str(tasks_path) if tasks_path else None))  # validates the file
     source = space_source()
@@ -148,12 +128,8 @@ def push_space(
     Example:
         >>> push_space("me/featcal-demo", model_id="me/clip-vit-b32-ta8-featcal")  # doctest: +SKIP
     """
-    from featcal.release.card import check_repo_id
-
-    if "/" not in repo_id:
-        raise FeatcalError(f"--repo {repo_id!r} needs a namespace: use 'your-user-or-org/{repo_id}'.")
-    check_repo_id(repo_id)
-    api = None if dry_run else _hub_api(token, endpoint)  # token and offline problems show before staging
+    check_repo_id(repo_id, namespace=True)
+    api = None if dry_run else hub_api(token, endpoint, repo_id=repo_id)  # offline, no token: refused before staging
     with tempfile.TemporaryDirectory(prefix="featcal-space-") as tmp:
         folder = stage_space(
             Path(output) if output else Path(tmp) / "space",
@@ -163,7 +139,7 @@ def push_space(
             examples=examples,
             progress=progress,
         )
-        files = list_space_files(folder)
+        files = local_files(folder)
         kept = folder if output else None
         if api is None:
             return SpacePushResult(repo_id, files, kept, dry_run=True)
@@ -171,24 +147,11 @@ def push_space(
     return SpacePushResult(repo_id, files, kept, dry_run=False, space_url=space_url, commit_url=commit_url)
 
 
-def _hub_api(token: str | None, endpoint: str | None):
-    from huggingface_hub import HfApi
-
-    from featcal.hub import NOTHING_PUBLISHED, hub_token
-    from featcal.loading import is_offline
-
-    if is_offline():
-        raise FeatcalError(f"HF_HUB_OFFLINE is set: unset it to push the Space. {NOTHING_PUBLISHED}")
-    return HfApi(endpoint=endpoint, token=hub_token(token))
-
-
 def _upload(api, folder: Path, repo_id: str, *, private: bool) -> tuple[str, str]:
     """Create the Space if needed and commit ``folder`` to it; returns the Space and commit URLs."""
     from featcal import __version__
-    from featcal.hub import check_namespace, hub_errors
 
-    with hub_errors(repo_id, api.endpoint):
-        check_namespace(repo_id, api.whoami())
+    with publishing(api, repo_id):
         url = api.create_repo(repo_id, repo_type="space", space_sdk="gradio", private=private, exist_ok=True)
         info = api.upload_folder(
             repo_id=repo_id,
@@ -196,6 +159,7 @@ def _upload(api, folder: Path, repo_id: str, *, private: bool) -> tuple[str, str
             folder_path=folder,
             commit_message=f"featcal {__version__}: Space for {repo_id}",
             delete_patterns=OWNED_PATTERNS,
+            ignore_patterns=HIDDEN_PATTERNS,
         )
     logger.info("Pushed the Space %s: %s", repo_id, info.commit_url)
     return str(url), info.commit_url
