@@ -93,8 +93,8 @@ def run_point(
     before = _memory()
     start, cpu = time.perf_counter(), time.process_time()
     if reference:
-        sys.path.insert(0, str(REPO / "tests"))
-        from reference_featcal import plain_featcal
+        sys.path.insert(0, str(REPO))
+        from tests.support.reference_featcal import plain_featcal
 
         base = CLIPVisionModel.from_pretrained(str(workdir / "base")).eval()
         experts = [CLIPVisionModel.from_pretrained(str(workdir / "experts" / n)).eval() for n in names]
@@ -241,7 +241,7 @@ def main() -> None:
     parser.add_argument(
         "--reference",
         action="store_true",
-        help="also run the plain implementation (tests/reference_featcal.py) at each point "
+        help="also run the plain implementation (tests/support/reference_featcal.py) at each point "
         "and report the largest difference of the weights",
     )
     parser.add_argument("--engine-root", type=Path, help="a folder holding another `featcal` package to measure")
@@ -277,7 +277,7 @@ def main() -> None:
         print(f"models ready in {time.perf_counter() - start:.0f} s ({args.workdir})", flush=True)
         shape, points = ViTShape(), []
         for tasks, images in grid:
-            runs = [("plain (tests/reference_featcal.py)", True, None)] if args.reference else []
+            runs = [("plain (tests/support/reference_featcal.py)", True, None)] if args.reference else []
             runs += [(args.baseline_label, False, args.baseline_root)] if args.baseline_root else []
             saved: dict[bool, Path] = {}
             for implementation, reference, root in [*runs, (args.label, False, args.engine_root)]:

@@ -10,6 +10,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def world(tmp_path_factory):
     """Tiny base, two experts and two datasets in local Hub-format folders (built once)."""
-    from builders import build_world
+    from tests.support.builders import build_world
 
     return build_world(tmp_path_factory.mktemp("world"))

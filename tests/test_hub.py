@@ -1,6 +1,6 @@
 """featcal.hub, the one Hub layer: the local-or-Hub rule, the publishers' shared client and errors.
 
-The Hub here is the protocol double of tests/release_hub_double.py on 127.0.0.1, never huggingface.co.
+The Hub here is the protocol double of tests/support/hub_double.py on 127.0.0.1, never huggingface.co.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
-from release_hub_double import Account, HubDouble
-from release_support import make_run
 
 import featcal.cli
 import featcal.cli.release
@@ -20,6 +18,8 @@ from featcal.errors import DatasetInputError, HubError, InvalidParameterError, M
 from featcal.hub import HubFile, check_repo_id, is_hub_id, local_files, local_path, resolve_model_folder
 from featcal.release import export_release, push_release
 from featcal.space.publish import push_space
+from tests.support.hub_double import Account, HubDouble
+from tests.support.release_runs import make_run
 
 TOKEN = "hf_test_write_token"
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")

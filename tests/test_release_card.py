@@ -10,11 +10,11 @@ import shutil
 
 import pytest
 from huggingface_hub import ModelCard
-from release_support import CALIBRATED_ACC, make_run, make_ta8_run
 
 from featcal.cli.release import register
 from featcal.errors import FeatcalError
 from featcal.release import export_release, read_run, render_card, write_card
+from tests.support.release_runs import CALIBRATED_ACC, make_run, make_ta8_run
 
 REPO = "yanggangu/clip-vit-base-patch32-ta8-featcal"
 

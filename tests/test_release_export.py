@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from release_support import CALIBRATED_ACC, FIXTURE, MERGED_ACC, make_run
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import CLIPImageProcessor, CLIPVisionModel
@@ -19,6 +18,7 @@ from featcal.cli import main
 from featcal.errors import FeatcalError
 from featcal.release import check_release, export_release, read_run
 from featcal.release import export as export_module
+from tests.support.release_runs import CALIBRATED_ACC, FIXTURE, MERGED_ACC, make_run
 
 
 @pytest.fixture(scope="module")

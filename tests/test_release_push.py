@@ -1,4 +1,4 @@
-"""`featcal push` against a protocol double of the Hub (tests/release_hub_double.py), NOT the Hub.
+"""`featcal push` against a protocol double of the Hub (tests/support/hub_double.py), NOT the Hub.
 
 The double is a local HTTP server on 127.0.0.1 that speaks the endpoints huggingface_hub's HfApi
 uses for a push (whoami-v2, repos/create, repo info, branch, validate-yaml, preupload, LFS batch and
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
-from release_hub_double import Account, HubDouble
-from release_support import make_run
 
 from featcal.cli.release import register
 from featcal.errors import FeatcalError
 from featcal.release import export_release, push_release
+from tests.support.hub_double import Account, HubDouble
+from tests.support.release_runs import make_run
 
 TOKEN = "hf_test_write_token"
 # huggingface_hub's LFS upload passes a file object as `data=`, which httpx2 deprecates: not ours to fix.

@@ -4,7 +4,6 @@ import json
 import math
 
 import pytest
-from release_support import CALIBRATED_ACC, MERGED_ACC, make_run
 
 from featcal.errors import FeatcalError, RunFolderError
 from featcal.runfolder import (
@@ -20,6 +19,7 @@ from featcal.runfolder import (
     write_stage_report,
 )
 from featcal.tasks import parse_task_table
+from tests.support.release_runs import CALIBRATED_ACC, MERGED_ACC, make_run
 
 
 def test_stage_names_keep_the_reference_runs_folders() -> None:

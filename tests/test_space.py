@@ -233,7 +233,7 @@ def test_settings_from_space_config_and_environment(tmp_path):
 
 
 def test_mismatched_base_is_refused(settings, tmp_path):
-    from builders import save_base
+    from tests.support.builders import save_base
 
     save_base(tmp_path / "other-base")  # hidden size 32, the fixture's model has 64
     with pytest.raises(FeatcalError, match="does not fit the base"):

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny-clip-3task"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-clip-3task"
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -13,8 +13,8 @@ import torch
 
 from featcal.io import config_hash
 
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny-clip-3task"
-TA8 = Path(__file__).parents[1] / "featcal" / "resources" / "ta8_tasks.json"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-clip-3task"
+TA8 = Path(__file__).parents[2] / "featcal" / "resources" / "ta8_tasks.json"
 
 MERGED_ACC = {"t0": 0.4, "t1": 0.5, "t2": 0.3}
 CALIBRATED_ACC = {"t0": 0.7, "t1": 0.8, "t2": 0.6}

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
-from builders import FIXTURE
 
 from featcal.cli import main
+from tests.support.builders import FIXTURE
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "tiny_fixture_run.json").read_text())
 

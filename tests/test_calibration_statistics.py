@@ -4,7 +4,6 @@ float64 flushes, the shared q/k/v solve, the Cholesky solve and its fallbacks.""
 
 import pytest
 import torch
-from builders import FIXTURE
 from transformers import CLIPVisionModel
 
 import featcal.calibration.driver as driver
@@ -19,6 +18,7 @@ from featcal.calibration.statistics import (
     triangle_blocks,
 )
 from featcal.checkpoint import Checkpoint
+from tests.support.builders import FIXTURE
 
 torch.manual_seed(0)
 
@@ -144,7 +144,7 @@ def test_tasks_with_different_image_counts_match_the_plain_implementation():
     """A task with fewer images than the forward batch first, a larger one after: the buffers fit both."""
     import copy
 
-    from reference_featcal import plain_featcal
+    from tests.support.reference_featcal import plain_featcal
 
     base = Checkpoint(FIXTURE / "base")
     experts = {t: Checkpoint(FIXTURE / "experts" / t) for t in ("t0", "t1")}

@@ -4,8 +4,6 @@ import copy
 
 import pytest
 import torch
-from builders import FIXTURE
-from reference_featcal import plain_featcal
 from safetensors.torch import load_file
 from transformers import CLIPImageProcessor, CLIPVisionModel
 
@@ -14,6 +12,8 @@ from featcal.checkpoint import Checkpoint
 from featcal.data import calibration_pixels
 from featcal.merging import get_method
 from featcal.tasks import load_task_file
+from tests.support.builders import FIXTURE
+from tests.support.reference_featcal import plain_featcal
 
 # The published code against itself, calibration batch 5 instead of 4: up to 3.4e-4 (fixture README).
 PUBLISHED_NOISE = 3.4e-4

@@ -1,0 +1,1 @@
+"""Helpers the tests share: tiny model and dataset builders, run folders, the Hub protocol double."""
