@@ -10,6 +10,7 @@ PUBLISH_FLAGS = {
     "token": "--token",
     "endpoint": "--endpoint",
     "model_id": "--model-id",
+    "tasks_file": "--tasks-file",
     "base_model_id": "--base-model-id",
 }
 

@@ -60,6 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     space.add_argument(
         "--model",
+        "--model-id",
         default=DEFAULT_MODEL_ID,
         metavar="DIR_OR_ID",
         help="run folder (its release/ or featcal-*/), release or model folder, or Hub id "

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 from huggingface_hub import ModelCard
 
-from featcal.errors import FeatcalError
+from featcal.errors import ReleaseError
 from featcal.hub import HubFile, local_files
 from featcal.release.card import CARD_FILE
 from featcal.release.export import REQUIRED_FILES, WEIGHTS, load_vision_model
@@ -37,10 +37,12 @@ def _weights_recipe(path: Path) -> str:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
     except Exception as exc:  # safetensors raises its own error type for corrupt headers
-        raise FeatcalError(f"{path} is not a readable safetensors file ({exc}).") from None
+        raise ReleaseError(path, f"{path} is not a readable safetensors file ({exc}).") from None
     recipe = metadata.get("recipe_sha256")
     if not recipe:
-        raise FeatcalError(f"{path} carries no recipe_sha256 in its metadata: it was not written by `featcal export`.")
+        raise ReleaseError(
+            path, f"{path} carries no recipe_sha256 in its metadata: it was not written by `featcal export`."
+        )
     return recipe
 
 
@@ -54,28 +56,32 @@ def check_release(folder: str | Path) -> Release:
     folder = Path(folder).expanduser()
     fix = "rebuild it with `featcal export RUN_FOLDER`"
     if not folder.is_dir():
-        raise FeatcalError(f"Release folder {folder} does not exist: {fix}.")
+        raise ReleaseError(folder, f"Release folder {folder} does not exist: {fix}.")
     missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
     if missing:
-        raise FeatcalError(f"{folder} is not a complete release: {', '.join(missing)} missing; {fix}.")
+        raise ReleaseError(folder, f"{folder} is not a complete release: {', '.join(missing)} missing; {fix}.")
     recipe = _weights_recipe(folder / WEIGHTS)
     load_vision_model(folder, f"Release {folder}")
     try:
         card = ModelCard.load(folder / CARD_FILE)
     except (ValueError, yaml.YAMLError) as exc:
-        raise FeatcalError(f"The model card {folder / CARD_FILE} has invalid metadata ({exc}); {fix}.") from None
+        raise ReleaseError(
+            folder, f"The model card {folder / CARD_FILE} has invalid metadata ({exc}); {fix}."
+        ) from None
     if not card.data.to_dict():
-        raise FeatcalError(f"The model card {folder / CARD_FILE} has no metadata header; {fix}.")
+        raise ReleaseError(folder, f"The model card {folder / CARD_FILE} has no metadata header; {fix}.")
     metrics = read_json_file(folder / METRICS, f"Release {folder}")
     if metrics.get("run_id") != recipe:
-        raise FeatcalError(
+        raise ReleaseError(
+            folder,
             f"{folder / METRICS} (run_id {metrics.get('run_id')}) does not describe the weights in "
-            f"{folder / WEIGHTS} (recipe {recipe[:12]}); {fix}."
+            f"{folder / WEIGHTS} (recipe {recipe[:12]}); {fix}.",
         )
     config = read_json_file(folder / RUN_CONFIG, f"Release {folder}")
     if recipe_sha256(config) != recipe:
-        raise FeatcalError(
+        raise ReleaseError(
+            folder,
             f"{folder / RUN_CONFIG} is not the recipe of the weights in {folder / WEIGHTS} "
-            f"(hash {recipe_sha256(config)[:12]} vs {recipe[:12]}); {fix}."
+            f"(hash {recipe_sha256(config)[:12]} vs {recipe[:12]}); {fix}.",
         )
     return Release(folder=folder, files=local_files(folder), recipe_sha256=recipe, card=card)

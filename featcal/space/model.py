@@ -62,21 +62,21 @@ def resolve_model_source(ref: str) -> ModelSource:
         raise ModelInputError(
             ref,
             f"{path} is neither a model folder (config.json, model.safetensors), a release folder "
-            f"nor a run folder ({RUN_CONFIG}): point --model at the output of `featcal run`.",
+            f"nor a run folder ({RUN_CONFIG}): set `model_id` to the output of `featcal run`.",
         )
     stages = sorted(p for p in path.glob("featcal-*") if (p / "config.json").is_file())
     if not stages:
         raise ModelInputError(
             ref,
             f"The run folder {path} has no calibrated model (featcal-*/) and no {RELEASE_DIR}/ yet: "
-            "finish the run, or pass a model folder with --model.",
+            "finish the run, or set `model_id` to a model folder.",
         )
     if len(stages) > 1:
         names = ", ".join(p.name for p in stages)
         raise ModelInputError(
             ref,
             f"The run folder {path} holds several calibrated models ({names}): "
-            f"pass one of them, e.g. --model {stages[0]}.",
+            f"set `model_id` to one of them, e.g. {stages[0]}.",
         )
     return ModelSource(ref, stages[0], path)
 
@@ -113,7 +113,7 @@ class SpaceModel:
         if unoffered:
             logger.warning(
                 "The model was made for task(s) %s, which this Space does not offer: give their tasks "
-                "file with --tasks-file (TASKS_FILE in a Space).",
+                "file as `tasks_file` (TASKS_FILE in a Space).",
                 ", ".join(unoffered),
             )
         base_folder = resolve_model_folder(self.base_ref, what="base CLIP model")
@@ -133,9 +133,11 @@ class SpaceModel:
             if getattr(ours, k) != getattr(base, k)
         ]
         if mismatched:
-            raise FeatcalError(
+            raise ModelInputError(
+                self.settings.model_id,
                 f"The model {self.settings.model_id} does not fit the base {self.base_ref}: they differ in "
-                f"{', '.join(mismatched)}. Set BASE_MODEL_ID (--base-model-id) to the CLIP it was merged from."
+                f"{', '.join(mismatched)}. Set `base_model_id` (BASE_MODEL_ID in a Space) to the CLIP it was "
+                "merged from.",
             )
 
     def task_names(self, choice: str) -> list[str]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import featcal
-from featcal.errors import FeatcalError, InvalidParameterError
+from featcal.errors import FeatcalError, InputError, InvalidParameterError
 from featcal.hub import HIDDEN_PATTERNS, HubFile, check_repo_id, hub_api, is_hub_id, local_files, publishing
 from featcal.io import atomic_write_json
 from featcal.space.examples import collect_examples
@@ -82,7 +82,7 @@ def stage_space(
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
-        raise FeatcalError(f"{out} is not empty: pick a new folder for the staged Space.")
+        raise InputError(out, f"{out} is not empty: pick a new folder for the staged Space.")
     model_id = _hub_id(model_id, "model_id")
     base_model_id = _hub_id(base_model_id, "base_model_id") if base_model_id else None
     tasks_path = Path(tasks_file).expanduser() if tasks_file is not None else None
