@@ -8,9 +8,15 @@ from pathlib import Path
 
 from featcal.cli.common import format_results, show_progress
 from featcal.demo.run_spec import MINI8_DEFAULTS
+from featcal.runfolder import EXPERTS_DIR, ZERO_SHOT_DIR, calibrated_stage_name, merged_stage_name
 
 DEFAULT_OUTPUT_DIR = "outputs/mini8"
-STAGE_LABELS = {"zero-shot": "zero-shot", "experts": "expert", "ta": "TA", "featcal-ta": "TA+FeatCal"}
+STAGE_LABELS = {
+    ZERO_SHOT_DIR: "zero-shot",
+    EXPERTS_DIR: "expert",
+    merged_stage_name("task_arithmetic"): "TA",
+    calibrated_stage_name("task_arithmetic"): "TA+FeatCal",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -72,7 +72,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from featcal.evaluation import ZeroShotClassifier, load_base_clip
     from featcal.io import atomic_write_json
     from featcal.pipeline import load_vision_folder, resolve_device, resolve_inputs, validate_datasets
-    from featcal.runfolder import METRICS
+    from featcal.runfolder import METRICS, ZERO_SHOT_DIR
 
     spec = spec_from_args(args)
     device = resolve_device(spec.device)
@@ -92,7 +92,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     output = args.output or (Path(args.model) / METRICS if args.model else None)
     if output:
         atomic_write_json(output, report.to_json())
-    print(format_results({Path(args.model).name if args.model else "zero-shot": report}))
+    print(format_results({Path(args.model).name if args.model else ZERO_SHOT_DIR: report}))
     if output:
         print(f"Metrics: {Path(output).resolve()}")
     return 0

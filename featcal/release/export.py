@@ -117,8 +117,23 @@ def export_release(
     ``CLIPVisionModel`` with featcal's version and the recipe hash in its safetensors metadata, the
     base model's image processor config, the model card (``README.md``) and its plot, the evaluation
     report (``metrics.json``) and the recipe (``run_config.json``). It is written in a temporary folder
-    beside it and renamed into place, so it is never seen half-written. ``repo_id`` names the Hub
-    repository in the card (its usage snippet and ``model-index``).
+    beside it and renamed into place, so it is never seen half-written.
+
+    Args:
+        run_dir: The run folder written by ``featcal run``.
+        out_dir: Where to write the release (default ``<run>/release``); an existing release there is
+            replaced, a folder holding other files is refused.
+        repo_id: The Hub repository the card names (its usage snippet and ``model-index``).
+        license: The license in the card's metadata.
+        template: A Jinja model card template of your own.
+
+    Returns:
+        The release folder.
+
+    Raises:
+        RunFolderError: when the run folder is incomplete, damaged or edited after the run.
+        ModelInputError: when the released weights or the base's image processor do not load.
+        FeatcalError: when ``out_dir`` holds files that are not part of a release.
     """
     run = read_run(run_dir)
     if repo_id is not None:

@@ -33,7 +33,6 @@ class PushResult:
     folder: Path
     files: tuple[HubFile, ...]
     dry_run: bool = False
-    repo_url: str | None = None
     commit_url: str | None = None
     commit_oid: str | None = None
     pr_url: str | None = None
@@ -91,8 +90,27 @@ def push_release(
 
     Creates the repository (and the ``revision`` branch) when missing, commits every file of the
     folder, then lists the repository to check that each file arrived with the same size and hash.
-    Pushing an unchanged folder makes no commit (``changed`` is False). ``dry_run`` checks the folder
-    and returns the files that would be uploaded without contacting the Hub.
+    Pushing an unchanged folder makes no commit (``changed`` is False).
+
+    Args:
+        folder: A release folder, or a run folder (its ``release/`` is used, or exported first).
+        repo_id: The model repository, ``namespace/name``, in the token owner's namespaces.
+        private: Create the repository private (when it is new).
+        revision: The branch to commit to (created when missing); default ``main``.
+        create_pr: Open a pull request instead of committing to the branch.
+        commit_message: The commit title (default names featcal's version and the recipe hash).
+        token: A Hub token (default: ``HF_TOKEN``, then the stored login); never logged.
+        dry_run: Check the folder and list the files, without contacting the Hub.
+        endpoint: The Hub endpoint (default: ``HF_ENDPOINT`` or huggingface.co).
+
+    Returns:
+        What was pushed (or would be, for a dry run): the files, the commit and pull-request URLs.
+
+    Raises:
+        InvalidParameterError: for a repository id without namespace or not valid on the Hub.
+        ReleaseError: when the folder is not a complete, self-consistent release.
+        HubError: when the token is missing or refused, the Hub cannot be reached, offline mode is
+            set, or the Hub lists files that differ from the ones sent.
 
     Example:
         >>> push_release("runs/ta8", "me/clip-vit-b32-ta8-featcal", private=True)  # doctest: +SKIP
@@ -125,7 +143,6 @@ def push_release(
         repo_id=repo_id,
         folder=release.folder,
         files=release.files,
-        repo_url=f"{api.endpoint}/{repo_id}",
         commit_url=info.commit_url,
         commit_oid=info.oid,
         pr_url=info.pr_url,

@@ -20,7 +20,7 @@ from featcal.evaluation import ZeroShotClassifier, load_base_clip
 from featcal.hub import is_hub_id, local_path, resolve_model_folder
 from featcal.io import read_json
 from featcal.pipeline import load_vision_folder, resolve_device
-from featcal.runfolder import RELEASE_DIR, RUN_CONFIG
+from featcal.runfolder import CALIBRATED_PREFIX, RELEASE_DIR, RUN_CONFIG
 from featcal.space.heads import default_cache_dir, task_heads
 from featcal.space.settings import DEFAULT_BASE_MODEL_ID, SpaceSettings
 from featcal.tasks import Task, builtin_tasks, task_table
@@ -64,7 +64,7 @@ def resolve_model_source(ref: str) -> ModelSource:
             f"{path} is neither a model folder (config.json, model.safetensors), a release folder "
             f"nor a run folder ({RUN_CONFIG}): set `model_id` to the output of `featcal run`.",
         )
-    stages = sorted(p for p in path.glob("featcal-*") if (p / "config.json").is_file())
+    stages = sorted(p for p in path.glob(f"{CALIBRATED_PREFIX}*") if (p / "config.json").is_file())
     if not stages:
         raise ModelInputError(
             ref,
