@@ -8,15 +8,8 @@ from pathlib import Path
 
 from featcal.cli.common import format_results, show_progress
 from featcal.demo.run_spec import MINI8_DEFAULTS
-from featcal.runfolder import EXPERTS_DIR, ZERO_SHOT_DIR, calibrated_stage_name, merged_stage_name
 
 DEFAULT_OUTPUT_DIR = "outputs/mini8"
-STAGE_LABELS = {
-    ZERO_SHOT_DIR: "zero-shot",
-    EXPERTS_DIR: "expert",
-    merged_stage_name("task_arithmetic"): "TA",
-    calibrated_stage_name("task_arithmetic"): "TA+FeatCal",
-}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,6 +53,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from featcal.demo import ZooConfig, build_zoo, demo_run_spec
     from featcal.pipeline import run_pipeline
+    from featcal.runfolder import EXPERTS_DIR, ZERO_SHOT_DIR, calibrated_stage_name, merged_stage_name
+
+    labels = {
+        ZERO_SHOT_DIR: "zero-shot",
+        EXPERTS_DIR: "expert",
+        merged_stage_name("task_arithmetic"): "TA",
+        calibrated_stage_name("task_arithmetic"): "TA+FeatCal",
+    }
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,7 +74,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         zoo, args.output_dir, device=args.device, progress=progress, scaling_factor=args.ta_scaling_factor
     )
     results = run_pipeline(spec)
-    print(format_results({s: r for s, r in results.items() if s in STAGE_LABELS}, STAGE_LABELS, column=10))
+    print(format_results({s: r for s, r in results.items() if s in labels}, labels, column=10))
     print(f"Run folder: {Path(args.output_dir).resolve()}")
     if not args.no_export:
         from featcal.release import export_release

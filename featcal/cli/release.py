@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 from featcal.cli.tables import file_table
-from featcal.release import export_release, push_release, write_card
-from featcal.release.card import DEFAULT_LICENSE
+from featcal.release import DEFAULT_LICENSE
 
 
 def _add_card_options(parser: argparse.ArgumentParser) -> None:
@@ -16,18 +15,24 @@ def _add_card_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from featcal.release import export_release
+
     out = export_release(args.run_dir, args.output, repo_id=args.repo, license=args.license, template=args.template)
     print(f"Release folder: {out}")
     return 0
 
 
 def run_card(args: argparse.Namespace) -> int:
+    from featcal.release import write_card
+
     card = write_card(args.run_dir, args.output, repo_id=args.repo, license=args.license, template=args.template)
     print(f"Model card: {card}")
     return 0
 
 
 def run_push(args: argparse.Namespace) -> int:
+    from featcal.release import push_release
+
     result = push_release(
         args.path,
         args.repo,

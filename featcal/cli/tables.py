@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from featcal.hub import HubFile
+if TYPE_CHECKING:
+    from featcal.hub import HubFile
 
 
 def file_table(files: Sequence[HubFile]) -> str:

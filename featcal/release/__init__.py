@@ -1,20 +1,31 @@
-"""Release a run: export folder, model card, and a push to the Hugging Face Hub."""
+"""Release a run: export folder, model card, and a push to the Hugging Face Hub.
 
-from featcal.release.card import render_card, write_card
-from featcal.release.check import Release, check_release
-from featcal.release.export import export_release
-from featcal.release.push import PushResult, push_release
-from featcal.runfolder import RunFolder, read_run, recipe_sha256
+Names are imported on first use, so the CLI's parser does not load huggingface_hub or jinja2
+through this package.
+"""
 
-__all__ = [
-    "PushResult",
-    "Release",
-    "RunFolder",
-    "check_release",
-    "export_release",
-    "push_release",
-    "read_run",
-    "recipe_sha256",
-    "render_card",
-    "write_card",
-]
+from importlib import import_module
+from typing import Any
+
+DEFAULT_LICENSE = "mit"  # the license of OpenAI's CLIP weights, which the TA8 base model carries
+
+_EXPORTS = {
+    "render_card": "featcal.release.card",
+    "write_card": "featcal.release.card",
+    "Release": "featcal.release.check",
+    "check_release": "featcal.release.check",
+    "export_release": "featcal.release.export",
+    "PushResult": "featcal.release.push",
+    "push_release": "featcal.release.push",
+    "RunFolder": "featcal.runfolder",
+    "read_run": "featcal.runfolder",
+    "recipe_sha256": "featcal.runfolder",
+}
+
+__all__ = ["DEFAULT_LICENSE", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'featcal.release' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

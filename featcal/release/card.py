@@ -21,6 +21,7 @@ from featcal import __version__
 from featcal.errors import FeatcalError
 from featcal.hub import check_repo_id, is_hub_id
 from featcal.io import atomic_write_text
+from featcal.release import DEFAULT_LICENSE
 from featcal.release.plot import PLOT_FILE, save_results_plot
 from featcal.release.results import ResultRow, results_rows
 from featcal.runfolder import RELEASE_DIR, RunFolder, merged_stage_name, read_run
@@ -31,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 TEMPLATE = "model_card.md.j2"
 CARD_FILE = "README.md"
-DEFAULT_LICENSE = "mit"  # the license of OpenAI's CLIP weights, which the TA8 base model carries
 TAGS = ["merge", "featcal", "model-merging", "clip", "vision", "image-classification"]
 # The recipe table's symbol and meaning of each FeatCal hyper-parameter, from the run spec.
 FEATCAL_PARAMS = {

@@ -14,7 +14,8 @@ from featcal import __version__
 from featcal.errors import FeatcalError
 from featcal.hub import check_repo_id, is_hub_id, local_path, resolve_model_folder
 from featcal.io import as_if_created, atomic_write_json, replace_dir
-from featcal.release.card import DEFAULT_LICENSE, write_card_files
+from featcal.release import DEFAULT_LICENSE
+from featcal.release.card import write_card_files
 from featcal.release.plot import PLOT_FILE
 from featcal.runfolder import METRICS, RELEASE_DIR, RUN_CONFIG, RunFolder, read_run
 
