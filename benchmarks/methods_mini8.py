@@ -35,7 +35,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i, method in enumerate(args.methods):
             spec = demo_run_spec(zoo, Path(tmp) / method, progress=False).replace(
-                merge_method=method, merge_params={}, eval_zero_shot=i == 0, eval_experts=i == 0
+                merge_method=method, merge_params={}, eval_zero_shot=i == 0, eval_experts=i == 0, no_export=True
             )
             start = time.perf_counter()
             results = {stage: report.to_json() for stage, report in run_pipeline(spec).items()}

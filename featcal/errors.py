@@ -106,6 +106,20 @@ class RunFolderError(InputError):
     """A run folder (or a file in it) that is missing, damaged or belongs to another run."""
 
 
+class RunLockedError(RunFolderError):
+    """Another live process is writing the run folder.
+
+    Args:
+        ref: The run folder.
+        message: One line naming the holder.
+        holder: What the holder recorded: ``pid``, ``host``, ``started``, ``command``.
+    """
+
+    def __init__(self, ref: str | Path, message: str, holder: dict[str, Any]) -> None:
+        self.holder = holder
+        super().__init__(ref, message)
+
+
 class ReleaseError(InputError):
     """A release folder that is incomplete or differs from what export wrote."""
 

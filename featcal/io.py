@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -60,8 +61,19 @@ def config_hash(data: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def fault_point(name: str) -> None:
+    """Kill this process with SIGKILL at ``name`` when ``FEATCAL_KILL_AT`` names it.
+
+    The resume tests use it to stop a run at chosen points, the way a rented machine's loss would;
+    unset, it costs one environment lookup.
+    """
+    if os.environ.get("FEATCAL_KILL_AT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def replace_dir(tmp: Path, final: Path) -> None:
     """Move a finished temporary folder into place, replacing any previous one."""
+    fault_point(f"replace:{final.name}")
     if final.exists():
         old = final.with_name(f".{final.name}.old")
         shutil.rmtree(old, ignore_errors=True)

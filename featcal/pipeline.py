@@ -7,7 +7,9 @@ before the first file is written.
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,17 +23,28 @@ from featcal import __version__
 from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.checkpoint import Checkpoint, check_compatible, check_same_architecture
 from featcal.data import calibration_pixels, load_task_split
-from featcal.errors import DatasetInputError, FeatcalError, InvalidParameterError, ModelInputError
+from featcal.errors import DatasetInputError, FeatcalError, InvalidParameterError, ModelInputError, RunFolderError
 from featcal.evaluation import ZeroShotClassifier, check_clip_model_folder, load_base_clip
+from featcal.fingerprints import dataset_fingerprint, digest, folder_fingerprint
 from featcal.hub import resolve_model_folder
-from featcal.io import save_vision_model
+from featcal.io import config_hash, fault_point, read_json, save_vision_model
 from featcal.merging import get_method
 from featcal.runfolder import (
     EXPERTS_DIR,
+    METRICS,
+    RELEASE_DIR,
+    RUN_CONFIG,
+    RUN_LOG,
+    STAGES_FILE,
+    TIMINGS,
     ZERO_SHOT_DIR,
     MetricsReport,
+    RunLock,
+    StageLedger,
     calibrated_stage_name,
     merged_stage_name,
+    remove_leftovers,
+    restamp_report,
     write_run_config,
     write_stage_report,
     write_timings,
@@ -61,11 +74,16 @@ class RunInputs:
         return CLIPVisionConfig.from_pretrained(str(self.base_folder))
 
 
-def run_record(spec: RunSpec, inputs: RunInputs) -> dict[str, Any]:
+def run_record(spec: RunSpec, inputs: RunInputs, calibration_counts: Mapping[str, int] | None = None) -> dict:
     """What ``run_config.json`` records: the spec's reproducible part, with tasks and models resolved.
 
-    Its hash is the run's id (``run_id``, and ``recipe_sha256`` in the released weights).
+    Its hash is the run's id (``run_id``, and ``recipe_sha256`` in the released weights). When some
+    task's train split holds fewer images than ``num_calibration_examples`` (and that was allowed),
+    the FeatCal section records the number each such task used.
     """
+    featcal: dict[str, Any] | None = None if spec.skip_featcal else spec.featcal.to_dict()
+    if featcal is not None and calibration_counts:
+        featcal["calibration_examples_used"] = dict(calibration_counts)
     return {
         "featcal_version": __version__,
         "base_model_id": inputs.base_ref,
@@ -78,7 +96,7 @@ def run_record(spec: RunSpec, inputs: RunInputs) -> dict[str, Any]:
             "params": inputs.merge_params,
             "from": spec.ta_model_path if spec.skip_ta else None,
         },
-        "featcal": None if spec.skip_featcal else spec.featcal.to_dict(),
+        "featcal": featcal,
         "evaluation": {"max_eval_samples": spec.max_eval_samples},
     }
 
@@ -145,12 +163,47 @@ def resolve_inputs(spec: RunSpec, *, need_experts: bool = True) -> RunInputs:
     return RunInputs(tasks, base_ref, base_folder, refs, experts, base, method.resolved_params(**spec.method_params()))
 
 
-def validate_datasets(tasks: list[Task], splits: tuple[str, ...] = ("train", "test")) -> None:
-    """Load each task's splits once, so a missing split or column, or a label outside the task's
-    classes, fails before anything is written (the labels are read from their column alone)."""
+@dataclass
+class DatasetFacts:
+    """What validation learnt about the tasks' datasets: each split's identity, and the calibration
+    images each task will use when its train split holds fewer than asked for."""
+
+    fingerprints: dict[str, dict[str, str]]
+    calibration_counts: dict[str, int]
+
+
+def validate_datasets(
+    tasks: list[Task],
+    splits: tuple[str, ...] = ("train", "test"),
+    *,
+    calibration_examples: int | None = None,
+    allow_fewer: bool = False,
+) -> DatasetFacts:
+    """Load each task's splits once, so a missing split or column, a label outside the task's
+    classes (read from the label column alone), or a train split smaller than
+    ``calibration_examples`` fails before anything is written.
+
+    Raises:
+        DatasetInputError: naming the task, the split and the fix.
+    """
+    fingerprints: dict[str, dict[str, str]] = {}
+    fewer: dict[str, int] = {}
     for task in tasks:
         for split in splits:
-            check_labels(task, load_task_split(task, split), split)
+            dataset = load_task_split(task, split)
+            check_labels(task, dataset, split)
+            fingerprints.setdefault(task.name, {})[split] = dataset_fingerprint(dataset)
+            if split == "train" and calibration_examples is not None and len(dataset) < calibration_examples:
+                if not allow_fewer:
+                    raise DatasetInputError(
+                        task.name,
+                        task.dataset.path,
+                        f"Task {task.name!r}: the train split of {task.dataset.path} has {len(dataset)} images, "
+                        f"fewer than the {calibration_examples} calibration images asked for: lower "
+                        "`num_calibration_examples`, or set `allow_fewer_calibration_examples` to use them all.",
+                    )
+                fewer[task.name] = len(dataset)
+    return DatasetFacts(fingerprints, fewer)
 
 
 def check_labels(task: Task, dataset, split: str) -> None:
@@ -246,8 +299,103 @@ def calibrate(
     return model
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One resumable step of a run: its ledger name, the identity of its inputs, what it writes."""
+
+    name: str
+    identity: str
+    outputs: list[str]
+
+
+def plan_stages(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> dict[str, Stage]:
+    """Every stage whose identity this run can compute, by name (requested or not).
+
+    Each identity covers exactly what the stage's result depends on, and the identities of the
+    stages it reads from, so a change redoes that stage and everything after it.
+    """
+    merged, calibrated = merged_stage_name(spec.merge_method), calibrated_stage_name(spec.merge_method)
+    base = folder_fingerprint(inputs.base_folder)
+    experts = [folder_fingerprint(inputs.experts[t.name].path) for t in inputs.tasks if t.name in inputs.experts]
+    tests = [data.fingerprints[t.name].get("test") for t in inputs.tasks]
+    trains = [data.fingerprints[t.name].get("train") for t in inputs.tasks]
+    table = {t.name: t.to_dict() for t in inputs.tasks}
+    evaluation = digest("evaluation", __version__, base, table, tests, spec.max_eval_samples)
+    stages = [
+        Stage(f"evaluate:{ZERO_SHOT_DIR}", digest(evaluation), [ZERO_SHOT_DIR]),
+        Stage(f"evaluate:{EXPERTS_DIR}", digest(evaluation, experts), [EXPERTS_DIR]),
+    ]
+    if not spec.skip_ta:
+        merge_id = digest("merge", __version__, spec.merge_method, inputs.merge_params, base, experts)
+        calibrate_from = merge_id
+        stages += [
+            Stage("merge", merge_id, [merged]),
+            Stage(f"evaluate:{merged}", digest(evaluation, merge_id), [f"{merged}/{METRICS}", f"{merged}/{RUN_LOG}"]),
+        ]
+    else:
+        calibrate_from = digest("from", folder_fingerprint(spec.ta_model_path))
+    calibrate_id = digest(
+        "calibrate", __version__, calibrate_from, spec.featcal.to_dict(), spec.seed, base, experts, trains,
+        data.calibration_counts,
+    )  # fmt: skip
+    stages += [
+        Stage("calibrate", calibrate_id, [calibrated]),
+        Stage(
+            f"evaluate:{calibrated}",
+            digest(evaluation, calibrate_id),
+            [f"{calibrated}/{METRICS}", f"{calibrated}/{RUN_LOG}"],
+        ),
+    ]
+    return {stage.name: stage for stage in stages}
+
+
+def check_output_folder(out: Path) -> None:
+    """Refuse an output path that is a file, or a folder that holds other things than a featcal run.
+
+    Raises:
+        InvalidParameterError: naming ``output_dir``.
+    """
+    if out.exists() and not out.is_dir():
+        raise InvalidParameterError("output_dir", str(out), "a folder, not an existing file")
+    if out.is_dir() and not (out / RUN_CONFIG).is_file():
+        visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+        if visible:
+            raise InvalidParameterError(
+                "output_dir",
+                str(out),
+                f"a new or empty folder, or a featcal run folder; it holds {', '.join(visible[:3])}",
+            )
+
+
+def check_same_run(out: Path, record: Mapping[str, Any]) -> None:
+    """Refuse a run folder that holds a run of other tasks or another base model.
+
+    Raises:
+        RunFolderError: naming the folder and the differences; ``force`` replaces it instead.
+    """
+    path = out / RUN_CONFIG
+    if not path.is_file():
+        return
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        old = {}
+    differs = [key for key in ("tasks", "base_model_id") if not isinstance(old, dict) or old.get(key) != record[key]]
+    if differs:
+        raise RunFolderError(
+            out,
+            f"The run folder {out} holds a run with another {' and '.join(differs)}: use another output folder, "
+            "or set `force` to replace that run.",
+        )
+
+
 def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
     """Run every stage ``spec`` asks for, writing the run folder ``spec.output_dir``.
+
+    Everything is validated first: options, models, datasets, the output folder. Then the folder is
+    locked, leftovers of a killed run are removed, and each stage runs unless the folder already
+    holds its result from the same inputs (``stages.json`` records them); a stage whose inputs
+    changed is redone with everything after it. ``spec.force`` redoes every stage.
 
     Args:
         spec: The run's options (see :class:`~featcal.spec.RunSpec`).
@@ -257,74 +405,203 @@ def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
         ``experts``, ``ta``, ``featcal-ta``, …).
 
     Raises:
-        FeatcalError: for any input that cannot be used (typed subclasses name it); raised before
-            any file is written whenever the problem can be seen up front.
+        FeatcalError: for any input that cannot be used (typed subclasses name it), raised before
+            any file is written whenever the problem can be seen up front; ``RunLockedError`` when
+            another process is writing the folder.
     """
     device = resolve_device(spec.device)
+    out = Path(spec.output_dir)
+    check_output_folder(out)
     torch.manual_seed(spec.seed)
     inputs = resolve_inputs(spec, need_experts=not (spec.skip_ta and spec.skip_featcal and not spec.eval_experts))
-    validate_datasets(inputs.tasks, splits=("test",) if spec.skip_featcal else ("train", "test"))
-    out = Path(spec.output_dir)
-    record = run_record(spec, inputs)
-    merged_name, calibrated_name = merged_stage_name(spec.merge_method), calibrated_stage_name(spec.merge_method)
-    clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
-    start = time.perf_counter()
-    if spec.skip_ta:
-        merged_state, merged_model = None, load_vision_folder(spec.ta_model_path, inputs.base)
-    else:
-        merged_state = merge(inputs, spec.merge_method)
-        merged_model = build_vision_model(inputs, merged_state)
-    timings: dict[str, float] = {"merge_s": time.perf_counter() - start}
-    # Everything is validated, loaded and merged: from here on, files are written.
-    run_id = write_run_config(out, record)
-    classifier = ZeroShotClassifier(clip, tokenizer, device)
-    eval_kwargs = dict(
-        batch_size=spec.eval_batch_size,
-        num_workers=spec.eval_num_workers,
-        max_samples=spec.max_eval_samples,
-        progress=spec.progress,
+    data = validate_datasets(
+        inputs.tasks,
+        ("test",) if spec.skip_featcal else ("train", "test"),
+        calibration_examples=None if spec.skip_featcal else spec.featcal.num_calibration_examples,
+        allow_fewer=spec.allow_fewer_calibration_examples,
     )
-    results: dict[str, MetricsReport] = {}
+    record = run_record(spec, inputs, data.calibration_counts)
+    if not spec.force:
+        check_same_run(out, record)
+    clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
+    if spec.skip_ta:
+        load_vision_folder(spec.ta_model_path, inputs.base)  # checked before the folder is touched
+    stages = plan_stages(spec, inputs, data)
+    created = not out.exists()
+    try:
+        with RunLock(out):
+            run = _Run(spec, out, inputs, stages, device, ZeroShotClassifier(clip, tokenizer, device), processor)
+            return run.execute(record, clip)
+    except BaseException:
+        if created and not (out / STAGES_FILE).exists():
+            shutil.rmtree(out, ignore_errors=True)  # nothing finished: leave no half-made folder
+        raise
 
-    if spec.eval_zero_shot:
-        results[ZERO_SHOT_DIR] = classifier.evaluate(clip.vision_model, inputs.tasks, processor, **eval_kwargs)
-        write_stage_report(out / ZERO_SHOT_DIR, results[ZERO_SHOT_DIR], run_id)
-    if spec.eval_experts:
-        per_task = {
-            task.name: classifier.evaluate_task(
-                build_vision_model(inputs, inputs.experts[task.name]), task, processor, **eval_kwargs
-            )
-            for task in inputs.tasks
-        }
-        results[EXPERTS_DIR] = MetricsReport.from_results(per_task)
-        write_stage_report(out / EXPERTS_DIR, results[EXPERTS_DIR], run_id)
 
-    merge_dir = out / merged_name
-    if merged_state is not None:
-        save_vision_model(merged_state, inputs.vision_config, merge_dir)
-    if not spec.skip_eval_ta:
-        start = time.perf_counter()
-        results[merged_name] = classifier.evaluate(merged_model, inputs.tasks, processor, **eval_kwargs)
-        timings[f"eval_{merged_name}_s"] = time.perf_counter() - start
-        if not spec.skip_ta:
-            write_stage_report(merge_dir, results[merged_name], run_id)
+class _Run:
+    """The stages of one locked run over a run folder, skipping those already done."""
 
-    if not spec.skip_featcal:
-        start = time.perf_counter()
-        calibrated = calibrate(
-            inputs,
-            merged_model,
-            spec.featcal,
-            seed=spec.seed,
-            device=device,
-            processor=processor,
+    def __init__(self, spec, out, inputs, stages, device, classifier, processor) -> None:
+        self.spec, self.out, self.inputs, self.stages = spec, out, inputs, stages
+        self.device, self.classifier, self.processor = device, classifier, processor
+        self.ledger = StageLedger(out) if spec.force else StageLedger.read(out)
+        self.run_id = ""
+        self.timings: dict[str, float] = {}
+        self.eval_kwargs = dict(
+            batch_size=spec.eval_batch_size,
+            num_workers=spec.eval_num_workers,
+            max_samples=spec.max_eval_samples,
             progress=spec.progress,
         )
-        timings["calibrate_s"] = time.perf_counter() - start
-        save_vision_model(calibrated.state_dict(), inputs.vision_config, out / calibrated_name)
+
+    def execute(self, record: Mapping[str, Any], clip) -> dict[str, MetricsReport]:
+        spec, out, inputs = self.spec, self.out, self.inputs
+        remove_leftovers(out)
+        self.run_id = config_hash(record)
+        if spec.force:
+            self._clear_unrecorded()
+        self._clear_stale()
+        write_run_config(out, record)
+        fault_point("after:run_config")
+        if (out / TIMINGS).is_file() and self.ledger.done:
+            self.timings = {k: float(v) for k, v in read_json(out / TIMINGS).items()}
+        merged_name = merged_stage_name(spec.merge_method)
+        calibrated_name = calibrated_stage_name(spec.merge_method)
+        results: dict[str, MetricsReport] = {}
+        if spec.eval_zero_shot:
+            results[ZERO_SHOT_DIR] = self._evaluate(ZERO_SHOT_DIR, lambda: clip.vision_model)
+        if spec.eval_experts:
+            results[EXPERTS_DIR] = self._evaluate_experts()
+
+        merged_model = None
+        if spec.skip_ta:
+            merged_model = load_vision_folder(spec.ta_model_path, inputs.base)
+        elif self._fresh("merge"):
+            logger.info("Merge: %s/ is up to date (same inputs); skipped", merged_name)
+        else:
+            start = time.perf_counter()
+            state = merge(inputs, spec.merge_method)
+            save_vision_model(state, inputs.vision_config, out / merged_name)
+            self.timings["merge_s"] = time.perf_counter() - start
+            merged_model = build_vision_model(inputs, state)
+            self._mark("merge")
+
+        def merged() -> Any:
+            nonlocal merged_model
+            if merged_model is None:
+                merged_model = load_vision_folder(out / merged_name, inputs.base)
+            return merged_model
+
+        if not spec.skip_eval_ta:
+            if spec.skip_ta:  # the merged model comes from elsewhere: reported, not written
+                start = time.perf_counter()
+                results[merged_name] = self.classifier.evaluate(
+                    merged(), inputs.tasks, self.processor, **self.eval_kwargs
+                )
+                self.timings[f"eval_{merged_name}_s"] = time.perf_counter() - start
+            else:
+                results[merged_name] = self._evaluate(merged_name, merged)
+
+        if not spec.skip_featcal:
+            calibrated_model = None
+            if self._fresh("calibrate"):
+                logger.info("FeatCal: %s/ is up to date (same inputs); skipped", calibrated_name)
+            else:
+                start = time.perf_counter()
+                calibrated_model = calibrate(
+                    inputs, merged(), spec.featcal, seed=spec.seed, device=self.device,
+                    processor=self.processor, progress=spec.progress,
+                )  # fmt: skip
+                self.timings["calibrate_s"] = time.perf_counter() - start
+                save_vision_model(calibrated_model.state_dict(), inputs.vision_config, out / calibrated_name)
+                self._mark("calibrate")
+            results[calibrated_name] = self._evaluate(
+                calibrated_name,
+                lambda: (
+                    calibrated_model
+                    if calibrated_model is not None
+                    else load_vision_folder(out / calibrated_name, inputs.base)
+                ),
+                extra={"calibration_examples_used": record["featcal"].get("calibration_examples_used")},
+            )
+        write_timings(out, self.timings)
+        if not spec.no_export and (not spec.skip_featcal or not (spec.skip_ta or spec.skip_eval_ta)):
+            self._export()
+        return results
+
+    def _fresh(self, name: str) -> bool:
+        return self.ledger.is_done(name, self.stages[name].identity)
+
+    def _mark(self, name: str) -> None:
+        self.ledger.mark(name, self.stages[name].identity, self.stages[name].outputs)
+        fault_point(f"after:{name}")
+
+    def _clear_stale(self) -> None:
+        """Remove outputs whose inputs changed, of stages this run cannot produce, and any release
+        that is not of exactly this run; a run folder without a ledger is redone whole."""
+        if not self.ledger.done and (self.out / RUN_CONFIG).is_file():
+            self._clear_unrecorded()
+        for name in [n for n in self.ledger.done if n != "export"]:
+            if name not in self.stages or not self._fresh(name):
+                logger.info("%s: inputs changed; its earlier output is removed and redone", name)
+                self.ledger.discard(name)
+        export = self.ledger.done.get("export")
+        if export is not None and export.get("identity") != self._export_identity():
+            self.ledger.discard("export")
+
+    def _clear_unrecorded(self) -> None:
+        """Stage folders of an earlier run that recorded no ledger (or was forced): all redone."""
+        old = read_json(self.out / RUN_CONFIG)
+        methods = {self.spec.merge_method, (old.get("merge") or {}).get("method", self.spec.merge_method)}
+        names = {ZERO_SHOT_DIR, EXPERTS_DIR, RELEASE_DIR}
+        names |= {merged_stage_name(m) for m in methods} | {calibrated_stage_name(m) for m in methods}
+        for name in sorted(names):
+            if (self.out / name).is_dir():
+                shutil.rmtree(self.out / name)
+        (self.out / TIMINGS).unlink(missing_ok=True)
+
+    def _evaluate(self, folder: str, model: Any, extra: Mapping[str, Any] | None = None) -> MetricsReport:
+        name = f"evaluate:{folder}"
+        if self._fresh(name):
+            logger.info("Evaluation of %s/ is up to date (same inputs); skipped", folder)
+            return restamp_report(self.out / folder, self.run_id)
         start = time.perf_counter()
-        results[calibrated_name] = classifier.evaluate(calibrated, inputs.tasks, processor, **eval_kwargs)
-        timings[f"eval_{calibrated_name}_s"] = time.perf_counter() - start
-        write_stage_report(out / calibrated_name, results[calibrated_name], run_id)
-    write_timings(out, timings)
-    return results
+        report = self.classifier.evaluate(model(), self.inputs.tasks, self.processor, **self.eval_kwargs)
+        report = report.with_extra({k: v for k, v in (extra or {}).items() if v})
+        self.timings[f"eval_{folder}_s"] = time.perf_counter() - start
+        write_stage_report(self.out / folder, report, self.run_id)
+        self._mark(name)
+        return report
+
+    def _evaluate_experts(self) -> MetricsReport:
+        name = f"evaluate:{EXPERTS_DIR}"
+        if self._fresh(name):
+            logger.info("Evaluation of the experts is up to date (same inputs); skipped")
+            return restamp_report(self.out / EXPERTS_DIR, self.run_id)
+        per_task = {
+            task.name: self.classifier.evaluate_task(
+                build_vision_model(self.inputs, self.inputs.experts[task.name]), task, self.processor,
+                **self.eval_kwargs,
+            )
+            for task in self.inputs.tasks
+        }  # fmt: skip
+        report = MetricsReport.from_results(per_task)
+        write_stage_report(self.out / EXPERTS_DIR, report, self.run_id)
+        self._mark(name)
+        return report
+
+    def _export_identity(self) -> str:
+        return digest("export", __version__, self.run_id, sorted(
+            (name, entry.get("identity")) for name, entry in self.ledger.done.items() if name != "export"
+        ))  # fmt: skip
+
+    def _export(self) -> None:
+        from featcal.release import export_release
+
+        identity = self._export_identity()
+        if self.ledger.is_done("export", identity) and (self.out / RELEASE_DIR).is_dir():
+            logger.info("Release: %s/ is up to date; skipped", RELEASE_DIR)
+            return
+        export_release(self.out)
+        self.ledger.mark("export", identity, [RELEASE_DIR])
+        fault_point("after:export")

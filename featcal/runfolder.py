@@ -18,13 +18,14 @@ models, ``config.json`` and ``model.safetensors``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from featcal.errors import RunFolderError
+from featcal.errors import RunFolderError, RunLockedError
 from featcal.io import atomic_write_json, config_hash
 from featcal.tasks import RESERVED_TASK_NAMES, Task, parse_task_table
 
@@ -40,6 +41,8 @@ CALIBRATED_PREFIX = "featcal-"
 # Keys of a metrics report beside the tasks; task tables refuse tasks with these names.
 AVERAGE, MODEL_INFO, RUN_ID = "average", "model_info", "run_id"
 REPORT_KEYS = RESERVED_TASK_NAMES
+
+logger = logging.getLogger(__name__)
 
 
 def merged_stage_name(method: str) -> str:
@@ -114,6 +117,10 @@ class MetricsReport:
 
     def with_run_id(self, run_id: str) -> MetricsReport:
         return MetricsReport(self.tasks, self.average, self.model_info, run_id, self.extra)
+
+    def with_extra(self, extra: Mapping[str, Any]) -> MetricsReport:
+        """This report with more entries beside the tasks (e.g. ``calibration_examples_used``)."""
+        return MetricsReport(self.tasks, self.average, self.model_info, self.run_id, {**self.extra, **extra})
 
     def to_json(self) -> dict[str, Any]:
         """The reference run's flat ``metrics.json`` object."""
@@ -347,3 +354,167 @@ def read_run(path: str | Path) -> RunFolder:
         expert_metrics=experts.metrics if experts else None,
         timings=timings,
     )
+
+
+# --- writing safely: the lock, the stage ledger, leftovers of killed runs ------------------------
+
+LOCK_FILE = ".featcal.lock"
+STAGES_FILE = "stages.json"
+
+
+class RunLock:
+    """An exclusive lock on a run folder, held while a run writes to it.
+
+    The lock is an ``flock`` on ``<run>/.featcal.lock``, which also records the holder (pid, host,
+    start time, command). The kernel releases an ``flock`` when its process dies, even by SIGKILL,
+    so a lock left by a killed run is taken over (and logged) rather than blocking forever.
+
+    Raises:
+        RunLockedError: on entry, when a live process holds the lock.
+    """
+
+    def __init__(self, run: Path) -> None:
+        self.run = Path(run)
+        self.path = self.run / LOCK_FILE
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        import fcntl
+        import os
+        import socket
+        import sys
+        import time
+
+        self.run.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunLockedError(
+                self.run,
+                f"Run folder {self.run} is being written by process {holder.get('pid', '?')} on "
+                f"{holder.get('host', '?')} (since {holder.get('started', '?')}): wait for it to finish, "
+                "stop it, or use another output folder.",
+                holder,
+            ) from None
+        previous = _read_holder(fd)
+        if previous:
+            logger.warning(
+                "Run folder %s: taking over the lock left by process %s on %s, which is no longer running",
+                self.run,
+                previous.get("pid", "?"),
+                previous.get("host", "?"),
+            )
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": " ".join(sys.argv[:3]),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import fcntl
+        import os
+
+        if self._fd is None:
+            return
+        self.path.unlink(missing_ok=True)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    import os
+
+    try:
+        data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def remove_leftovers(run: Path) -> list[Path]:
+    """Remove what killed runs leave behind: hidden temporary files and folders of featcal's writes.
+
+    featcal writes every file and model folder as a hidden temporary (``.name.XXXX``) renamed into
+    place; a run killed mid-write leaves one. Only entries of that shape in the run folder and its
+    stage folders are removed (the lock file is the caller's). Returns what was removed.
+    """
+    import shutil
+
+    removed = []
+    folders = [run, *(p for p in run.iterdir() if p.is_dir() and not p.name.startswith("."))]
+    for folder in folders:
+        for entry in folder.iterdir():
+            if not entry.name.startswith(".") or entry.name == LOCK_FILE:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+    if removed:
+        logger.info("Removed %d leftover(s) of an interrupted run in %s", len(removed), run)
+    return removed
+
+
+@dataclass
+class StageLedger:
+    """Which stages of a run folder are finished, from which inputs, and what each wrote.
+
+    Kept in ``<run>/stages.json`` as ``{stage: {"identity": …, "outputs": [relative paths]}}``. A
+    stage whose recorded identity equals the one a new run computes is skipped; a stage whose
+    identity changed, or that the new run cannot produce, has its outputs removed and is redone.
+    """
+
+    run: Path
+    done: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, run: Path) -> StageLedger:
+        path = Path(run) / STAGES_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        except ValueError:
+            data = {}
+        entries = {str(k): v for k, v in (data.items() if isinstance(data, dict) else ()) if isinstance(v, dict)}
+        return cls(Path(run), entries)
+
+    def is_done(self, stage: str, identity: str) -> bool:
+        return (self.done.get(stage) or {}).get("identity") == identity
+
+    def mark(self, stage: str, identity: str, outputs: list[str]) -> None:
+        """Record ``stage`` as finished from inputs ``identity``, having written ``outputs``."""
+        self.done[stage] = {"identity": identity, "outputs": outputs}
+        self._write()
+
+    def discard(self, stage: str) -> None:
+        """Remove ``stage``'s outputs and forget it."""
+        import shutil
+
+        entry = self.done.pop(stage, None) or {}
+        for relative in entry.get("outputs", []):
+            path = self.run / relative
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        self._write()
+
+    def _write(self) -> None:
+        atomic_write_json(self.run / STAGES_FILE, dict(sorted(self.done.items())))
+
+
+def restamp_report(folder: Path, run_id: str) -> MetricsReport:
+    """A finished stage's report, rewritten with ``run_id`` when it names an older recipe."""
+    report = MetricsReport.from_json(read_json_file(folder / METRICS, f"Stage {folder.name!r}"), where=folder)
+    if report.run_id != run_id:
+        write_stage_report(folder, report, run_id)
+    return report.with_run_id(run_id)

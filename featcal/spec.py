@@ -269,6 +269,9 @@ class RunSpec:
     """
 
     output_dir: str = option(DEFAULT_OUTPUT_DIR, help="run folder", group="output", metavar="DIR")
+    force: bool = option(
+        False, help="redo every stage, and replace a run of other tasks or base model in output-dir", group="output"
+    )
     tasks: list[str] | None = option(
         None, help="tasks to use (default: every task of tasks-file, else the eight TA8 tasks)", group=TASKS,
         metavar="TASK", nargs="+",
@@ -298,6 +301,10 @@ class RunSpec:
         metavar="KEY=VALUE", recipe_key="merge_param",
     )  # fmt: skip
     featcal: FeatCalParams = field(default_factory=FeatCalParams)
+    allow_fewer_calibration_examples: bool = option(
+        False, help="use every train image of a task whose train split is smaller than the number asked for "
+        "(recorded in run_config.json, metrics and card); else that is an error", group="FeatCal",
+    )  # fmt: skip
     eval_batch_size: int = option(256, help="test images per batch", group=EVALUATION, metavar="B", ge=1)
     eval_num_workers: int = option(
         default_factory=default_eval_workers, help="data-loading workers (default: min(8, CPUs))",

@@ -21,7 +21,7 @@ from featcal.hub import local_path
 
 BUILTIN_TABLE = "ta8_tasks.json"
 # The keys a metrics report keeps beside its tasks (featcal.runfolder.REPORT_KEYS).
-RESERVED_TASK_NAMES = frozenset({"average", "model_info", "run_id"})
+RESERVED_TASK_NAMES = frozenset({"average", "model_info", "run_id", "calibration_examples_used"})
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from featcal.demo import ZooConfig, build_zoo, demo_run_spec
     from featcal.pipeline import run_pipeline
-    from featcal.runfolder import EXPERTS_DIR, ZERO_SHOT_DIR, calibrated_stage_name, merged_stage_name
+    from featcal.runfolder import EXPERTS_DIR, RELEASE_DIR, ZERO_SHOT_DIR, calibrated_stage_name, merged_stage_name
 
     labels = {
         ZERO_SHOT_DIR: "zero-shot",
@@ -72,13 +72,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"Benchmark zoo: {zoo} ({built:.0f} s)")
     spec = demo_run_spec(
         zoo, args.output_dir, device=args.device, progress=progress, scaling_factor=args.ta_scaling_factor
-    )
+    ).replace(no_export=args.no_export)
     results = run_pipeline(spec)
     print(format_results({s: r for s, r in results.items() if s in labels}, labels, column=10))
-    print(f"Run folder: {Path(args.output_dir).resolve()}")
+    out = Path(args.output_dir).resolve()
+    print(f"Run folder: {out}")
     if not args.no_export:
-        from featcal.release import export_release
-
-        print(f"Release folder: {export_release(args.output_dir)}")
+        print(f"Release folder: {out / RELEASE_DIR}")
     print(f"Total time: {time.perf_counter() - start:.0f} s")
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from featcal.errors import FeatcalError, InvalidParameterError
 
 # Parameters of the publishing API (push_release, push_space) and the flags that set them.
@@ -30,8 +32,8 @@ def word_error(exc: FeatcalError) -> str:
 
     An :class:`InvalidParameterError` of a run option or publishing parameter reads
     ``--lambda-ratio '-1' is invalid: ...`` (``--ta-model-path is missing: ...`` when no value was
-    given) instead of ``lambda_ratio=-1 is invalid: ...``; a publishing parameter that a message names
-    between backticks (`token`) becomes its flag. Other messages are unchanged.
+    given) instead of ``lambda_ratio=-1 is invalid: ...``; a parameter that a message names between
+    backticks (`token`, `num_calibration_examples`) becomes its flag. Other messages are unchanged.
     """
     message = exc.message
     if isinstance(exc, InvalidParameterError) and exc.owner is None and (name := flag_for(exc.name)):
@@ -39,6 +41,4 @@ def word_error(exc: FeatcalError) -> str:
             message = f"{name} is missing: it must be {exc.expected}."
         else:
             message = f"{name} {exc.value!r} is invalid: it must be {exc.expected}."
-    for parameter, name in PUBLISH_FLAGS.items():
-        message = message.replace(f"`{parameter}`", name)
-    return message
+    return re.sub(r"`([a-z_]+)`", lambda match: flag_for(match.group(1)) or match.group(0), message)

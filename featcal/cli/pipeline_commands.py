@@ -24,17 +24,16 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from featcal.pipeline import run_pipeline
+    from featcal.runfolder import RELEASE_DIR
 
     spec = spec_from_args(args)
     results = run_pipeline(spec)
     if results:
         print(format_results(results))
-    print(f"Run folder: {Path(spec.output_dir).resolve()}")
-    released_stage_evaluated = not spec.skip_featcal or not (spec.skip_ta or spec.skip_eval_ta)
-    if released_stage_evaluated and not spec.no_export:
-        from featcal.release import export_release
-
-        print(f"Release folder: {export_release(spec.output_dir)}")
+    out = Path(spec.output_dir).resolve()
+    print(f"Run folder: {out}")
+    if not spec.no_export and (out / RELEASE_DIR).is_dir():
+        print(f"Release folder: {out / RELEASE_DIR}")
     return 0
 
 

@@ -60,3 +60,18 @@ def test_a_missing_split_is_refused_before_writing(world_copy, tmp_path, capsys)
     code, err = run(capsys, world_copy, out)
     assert code == 2 and "'task0'" in err and "validation" in err
     assert not out.exists()
+
+
+def test_fewer_calibration_images_need_the_explicit_option_and_are_recorded(world, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    argv = ["run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST]
+    assert main(["-q", *argv, "--num-calibration-examples", "50"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has 12 images, fewer than the 50 calibration images asked for" in err
+    assert "--num-calibration-examples" in err and "--allow-fewer-calibration-examples" in err
+    assert not out.exists()
+    assert main(["-q", *argv, "--num-calibration-examples", "50", "--allow-fewer-calibration-examples"]) == 0
+    used = {"task0": 12, "task1": 12}
+    assert json.loads((out / "run_config.json").read_text())["featcal"]["calibration_examples_used"] == used
+    assert json.loads((out / "featcal-ta" / "metrics.json").read_text())["calibration_examples_used"] == used
+    assert "calibration_examples_used" not in json.loads((out / "ta" / "metrics.json").read_text())
