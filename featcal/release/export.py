@@ -54,6 +54,7 @@ def stamp_safetensors(path: Path, metadata: dict[str, str]) -> None:
         merged = {**(f.metadata() or {}), **metadata}
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp), metadata=merged)
+    as_if_created(tmp)  # safetensors creates the file private (0600)
     with tmp.open("r+b") as f:
         size = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(size))

@@ -1,0 +1,27 @@
+"""Output hygiene: what a run writes gets the user's umask, like any file the user creates."""
+
+import os
+import stat
+
+import pytest
+
+from featcal.cli import main
+
+FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
+FAST += ["--device", "cpu", "--max-eval-samples", "3"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_files_and_folders_follow_the_umask(world, tmp_path, umask: int) -> None:
+    out = tmp_path / "run"
+    previous = os.umask(umask)
+    try:
+        assert main(["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST]) == 0
+    finally:
+        os.umask(previous)
+    paths = [out, *out.rglob("*")]
+    assert any(p.name == "release" for p in paths) and any(p.name == "model.safetensors" for p in paths)
+    for path in paths:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        expected = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert mode == expected, f"{path.relative_to(tmp_path)}: {oct(mode)} != {oct(expected)}"
