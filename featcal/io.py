@@ -32,6 +32,15 @@ def as_if_created(path: str | Path, *, folder: bool = False) -> None:
     os.chmod(path, (0o777 if folder else 0o666) & ~current_umask())
 
 
+def as_if_created_tree(folder: str | Path) -> None:
+    """:func:`as_if_created` on ``folder`` and everything in it (libraries such as safetensors create
+    their files private)."""
+    folder = Path(folder)
+    as_if_created(folder, folder=True)
+    for path in folder.rglob("*"):
+        as_if_created(path, folder=path.is_dir())
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
     path = Path(path)
@@ -94,8 +103,8 @@ def save_vision_model(state: Mapping[str, torch.Tensor], vision_config, folder: 
     model.load_state_dict(dict(state), strict=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:
-        as_if_created(tmp, folder=True)
         model.save_pretrained(tmp)
+        as_if_created_tree(tmp)
         replace_dir(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

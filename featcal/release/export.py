@@ -13,7 +13,7 @@ from pathlib import Path
 from featcal import __version__
 from featcal.errors import FeatcalError
 from featcal.hub import check_repo_id, is_hub_id, local_path, resolve_model_folder
-from featcal.io import as_if_created, atomic_write_json, replace_dir
+from featcal.io import as_if_created_tree, atomic_write_json, replace_dir
 from featcal.release import DEFAULT_LICENSE
 from featcal.release.card import write_card_files
 from featcal.release.plot import PLOT_FILE
@@ -54,7 +54,6 @@ def stamp_safetensors(path: Path, metadata: dict[str, str]) -> None:
         merged = {**(f.metadata() or {}), **metadata}
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp), metadata=merged)
-    as_if_created(tmp)  # safetensors creates the file private (0600)
     with tmp.open("r+b") as f:
         size = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(size))
@@ -144,13 +143,13 @@ def export_release(
     _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    as_if_created(tmp, folder=True)  # mkdtemp makes it private; a release folder is meant to be shared
     try:
         _write_weights(run, tmp)
         _write_processor(run, tmp)
         shutil.copyfile(run.path / RUN_CONFIG, tmp / RUN_CONFIG)
         atomic_write_json(tmp / METRICS, {**run.released.metrics, "run_id": run.recipe_sha256})
         write_card_files(run, tmp, repo_id=repo_id, license=license, template=template)
+        as_if_created_tree(tmp)  # mkdtemp and safetensors create private folders and files
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
