@@ -8,8 +8,7 @@ True
 Names are imported on first use, so ``featcal --help`` does not load torch through this package.
 """
 
-from importlib import import_module
-from typing import Any
+from featcal.lazy import lazy_attributes
 
 _EXPORTS = {
     "MINI8_DEFAULTS": "featcal.demo.run_spec",
@@ -24,8 +23,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'featcal.demo' has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -4,8 +4,7 @@ Names are imported on first use, so the CLI's parser does not load huggingface_h
 through this package.
 """
 
-from importlib import import_module
-from typing import Any
+from featcal.lazy import lazy_attributes
 
 DEFAULT_LICENSE = "mit"  # the license of OpenAI's CLIP weights, which the TA8 base model carries
 
@@ -24,8 +23,4 @@ _EXPORTS = {
 
 __all__ = ["DEFAULT_LICENSE", *sorted(_EXPORTS)]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'featcal.release' has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

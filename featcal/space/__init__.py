@@ -6,8 +6,7 @@
 torch or gradio through this package.
 """
 
-from importlib import import_module
-from typing import Any
+from featcal.lazy import lazy_attributes
 
 _EXPORTS = {
     "SpaceModel": "featcal.space.model",
@@ -23,8 +22,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'featcal.space' has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)
