@@ -20,7 +20,7 @@ from PIL import Image, ImageOps
 from featcal.data import load_task_split, pixel_values, to_rgb
 from featcal.errors import FeatcalError
 from featcal.evaluation import ZeroShotClassifier, load_base_clip
-from featcal.pipeline import load_vision_folder
+from featcal.inputs import load_vision_folder
 from featcal.space import SpaceModel, SpaceSettings, classify, create_space, resolve_model_source
 from featcal.space.model import base_model_ref
 from featcal.tasks import task_table

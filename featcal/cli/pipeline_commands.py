@@ -38,8 +38,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
+    from featcal.inputs import resolve_inputs
     from featcal.io import save_vision_model
-    from featcal.pipeline import merge, resolve_inputs
+    from featcal.pipeline import merge
 
     spec = spec_from_args(args)
     inputs = resolve_inputs(spec)
@@ -50,8 +51,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from featcal.evaluation import load_base_clip
+    from featcal.inputs import load_vision_folder, resolve_device, resolve_inputs, validate_datasets
     from featcal.io import save_vision_model
-    from featcal.pipeline import calibrate, load_vision_folder, resolve_device, resolve_inputs, validate_datasets
+    from featcal.pipeline import calibrate
 
     spec = spec_from_args(args)
     device = resolve_device(spec.device)
@@ -69,8 +71,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from featcal.evaluation import ZeroShotClassifier, load_base_clip
+    from featcal.inputs import load_vision_folder, resolve_device, resolve_inputs, validate_datasets
     from featcal.io import atomic_write_json
-    from featcal.pipeline import load_vision_folder, resolve_device, resolve_inputs, validate_datasets
     from featcal.runfolder import METRICS, ZERO_SHOT_DIR
 
     spec = spec_from_args(args)

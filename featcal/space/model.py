@@ -18,8 +18,8 @@ from featcal.data import pixel_values
 from featcal.errors import FeatcalError, ModelInputError
 from featcal.evaluation import ZeroShotClassifier, load_base_clip
 from featcal.hub import is_hub_id, local_path, resolve_model_folder
+from featcal.inputs import load_vision_folder, resolve_device
 from featcal.io import read_json
-from featcal.pipeline import load_vision_folder, resolve_device
 from featcal.runfolder import CALIBRATED_PREFIX, RELEASE_DIR, RUN_CONFIG
 from featcal.space.heads import default_cache_dir, task_heads
 from featcal.space.settings import DEFAULT_BASE_MODEL_ID, SpaceSettings
