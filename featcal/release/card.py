@@ -23,6 +23,7 @@ from featcal.hub import check_repo_id, is_hub_id
 from featcal.io import atomic_write_text
 from featcal.release import DEFAULT_LICENSE
 from featcal.release.plot import PLOT_FILE, save_results_plot
+from featcal.release.published import LOCAL_MARK, is_published_local, local_name, published_config, published_ref
 from featcal.release.results import ResultRow, results_rows
 from featcal.runfolder import RELEASE_DIR, RunFolder, merged_stage_name, read_run
 from featcal.spec import FeatCalParams, option_fields, option_of
@@ -122,12 +123,14 @@ def _reference(row: ResultRow) -> str:
 
 
 def _link(ref: str | None, kind: str) -> str:
+    """A Hub id as a link to its page; a local folder (a path or ``local:<name>``) by its name only."""
     if not ref:
         return "–"
     if is_hub_id(ref):
         prefix = "datasets/" if kind == "dataset" else ""
         return f"[{ref}](https://huggingface.co/{prefix}{ref})"
-    return f"`{Path(ref).name}` (local folder)"
+    name = ref[len(LOCAL_MARK) :] if is_published_local(ref) else local_name(ref)
+    return f"`{name}` (local folder)"
 
 
 def _environment(template: str | Path | None) -> tuple[jinja2.Environment, str]:
@@ -150,6 +153,9 @@ def _environment(template: str | Path | None) -> tuple[jinja2.Environment, str]:
 
 
 def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | None) -> dict[str, Any]:
+    """The template's variables. References to inputs are given as published (see
+    :mod:`featcal.release.published`): Hub ids as they are, local folders as ``local:<folder name>``,
+    so that no template, featcal's or a user's, can put a local path in the card."""
     pretty_name, url = _method_info(run.method)
     rows = results_rows(run)
     model_name = repo_id or default_model_name(run)
@@ -160,10 +166,12 @@ def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | N
         "title": model_name.split("/")[-1],
         "repo_id": repo_id or f"<namespace>/{model_name}",
         "repo_id_known": repo_id is not None,
-        "base_model": run.base_model,
+        "base_model": published_ref(run.base_model),
+        "base_id": run.base_model if is_hub_id(run.base_model) else local_name(run.base_model),
         "base_is_hub": is_hub_id(run.base_model),
         "featcal_version": __version__,
         "recipe_sha256": run.recipe_sha256,
+        "local_inputs": published_config(run.config) != dict(run.config),
         "released_stage": run.released.name,
         "seed": run.config.get("seed", "–"),
         "calibrated": run.calibrated is not None,
@@ -172,7 +180,7 @@ def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | N
             "pretty_name": pretty_name,
             "url": url,
             "params": dict(run.merge_params),
-            "source": run.config["merge"].get("from"),
+            "source": published_ref(run.config["merge"].get("from")),
         },
         "featcal": [
             {
@@ -188,11 +196,11 @@ def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | N
         "tasks": [
             {
                 "name": t.name,
-                "dataset": t.dataset.path,
+                "dataset": published_ref(t.dataset.path),
                 "config": t.dataset.name,
                 "test_split": evaluated_split(t, run.max_eval_samples),
                 "classes": len(t.classnames),
-                "expert": run.experts.get(t.name),
+                "expert": published_ref(run.experts.get(t.name)),
             }
             for t in run.tasks
         ],
@@ -205,7 +213,8 @@ def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | N
             "task": snippet.name,
             "classnames": list(snippet.classnames),
             "templates": list(snippet.templates),
-            "dataset": snippet.dataset.path,
+            # None when no task has a Hub dataset: the snippet then opens an image file instead
+            "dataset": snippet.dataset.path if is_hub_id(snippet.dataset.path) else None,
             "config": snippet.dataset.name,
             "split": snippet.dataset.test_split,
             "image_column": snippet.dataset.image_column,
@@ -249,6 +258,20 @@ def write_card(
     """Write ``README.md`` and the results plot for the run into ``out_dir`` (default ``<run>/release``).
 
     Only the card and its image change; the weights and the rest of the folder are left as they are.
+
+    Args:
+        run_dir: The run folder written by ``featcal run``.
+        out_dir: Where to write the card (default ``<run>/release``); created when missing.
+        repo_id: The Hub repository the card names (its usage snippet and ``model-index``).
+        license: The license in the card's metadata.
+        template: A Jinja model card template of your own.
+
+    Returns:
+        The path of ``README.md``.
+
+    Raises:
+        RunFolderError: when the run folder is incomplete, damaged or edited after the run.
+        FeatcalError: when the template is missing, fails to render or gives invalid metadata.
     """
     run = read_run(run_dir)
     out = Path(out_dir).expanduser() if out_dir is not None else run.path / RELEASE_DIR

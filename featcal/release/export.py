@@ -17,7 +17,8 @@ from featcal.io import as_if_created, atomic_write_json, replace_dir
 from featcal.release import DEFAULT_LICENSE
 from featcal.release.card import write_card_files
 from featcal.release.plot import PLOT_FILE
-from featcal.runfolder import METRICS, RELEASE_DIR, RUN_CONFIG, RunFolder, read_run
+from featcal.release.published import published_config
+from featcal.runfolder import METRICS, RELEASE_DIR, RUN_CONFIG, RunFolder, read_run, recipe_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +66,17 @@ def stamp_safetensors(path: Path, metadata: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
-def _write_weights(run: RunFolder, out: Path) -> None:
+def _write_weights(run: RunFolder, out: Path, published: dict) -> None:
     model = load_vision_model(run.released.path, f"Stage {run.released.name!r}")
     model.save_pretrained(str(out))
     stamp_safetensors(
         out / WEIGHTS,
-        {"format": "pt", "featcal_version": __version__, "recipe_sha256": run.recipe_sha256},
+        {
+            "format": "pt",
+            "featcal_version": __version__,
+            "recipe_sha256": run.recipe_sha256,
+            "published_config_sha256": recipe_sha256(published),
+        },
     )
 
 
@@ -115,10 +121,13 @@ def export_release(
     """Write the release folder of a run (default ``<run>/release``) and return its path.
 
     The folder holds the released model (calibrated when present, else merged) as a
-    ``CLIPVisionModel`` with featcal's version and the recipe hash in its safetensors metadata, the
-    base model's image processor config, the model card (``README.md``) and its plot, the evaluation
-    report (``metrics.json``) and the recipe (``run_config.json``). It is written in a temporary folder
-    beside it and renamed into place, so it is never seen half-written.
+    ``CLIPVisionModel``, the base model's image processor config, the model card (``README.md``) and
+    its plot, the evaluation report (``metrics.json``), the recipe (``run_config.json``, with local
+    inputs named ``local:<folder name>``, see :mod:`featcal.release.published`). The weights'
+    safetensors metadata carries featcal's version, the recipe hash and ``published_config_sha256``
+    (the recipe hash of the published ``run_config.json``). It is written in a temporary folder beside
+    it and renamed into place, so it is never seen half-written; exporting the same run again gives
+    the same bytes.
 
     Args:
         run_dir: The run folder written by ``featcal run``.
@@ -145,9 +154,10 @@ def export_release(
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     as_if_created(tmp, folder=True)  # mkdtemp makes it private; a release folder is meant to be shared
     try:
-        _write_weights(run, tmp)
+        published = published_config(run.config)
+        _write_weights(run, tmp, published)
         _write_processor(run, tmp)
-        shutil.copyfile(run.path / RUN_CONFIG, tmp / RUN_CONFIG)
+        atomic_write_json(tmp / RUN_CONFIG, published)
         atomic_write_json(tmp / METRICS, {**run.released.metrics, "run_id": run.recipe_sha256})
         write_card_files(run, tmp, repo_id=repo_id, license=license, template=template)
         replace_dir(tmp, out)
