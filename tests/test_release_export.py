@@ -19,6 +19,7 @@ from featcal.cli import main
 from featcal.errors import FeatcalError
 from featcal.release import check_release, export_release, read_run
 from featcal.release import export as export_module
+from featcal.release.manifest import tensors_sha256
 from featcal.release.published import published_config
 from featcal.runfolder import recipe_sha256
 from tests.support.release_runs import CALIBRATED_ACC, FIXTURE, MERGED_ACC, make_run
@@ -39,6 +40,7 @@ def test_release_folder_holds_exactly_the_release_files(exported):
         "metrics.json",
         "model.safetensors",
         "preprocessor_config.json",
+        "release_manifest.json",
         "results.png",
         "run_config.json",
     ]
@@ -74,6 +76,7 @@ def test_safetensors_metadata_names_featcal_and_the_recipe(exported):
         "format": "pt",
         "featcal_version": __version__,
         "recipe_sha256": info["run_id"],
+        "tensors_sha256": tensors_sha256(release / "model.safetensors"),
         "published_config_sha256": recipe_sha256(published),
     }
     assert keys and all(k.startswith("vision_model.") for k in keys)

@@ -18,10 +18,11 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from featcal import __version__
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, ReleaseError
 from featcal.hub import check_repo_id, is_hub_id
 from featcal.io import atomic_write_text
 from featcal.release import DEFAULT_LICENSE
+from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
 from featcal.release.plot import PLOT_FILE, save_results_plot
 from featcal.release.published import LOCAL_MARK, is_published_local, local_name, published_config, published_ref
 from featcal.release.results import ResultRow, results_rows
@@ -258,6 +259,8 @@ def write_card(
     """Write ``README.md`` and the results plot for the run into ``out_dir`` (default ``<run>/release``).
 
     Only the card and its image change; the weights and the rest of the folder are left as they are.
+    In a release folder, the entries of the two files in ``release_manifest.json`` are updated, so the
+    release still passes :func:`~featcal.release.check.check_release` (an edit by hand does not).
 
     Args:
         run_dir: The run folder written by ``featcal run``.
@@ -271,6 +274,7 @@ def write_card(
 
     Raises:
         RunFolderError: when the run folder is incomplete, damaged or edited after the run.
+        ReleaseError: when ``out_dir`` holds the release of another run, or an unreadable manifest.
         FeatcalError: when the template is missing, fails to render or gives invalid metadata.
     """
     run = read_run(run_dir)
@@ -284,7 +288,19 @@ def write_card(
 def write_card_files(
     run: RunFolder, out: Path, *, repo_id: str | None, license: str, template: str | Path | None
 ) -> Path:
-    """Write the plot (when matplotlib is there) and ``README.md`` into the existing folder ``out``."""
+    """Write the plot (when matplotlib is there) and ``README.md`` into the existing folder ``out``.
+
+    When ``out`` is a release folder (it has a manifest), the manifest must be of the same run, and its
+    entries of the card and the plot are updated afterwards.
+    """
+    if (out / MANIFEST).is_file():
+        recorded = read_manifest(out).recipe_sha256
+        if recorded != run.recipe_sha256:
+            raise ReleaseError(
+                out,
+                f"{out} holds the release of another run (recipe {recorded[:12]}) than {run.path} "
+                f"(recipe {run.recipe_sha256[:12]}): write the card into another folder, or export this run there.",
+            )
     pretty_name, _ = _method_info(run.method)
     plot_path, plot_tmp = out / PLOT_FILE, out / f".{PLOT_FILE}.tmp"
     has_plot = save_results_plot(results_rows(run), plot_tmp, merged_label=pretty_name)
@@ -301,4 +317,5 @@ def write_card_files(
         plot_path.unlink(missing_ok=True)
     path = out / CARD_FILE
     atomic_write_text(path, str(card))
+    update_manifest(out, {CARD_FILE: True, PLOT_FILE: has_plot})
     return path

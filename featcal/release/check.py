@@ -12,6 +12,7 @@ from featcal.errors import ReleaseError
 from featcal.hub import HubFile, local_files
 from featcal.release.card import CARD_FILE
 from featcal.release.export import REQUIRED_FILES, WEIGHTS, load_vision_model
+from featcal.release.manifest import MANIFEST, file_sha256, read_manifest, tensors_sha256
 from featcal.runfolder import METRICS, RUN_CONFIG, RUN_ID, read_json_file, recipe_sha256
 
 FIX = "rebuild it with `featcal export RUN_FOLDER`"
@@ -59,14 +60,62 @@ def _recorded(metadata: dict[str, str], key: str, path: Path) -> str:
     return value
 
 
+def _check_tensors(path: Path, metadata: dict[str, str]) -> str:
+    """The weights' tensor data must hash to the ``tensors_sha256`` recorded at export."""
+    recorded = _recorded(metadata, "tensors_sha256", path)
+    actual = tensors_sha256(path)
+    if actual != recorded:
+        raise ReleaseError(
+            path,
+            f"{path}: its tensor data (sha256 {actual[:12]}) is not what `featcal export` wrote "
+            f"(tensors_sha256 {recorded[:12]} in its metadata): the weights were changed after export; {FIX}.",
+        )
+    return recorded
+
+
+def _check_files(folder: Path, files: tuple[HubFile, ...], recipe: str, tensors: str) -> None:
+    """Every file is listed in the manifest with the hash it has now, and nothing else is there."""
+    manifest = read_manifest(folder)
+    where = folder / MANIFEST
+    if manifest.recipe_sha256 != recipe or manifest.tensors_sha256 != tensors:
+        raise ReleaseError(
+            where,
+            f"{where} describes other weights (recipe {manifest.recipe_sha256[:12]}, tensors "
+            f"{manifest.tensors_sha256[:12]}) than {folder / WEIGHTS} (recipe {recipe[:12]}, tensors "
+            f"{tensors[:12]}); {FIX}.",
+        )
+    present = {f.path_in_repo for f in files} - {MANIFEST}
+    missing = sorted(set(manifest.files) - present)
+    if missing:
+        raise ReleaseError(folder, f"{folder} is not a complete release: {', '.join(missing)} missing; {FIX}.")
+    extra = sorted(present - set(manifest.files))
+    if extra:
+        raise ReleaseError(
+            folder / extra[0],
+            f"{folder} holds {', '.join(extra)}, which `featcal export` did not write (a push uploads every "
+            f"file of the folder): remove {'it' if len(extra) == 1 else 'them'}, or {FIX}.",
+        )
+    for name, recorded in sorted(manifest.files.items()):
+        actual = file_sha256(folder / name)
+        if actual != recorded:
+            card = " (`featcal card RUN_FOLDER` regenerates the card)" if name == CARD_FILE else ""
+            raise ReleaseError(
+                folder / name,
+                f"{folder / name} differs from what `featcal export` wrote (sha256 {actual[:12]}, recorded "
+                f"{recorded[:12]} in {MANIFEST}): restore it, or {FIX}{card}.",
+            )
+
+
 def check_release(folder: str | Path) -> Release:
     """The release in ``folder``, or a ReleaseError naming what is missing, inconsistent or changed.
 
-    Checks that the card, metrics, recipe and weights are all there; that the weights load as a
-    ``CLIPVisionModel``; that the card's metadata parses; and that ``metrics.json`` (its ``run_id``),
+    Checks that the card, metrics, recipe, weights and manifest are all there; that the weights load
+    as a ``CLIPVisionModel``; that the card's metadata parses; that ``metrics.json`` (its ``run_id``),
     ``run_config.json`` (its ``run_id``) and the weights (``recipe_sha256`` metadata) name the same
     run, and that the recipe hash of ``run_config.json`` is the ``published_config_sha256`` recorded in
-    the weights.
+    the weights; that the tensor data hashes to the weights' ``tensors_sha256``; and that the folder
+    holds exactly the files of ``release_manifest.json``, each with the SHA-256 recorded there (hidden
+    files, which a push does not upload, are ignored).
 
     Args:
         folder: The release folder.
@@ -75,7 +124,7 @@ def check_release(folder: str | Path) -> Release:
         The checked release: its files as a push uploads them, the recipe hash and the card.
 
     Raises:
-        ReleaseError: when a file is missing or damaged, or the files name different runs.
+        ReleaseError: when a file is missing, damaged, changed since export, or not part of the release.
         ModelInputError: when the weights do not load as a ``CLIPVisionModel``.
     """
     folder = Path(folder).expanduser()
@@ -117,4 +166,7 @@ def check_release(folder: str | Path) -> Release:
             f"{folder / RUN_CONFIG} is not the recipe of the weights in {folder / WEIGHTS} "
             f"(hash {recipe_sha256(config)[:12]} vs {published[:12]} recorded at export); {FIX}.",
         )
-    return Release(folder=folder, files=local_files(folder), recipe_sha256=recipe, card=card)
+    tensors = _check_tensors(folder / WEIGHTS, metadata)
+    files = local_files(folder)
+    _check_files(folder, files, recipe, tensors)
+    return Release(folder=folder, files=files, recipe_sha256=recipe, card=card)
