@@ -16,6 +16,7 @@ from featcal.release.manifest import MANIFEST, file_sha256, read_manifest, tenso
 from featcal.runfolder import METRICS, RUN_CONFIG, RUN_ID, read_json_file, recipe_sha256
 
 FIX = "rebuild it with `featcal export RUN_FOLDER`"
+REBUILD = "rebuild the release with `featcal export RUN_FOLDER`"
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def _check_files(folder: Path, files: tuple[HubFile, ...], recipe: str, tensors:
         raise ReleaseError(
             folder / extra[0],
             f"{folder} holds {', '.join(extra)}, which `featcal export` did not write (a push uploads every "
-            f"file of the folder): remove {'it' if len(extra) == 1 else 'them'}, or {FIX}.",
+            f"file of the folder): remove {'it' if len(extra) == 1 else 'them'}, or {REBUILD}.",
         )
     for name, recorded in sorted(manifest.files.items()):
         actual = file_sha256(folder / name)
@@ -102,7 +103,7 @@ def _check_files(folder: Path, files: tuple[HubFile, ...], recipe: str, tensors:
             raise ReleaseError(
                 folder / name,
                 f"{folder / name} differs from what `featcal export` wrote (sha256 {actual[:12]}, recorded "
-                f"{recorded[:12]} in {MANIFEST}): restore it, or {FIX}{card}.",
+                f"{recorded[:12]} in {MANIFEST}): restore it, or {REBUILD}{card}.",
             )
 
 

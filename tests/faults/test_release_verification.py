@@ -200,7 +200,7 @@ def test_a_file_changed_by_hand_is_refused(release, capsys, name, change):
     actual = file_sha256(release / name)
     assert line == (
         f"featcal: error: {release / name} differs from what `featcal export` wrote (sha256 {actual[:12]}, "
-        f"recorded {recorded[:12]} in {MANIFEST}): restore it, or rebuild it with `featcal export RUN_FOLDER`"
+        f"recorded {recorded[:12]} in {MANIFEST}): restore it, or rebuild the release with `featcal export RUN_FOLDER`"
         + (" (`featcal card RUN_FOLDER` regenerates the card)." if name == "README.md" else ".")
     )
 
@@ -222,7 +222,7 @@ def test_an_extra_file_is_refused(release, capsys, extra):
     line = refused_dry_run(release, capsys)
     assert line == (
         f"featcal: error: {release} holds {extra}, which `featcal export` did not write (a push uploads every "
-        "file of the folder): remove it, or rebuild it with `featcal export RUN_FOLDER`."
+        "file of the folder): remove it, or rebuild the release with `featcal export RUN_FOLDER`."
     )
 
 
