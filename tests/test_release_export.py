@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from huggingface_hub import ModelCard
@@ -18,6 +19,9 @@ from featcal.cli import main
 from featcal.errors import FeatcalError
 from featcal.release import check_release, export_release, read_run
 from featcal.release import export as export_module
+from featcal.release.manifest import tensors_sha256
+from featcal.release.published import published_config
+from featcal.runfolder import recipe_sha256
 from tests.support.release_runs import CALIBRATED_ACC, FIXTURE, MERGED_ACC, make_run
 
 
@@ -36,10 +40,14 @@ def test_release_folder_holds_exactly_the_release_files(exported):
         "metrics.json",
         "model.safetensors",
         "preprocessor_config.json",
+        "release_manifest.json",
         "results.png",
         "run_config.json",
     ]
-    assert (release / "run_config.json").read_bytes() == (run / "run_config.json").read_bytes()
+    # the recipe as published: the run's own, with its local inputs named by folder (same run_id)
+    published = json.loads((release / "run_config.json").read_text())
+    assert published == published_config(json.loads((run / "run_config.json").read_text()))
+    assert published["run_id"] == read_run(run).recipe_sha256
     assert not [p for p in run.iterdir() if p.name.startswith(".")], "temporary folders left behind"
 
 
@@ -63,7 +71,14 @@ def test_safetensors_metadata_names_featcal_and_the_recipe(exported):
     with safe_open(str(release / "model.safetensors"), framework="pt") as f:
         metadata = f.metadata()
         keys = list(f.keys())
-    assert metadata == {"format": "pt", "featcal_version": __version__, "recipe_sha256": info["run_id"]}
+    published = json.loads((release / "run_config.json").read_text())
+    assert metadata == {
+        "format": "pt",
+        "featcal_version": __version__,
+        "recipe_sha256": info["run_id"],
+        "tensors_sha256": tensors_sha256(release / "model.safetensors"),
+        "published_config_sha256": recipe_sha256(published),
+    }
     assert keys and all(k.startswith("vision_model.") for k in keys)
 
 
@@ -84,11 +99,22 @@ def test_check_release_accepts_the_export(exported):
     assert {f.path_in_repo for f in checked.files} == {p.name for p in release.iterdir()}
 
 
-def test_usage_snippet_in_the_card_runs(exported, capsys):
+def test_usage_snippet_in_the_card_runs(exported, capsys, tmp_path):
     _, release, _ = exported
     card = ModelCard.load(release / "README.md")
     snippet = card.text.split("```python\n")[1].split("```")[0]
-    exec(compile(snippet.replace('"me/tiny-featcal"', repr(str(release))), "card-snippet", "exec"), {})
+    # the run's inputs are local folders: the snippet names the base by its folder name and opens an
+    # image file (no local dataset path); point both at the fixture's to run it
+    image = pq.read_table(FIXTURE / "data" / "t0" / "data" / "test-00000-of-00001.parquet")["image"][0]
+    (tmp_path / "image.png").write_bytes(image.as_py()["bytes"])
+    for placeholder, value in [
+        ('"me/tiny-featcal"', str(release)),
+        ('"base"', str(FIXTURE / "base")),
+        ('"path/to/image.png"', str(tmp_path / "image.png")),
+    ]:
+        assert placeholder in snippet
+        snippet = snippet.replace(placeholder, repr(value))
+    exec(compile(snippet, "card-snippet", "exec"), {})
     label, probability = capsys.readouterr().out.split()
     assert label.startswith("thing0x") and 0.0 < float(probability) <= 1.0
 

@@ -18,7 +18,7 @@ import pytest
 
 from featcal.cli.release import register
 from featcal.errors import FeatcalError
-from featcal.release import export_release, push_release
+from featcal.release import export_release, push_release, write_card
 from tests.support.hub_double import Account, HubDouble
 from tests.support.release_runs import make_run
 
@@ -91,11 +91,12 @@ def test_private_repo_branch_and_pull_request(hub, release, tmp_path):
     assert (hub.commits[-1].ref, hub.commits[-1].summary) == ("dev", "First release")
     assert set(hub.files("team/tiny-featcal", "main")) == {".gitattributes"}
     changed = Path(shutil.copytree(release, tmp_path / "release"))
-    (changed / "metrics.json").write_text(json.dumps(json.loads((release / "metrics.json").read_text()), indent=4))
+    # a change made the way featcal allows: the card regenerated (its manifest entry follows)
+    write_card(release.parent, changed, repo_id="team/tiny-featcal", license="apache-2.0")
     result = push_release(changed, "team/tiny-featcal", token=TOKEN, endpoint=hub.url, revision="dev", create_pr=True)
     assert result.changed and result.pr_url == f"{hub.url}/team/tiny-featcal/discussions/1"
-    assert (hub.commits[-1].ref, hub.commits[-1].paths) == ("refs/pr/1", ("metrics.json",))
-    assert hub.files("team/tiny-featcal", "refs/pr/1")["metrics.json"] == (changed / "metrics.json").read_bytes()
+    assert (hub.commits[-1].ref, sorted(hub.commits[-1].paths)) == ("refs/pr/1", ["README.md", "release_manifest.json"])
+    assert hub.files("team/tiny-featcal", "refs/pr/1")["README.md"] == (changed / "README.md").read_bytes()
 
 
 def test_token_from_env_and_from_stored_login(hub, release, monkeypatch, tmp_path):

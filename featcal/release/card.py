@@ -18,11 +18,13 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from featcal import __version__
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, ReleaseError
 from featcal.hub import check_repo_id, is_hub_id
 from featcal.io import atomic_write_text
 from featcal.release import DEFAULT_LICENSE
+from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
 from featcal.release.plot import PLOT_FILE, save_results_plot
+from featcal.release.published import LOCAL_MARK, is_published_local, local_name, published_config, published_ref
 from featcal.release.results import ResultRow, results_rows
 from featcal.runfolder import RELEASE_DIR, RunFolder, merged_stage_name, read_run
 from featcal.spec import FeatCalParams, option_fields, option_of
@@ -122,12 +124,14 @@ def _reference(row: ResultRow) -> str:
 
 
 def _link(ref: str | None, kind: str) -> str:
+    """A Hub id as a link to its page; a local folder (a path or ``local:<name>``) by its name only."""
     if not ref:
         return "–"
     if is_hub_id(ref):
         prefix = "datasets/" if kind == "dataset" else ""
         return f"[{ref}](https://huggingface.co/{prefix}{ref})"
-    return f"`{Path(ref).name}` (local folder)"
+    name = ref[len(LOCAL_MARK) :] if is_published_local(ref) else local_name(ref)
+    return f"`{name}` (local folder)"
 
 
 def _environment(template: str | Path | None) -> tuple[jinja2.Environment, str]:
@@ -150,6 +154,9 @@ def _environment(template: str | Path | None) -> tuple[jinja2.Environment, str]:
 
 
 def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | None) -> dict[str, Any]:
+    """The template's variables. References to inputs are given as published (see
+    :mod:`featcal.release.published`): Hub ids as they are, local folders as ``local:<folder name>``,
+    so that no template, featcal's or a user's, can put a local path in the card."""
     pretty_name, url = _method_info(run.method)
     rows = results_rows(run)
     model_name = repo_id or default_model_name(run)
@@ -160,10 +167,12 @@ def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | N
         "title": model_name.split("/")[-1],
         "repo_id": repo_id or f"<namespace>/{model_name}",
         "repo_id_known": repo_id is not None,
-        "base_model": run.base_model,
+        "base_model": published_ref(run.base_model),
+        "base_id": run.base_model if is_hub_id(run.base_model) else local_name(run.base_model),
         "base_is_hub": is_hub_id(run.base_model),
         "featcal_version": __version__,
         "recipe_sha256": run.recipe_sha256,
+        "local_inputs": published_config(run.config) != dict(run.config),
         "released_stage": run.released.name,
         "seed": run.config.get("seed", "–"),
         "calibrated": run.calibrated is not None,
@@ -172,7 +181,7 @@ def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | N
             "pretty_name": pretty_name,
             "url": url,
             "params": dict(run.merge_params),
-            "source": run.config["merge"].get("from"),
+            "source": published_ref(run.config["merge"].get("from")),
         },
         "featcal": [
             {
@@ -188,11 +197,11 @@ def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | N
         "tasks": [
             {
                 "name": t.name,
-                "dataset": t.dataset.path,
+                "dataset": published_ref(t.dataset.path),
                 "config": t.dataset.name,
                 "test_split": evaluated_split(t, run.max_eval_samples),
                 "classes": len(t.classnames),
-                "expert": run.experts.get(t.name),
+                "expert": published_ref(run.experts.get(t.name)),
             }
             for t in run.tasks
         ],
@@ -205,7 +214,8 @@ def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | N
             "task": snippet.name,
             "classnames": list(snippet.classnames),
             "templates": list(snippet.templates),
-            "dataset": snippet.dataset.path,
+            # None when no task has a Hub dataset: the snippet then opens an image file instead
+            "dataset": snippet.dataset.path if is_hub_id(snippet.dataset.path) else None,
             "config": snippet.dataset.name,
             "split": snippet.dataset.test_split,
             "image_column": snippet.dataset.image_column,
@@ -249,6 +259,23 @@ def write_card(
     """Write ``README.md`` and the results plot for the run into ``out_dir`` (default ``<run>/release``).
 
     Only the card and its image change; the weights and the rest of the folder are left as they are.
+    In a release folder, the entries of the two files in ``release_manifest.json`` are updated, so the
+    release still passes :func:`~featcal.release.check.check_release` (an edit by hand does not).
+
+    Args:
+        run_dir: The run folder written by ``featcal run``.
+        out_dir: Where to write the card (default ``<run>/release``); created when missing.
+        repo_id: The Hub repository the card names (its usage snippet and ``model-index``).
+        license: The license in the card's metadata.
+        template: A Jinja model card template of your own.
+
+    Returns:
+        The path of ``README.md``.
+
+    Raises:
+        RunFolderError: when the run folder is incomplete, damaged or edited after the run.
+        ReleaseError: when ``out_dir`` holds the release of another run, or an unreadable manifest.
+        FeatcalError: when the template is missing, fails to render or gives invalid metadata.
     """
     run = read_run(run_dir)
     out = Path(out_dir).expanduser() if out_dir is not None else run.path / RELEASE_DIR
@@ -261,7 +288,19 @@ def write_card(
 def write_card_files(
     run: RunFolder, out: Path, *, repo_id: str | None, license: str, template: str | Path | None
 ) -> Path:
-    """Write the plot (when matplotlib is there) and ``README.md`` into the existing folder ``out``."""
+    """Write the plot (when matplotlib is there) and ``README.md`` into the existing folder ``out``.
+
+    When ``out`` is a release folder (it has a manifest), the manifest must be of the same run, and its
+    entries of the card and the plot are updated afterwards.
+    """
+    if (out / MANIFEST).is_file():
+        recorded = read_manifest(out).recipe_sha256
+        if recorded != run.recipe_sha256:
+            raise ReleaseError(
+                out,
+                f"{out} holds the release of another run (recipe {recorded[:12]}) than {run.path} "
+                f"(recipe {run.recipe_sha256[:12]}): write the card into another folder, or export this run there.",
+            )
     pretty_name, _ = _method_info(run.method)
     plot_path, plot_tmp = out / PLOT_FILE, out / f".{PLOT_FILE}.tmp"
     has_plot = save_results_plot(results_rows(run), plot_tmp, merged_label=pretty_name)
@@ -278,4 +317,5 @@ def write_card_files(
         plot_path.unlink(missing_ok=True)
     path = out / CARD_FILE
     atomic_write_text(path, str(card))
+    update_manifest(out, {CARD_FILE: True, PLOT_FILE: has_plot})
     return path

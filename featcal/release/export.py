@@ -16,13 +16,15 @@ from featcal.hub import check_repo_id, is_hub_id, local_path, resolve_model_fold
 from featcal.io import as_if_created_tree, atomic_write_json, replace_dir
 from featcal.release import DEFAULT_LICENSE
 from featcal.release.card import write_card_files
+from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, write_manifest
 from featcal.release.plot import PLOT_FILE
-from featcal.runfolder import METRICS, RELEASE_DIR, RUN_CONFIG, RunFolder, read_run
+from featcal.release.published import published_config
+from featcal.runfolder import METRICS, RELEASE_DIR, RUN_CONFIG, RunFolder, read_run, recipe_sha256
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS = "model.safetensors"
-REQUIRED_FILES = ("config.json", WEIGHTS, "preprocessor_config.json", "README.md", METRICS, RUN_CONFIG)
+REQUIRED_FILES = ("config.json", WEIGHTS, "preprocessor_config.json", "README.md", METRICS, RUN_CONFIG, MANIFEST)
 RELEASE_FILES = frozenset({*REQUIRED_FILES, PLOT_FILE})
 
 
@@ -65,13 +67,22 @@ def stamp_safetensors(path: Path, metadata: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
-def _write_weights(run: RunFolder, out: Path) -> None:
+def _write_weights(run: RunFolder, out: Path, published: dict) -> str:
+    """Write the released model; returns its ``tensors_sha256`` (also stamped in its metadata)."""
     model = load_vision_model(run.released.path, f"Stage {run.released.name!r}")
     model.save_pretrained(str(out))
+    tensors = tensors_sha256(out / WEIGHTS)
     stamp_safetensors(
         out / WEIGHTS,
-        {"format": "pt", "featcal_version": __version__, "recipe_sha256": run.recipe_sha256},
+        {
+            "format": "pt",
+            "featcal_version": __version__,
+            "recipe_sha256": run.recipe_sha256,
+            "tensors_sha256": tensors,
+            "published_config_sha256": recipe_sha256(published),
+        },
     )
+    return tensors
 
 
 def _write_processor(run: RunFolder, out: Path) -> None:
@@ -115,10 +126,14 @@ def export_release(
     """Write the release folder of a run (default ``<run>/release``) and return its path.
 
     The folder holds the released model (calibrated when present, else merged) as a
-    ``CLIPVisionModel`` with featcal's version and the recipe hash in its safetensors metadata, the
-    base model's image processor config, the model card (``README.md``) and its plot, the evaluation
-    report (``metrics.json``) and the recipe (``run_config.json``). It is written in a temporary folder
-    beside it and renamed into place, so it is never seen half-written.
+    ``CLIPVisionModel``, the base model's image processor config, the model card (``README.md``) and
+    its plot, the evaluation report (``metrics.json``), the recipe (``run_config.json``, with local
+    inputs named ``local:<folder name>``, see :mod:`featcal.release.published`) and the manifest
+    (``release_manifest.json``: the SHA-256 of every other file). The weights' safetensors metadata
+    carries featcal's version, the recipe hash, ``tensors_sha256`` (a hash of the tensor data, see
+    :mod:`featcal.release.manifest`) and ``published_config_sha256`` (the recipe hash of the published
+    ``run_config.json``). It is written in a temporary folder beside it and renamed into place, so it is
+    never seen half-written; exporting the same run again gives the same bytes.
 
     Args:
         run_dir: The run folder written by ``featcal run``.
@@ -144,11 +159,14 @@ def export_release(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
-        _write_weights(run, tmp)
+        published = published_config(run.config)
+        tensors = _write_weights(run, tmp, published)
         _write_processor(run, tmp)
-        shutil.copyfile(run.path / RUN_CONFIG, tmp / RUN_CONFIG)
+        atomic_write_json(tmp / RUN_CONFIG, published)
         atomic_write_json(tmp / METRICS, {**run.released.metrics, "run_id": run.recipe_sha256})
         write_card_files(run, tmp, repo_id=repo_id, license=license, template=template)
+        names = [p.name for p in tmp.iterdir() if not p.name.startswith(".")]
+        write_manifest(tmp, manifest_of(tmp, names, recipe=run.recipe_sha256, tensors=tensors))
         as_if_created_tree(tmp)  # mkdtemp and safetensors create private folders and files
         replace_dir(tmp, out)
     except BaseException:

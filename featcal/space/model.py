@@ -39,8 +39,11 @@ class ModelSource:
     run_folder: Path | None = None
 
     def recipe(self) -> dict:
-        """The run's ``run_config.json`` (empty when there is none)."""
-        for where in (self.folder, self.run_folder):
+        """The run's ``run_config.json`` (empty when there is none).
+
+        The run folder's own comes first: a release's copy names local inputs by folder name only.
+        """
+        for where in (self.run_folder, self.folder):
             if where is not None and (where / RUN_CONFIG).is_file():
                 return read_json(where / RUN_CONFIG)
         return {}

@@ -1,0 +1,97 @@
+"""What a release publishes about its inputs: Hub ids as they are, local folders by name only.
+
+A run made from local folders records their full paths in the run folder's ``run_config.json``
+(export and the Space need them to find the base's image processor). A release goes to the Hub, so
+its copy names every local input by its folder name, marked local: ``"local:<folder name>"``, e.g.
+``"/home/me/models/clip-tiny"`` becomes ``"local:clip-tiny"``. That form keeps every value a
+string, is not a valid Hub id (``:`` is not allowed in one) and does not name an existing path, so
+no tool mistakes it for either.
+
+The published ``run_config.json`` keeps its ``run_id``: the recipe hash of the run it comes from
+(``recipe_sha256`` in the weights, ``run_id`` in ``metrics.json``). Its own recipe hash
+(:func:`featcal.runfolder.recipe_sha256` of the published copy) is recorded at export in the weights'
+metadata as ``published_config_sha256``; it equals ``run_id`` when no input was local.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from featcal.hub import is_hub_id
+
+LOCAL_MARK = "local:"
+# Values that look like an absolute path on some system: /x, ~, ~user, C:\x or C:/x, \\server\x.
+_ABSOLUTE = re.compile(r"^(/|~|[A-Za-z]:[\\/]|\\\\)")
+# Task-table entries that are prose, not references: never rewritten.
+_PROSE_KEYS = frozenset({"classnames", "templates"})
+
+
+def local_name(ref: str) -> str:
+    """The folder name of a local path, whatever its system's separator (``""`` for a root)."""
+    return re.split(r"[\\/]", ref.rstrip("\\/"))[-1]
+
+
+def is_published_local(ref: Any) -> bool:
+    """Whether ``ref`` is a local input as a release names it (``local:<folder name>``)."""
+    return isinstance(ref, str) and ref.startswith(LOCAL_MARK)
+
+
+def published_ref(ref: str | None) -> str | None:
+    """``ref`` as a release names it: a Hub id unchanged, a local folder as ``local:<folder name>``.
+
+    Args:
+        ref: A model or dataset reference from a run's recipe (a path or a Hub id), or None.
+
+    Returns:
+        The reference to publish; None and ``""`` are returned as they are.
+    """
+    if not ref or is_published_local(ref) or is_hub_id(ref):
+        return ref
+    return LOCAL_MARK + local_name(ref)
+
+
+def published_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The copy of a run's ``run_config.json`` that a release publishes: no local path in it.
+
+    The references to inputs (``base_model_id``, ``experts``, each task's ``dataset.path`` and
+    ``expert``, ``merge.from``) become :func:`published_ref`; any other string value that looks like
+    an absolute path (``/…``, ``~…``, ``C:\\…``) is named by its last component the same way, so a
+    field added to the recipe later cannot leak a local path either. Class names and prompt
+    templates are left alone. Everything else, ``run_id`` included, is unchanged.
+
+    Args:
+        config: The run folder's ``run_config.json``.
+
+    Returns:
+        A new mapping; ``config`` is not modified.
+    """
+    published = _sweep(config)
+    published["base_model_id"] = published_ref(config.get("base_model_id"))
+    if isinstance(config.get("experts"), Mapping):
+        published["experts"] = {task: published_ref(ref) for task, ref in config["experts"].items()}
+    if isinstance(config.get("merge"), Mapping) and config["merge"].get("from"):
+        published["merge"]["from"] = published_ref(config["merge"]["from"])
+    for name, entry in (config.get("tasks_table") or {}).items():
+        if not isinstance(entry, Mapping):
+            continue
+        out = published["tasks_table"][name]
+        if entry.get("expert"):
+            out["expert"] = published_ref(entry["expert"])
+        if isinstance(entry.get("dataset"), Mapping) and entry["dataset"].get("path"):
+            out["dataset"]["path"] = published_ref(entry["dataset"]["path"])
+    if "base_model_id" not in config:
+        published.pop("base_model_id")
+    return published
+
+
+def _sweep(value: Any, key: str | None = None) -> Any:
+    """A deep copy of ``value`` with absolute-path-looking strings published as local names."""
+    if isinstance(value, Mapping):
+        return {k: _sweep(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return list(value) if key in _PROSE_KEYS else [_sweep(v) for v in value]
+    if isinstance(value, str) and _ABSOLUTE.match(value):
+        return LOCAL_MARK + local_name(value)
+    return value
