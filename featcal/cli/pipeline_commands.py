@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from featcal.cli.common import format_results, show_progress
+from featcal.cli.common import format_results, path_line, show_progress
 from featcal.cli.options import add_spec_options, given_values
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
 
@@ -29,12 +29,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     results = run_pipeline(spec)
     if results:
         print(format_results(results))
-    print(f"Run folder: {Path(spec.output_dir).resolve()}")
+    print(path_line("Run folder", spec.output_dir))
     released_stage_evaluated = not spec.skip_featcal or not (spec.skip_ta or spec.skip_eval_ta)
     if released_stage_evaluated and not spec.no_export:
         from featcal.release import export_release
 
-        print(f"Release folder: {export_release(spec.output_dir)}")
+        print(path_line("Release folder", export_release(spec.output_dir)))
     return 0
 
 
@@ -45,7 +45,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     inputs = resolve_inputs(spec)
     folder = save_vision_model(merge(inputs, spec.merge_method), inputs.vision_config, args.output)
-    print(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts): {folder.resolve()}")
+    print(path_line(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts)", folder))
     return 0
 
 
@@ -64,7 +64,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor, progress=spec.progress
     )
     folder = save_vision_model(model.state_dict(), inputs.vision_config, args.output)
-    print(f"Calibrated model: {folder.resolve()}")
+    print(path_line("Calibrated model", folder))
     return 0
 
 
@@ -94,7 +94,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         atomic_write_json(output, report.to_json())
     print(format_results({Path(args.model).name if args.model else ZERO_SHOT_DIR: report}))
     if output:
-        print(f"Metrics: {Path(output).resolve()}")
+        print(path_line("Metrics", output))
     return 0
 
 
