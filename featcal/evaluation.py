@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from featcal.data import evaluation_loader
 from featcal.errors import ModelInputError
+from featcal.progress import Progress
 from featcal.runfolder import MetricsReport, TaskMetrics
 from featcal.tasks import Task
 
@@ -148,12 +148,15 @@ class ZeroShotClassifier:
             task, processor, batch_size=batch_size, num_workers=num_workers, max_samples=max_samples
         )
         correct, seen, loss_sum = 0, 0, 0.0
-        for pixels, labels in tqdm(loader, desc=f"Evaluating {task.name}", leave=False, disable=not progress):
-            labels = labels.to(self.device)
-            logits = self.logits(vision_model, pixels, task)
-            loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
-            correct += int((logits.argmax(-1) == labels).sum())
-            seen += int(labels.numel())
+        total = len(loader.dataset)
+        with Progress(desc=f"Evaluating {task.name}", total=total, unit="images", leave=False, enabled=progress) as bar:
+            for pixels, labels in loader:
+                labels = labels.to(self.device)
+                logits = self.logits(vision_model, pixels, task)
+                loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
+                correct += int((logits.argmax(-1) == labels).sum())
+                seen += int(labels.numel())
+                bar.update(int(labels.numel()))
         if not math.isfinite(loss_sum):
             raise ModelInputError(
                 None,
@@ -189,7 +192,7 @@ class ZeroShotClassifier:
         """
         vision_model = vision_model.to(self.device).eval()
         results: dict[str, TaskMetrics] = {}
-        for task in tqdm(tasks, desc="Evaluating tasks", disable=not progress):
+        for task in Progress(tasks, desc="Evaluating tasks", unit="tasks", enabled=progress):
             results[task.name] = self.evaluate_task(
                 vision_model,
                 task,

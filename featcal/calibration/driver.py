@@ -19,7 +19,6 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter, TokenWeighting
 from featcal.calibration.layer_state import LayerPlan, LayerState, Recorder, StopForward, plan_layer
@@ -27,6 +26,7 @@ from featcal.calibration.solves import anchor
 from featcal.calibration.statistics import product_dtype
 from featcal.checkpoint import Checkpoint
 from featcal.errors import FeatcalError
+from featcal.progress import Progress
 from featcal.spec import FeatCalParams
 
 logger = logging.getLogger(__name__)
@@ -198,19 +198,19 @@ class FeatCalibrator:
         model = copy.deepcopy(merged).to(self.device).eval()
         tasks = list(experts)
         streams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for task in tqdm(tasks, desc="FeatCal: first-layer inputs", disable=not self.progress):
+        for task in Progress(tasks, desc="FeatCal: first-layer inputs", unit="tasks", enabled=self.progress):
             streams[task] = self._first_inputs(model, experts[task], load_images(task))
         layers = self.adapter.layers(model)
         num_layers = len(layers)
         expert_layer = copy.deepcopy(layers[0])
         state: LayerState | None = None
-        for index in tqdm(range(num_layers), desc="FeatCal: layers", disable=not self.progress):
+        for index in Progress(range(num_layers), desc="FeatCal: layers", unit="layers", enabled=self.progress):
             layer, prefix = layers[index], self.adapter.layer_prefix(index)
             modules = self.adapter.calibrated_modules(layer)
             seq_len = streams[tasks[0]][0].shape[1]
             weighting = {n: self.adapter.token_weighting(n, index, num_layers, seq_len) for n in modules}
             for t, task in enumerate(
-                tqdm(tasks, desc=f"layer {index}: statistics", leave=False, disable=not self.progress)
+                Progress(tasks, desc=f"layer {index}: statistics", unit="tasks", leave=False, enabled=self.progress)
             ):
                 _load_params(expert_layer, experts[task], prefix)
                 student, expert = streams[task]

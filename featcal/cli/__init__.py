@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
-from featcal import __version__
+from featcal import __version__, progress
 from featcal.errors import FeatcalError
+
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 # Modules that add subcommands; each has `register(subparsers)`.
 COMMAND_MODULES = ("featcal.cli.pipeline_commands", "featcal.cli.release", "featcal.cli.space", "featcal.cli.demo")
 
 
-# The parameters of the publishing API (push_release, push_space, export_release, render_card) that
-# `featcal push`, `featcal space push`, `featcal export` and `featcal card` set from a flag.
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
@@ -25,25 +27,64 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"featcal {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors; no progress bars")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="featcal's debug logging")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
     return parser
 
 
-def _configure_logging(quiet: bool, verbose: bool) -> None:
-    level = logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("httpx", "urllib3", "filelock", "datasets", "huggingface_hub"):
-        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+def _configure_output(quiet: bool, verbose: bool) -> None:
+    """Log levels and progress display for one command.
+
+    featcal's own loggers log at INFO (DEBUG with ``-v``, WARNING with ``-q``); every other library
+    at WARNING whatever the flags. ``-q`` also silences transformers' warnings and turns the
+    progress bars of huggingface_hub, datasets and transformers off, as does a stderr that is not a
+    terminal: their carriage returns would garble a log file.
+    """
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT, stream=sys.stderr)
+    logging.getLogger("featcal").setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
+    if quiet or not progress.is_interactive():
+        _library_bars_off()
     if quiet:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+
+
+def _library_bars_off() -> None:
+    """Turn off the progress bars of huggingface_hub, datasets and transformers.
+
+    Through the environment variables they read when imported, so that nothing is imported here
+    (transformers follows huggingface_hub's); a library already imported is told directly.
+    """
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "datasets" in sys.modules:
         import datasets
+
+        datasets.disable_progress_bars()
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        datasets.disable_progress_bars()
+
+
+def _progress_display(quiet: bool) -> contextlib.AbstractContextManager:
+    """Around the command: with ``-q`` no featcal progress; on a terminal, log lines written above the bars."""
+    if quiet:
+        return progress.disabled()
+    if not progress.is_interactive():
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,9 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    _configure_logging(args.quiet, args.verbose)
+    _configure_output(args.quiet, args.verbose)
     try:
-        return int(args.func(args) or 0)
+        with _progress_display(args.quiet):
+            return int(args.func(args) or 0)
     except FeatcalError as exc:
         from featcal.cli.errors import word_error
 

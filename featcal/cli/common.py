@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from featcal import progress
 
 if TYPE_CHECKING:
     from featcal.runfolder import MetricsReport
@@ -37,4 +40,9 @@ def format_results(
 
 def show_progress(args: argparse.Namespace) -> bool:
     """Progress bars unless ``-q`` was given or FEATCAL_NO_PROGRESS is set."""
-    return not getattr(args, "quiet", False) and os.environ.get("FEATCAL_NO_PROGRESS") is None
+    return not getattr(args, "quiet", False) and progress.is_enabled()
+
+
+def path_line(label: str, path: str | os.PathLike[str]) -> str:
+    """``Label: /absolute/path``, resolved: the one way the CLI prints a file or folder."""
+    return f"{label}: {Path(path).resolve()}"

@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from featcal.cli.common import format_results, show_progress
+from featcal.cli.common import format_results, path_line, show_progress
 from featcal.demo.run_spec import MINI8_DEFAULTS
 
 DEFAULT_OUTPUT_DIR = "outputs/mini8"
@@ -69,15 +69,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     zoo = build_zoo(config, cache_dir=args.cache_dir, force=args.rebuild, progress=progress)
     built = time.perf_counter() - start
-    print(f"Benchmark zoo: {zoo} ({built:.0f} s)")
+    print(path_line(f"Benchmark zoo ({built:.0f} s)", zoo))
     spec = demo_run_spec(
         zoo, args.output_dir, device=args.device, progress=progress, scaling_factor=args.ta_scaling_factor
     ).replace(no_export=args.no_export)
     results = run_pipeline(spec)
     print(format_results({s: r for s, r in results.items() if s in labels}, labels, column=10))
-    out = Path(args.output_dir).resolve()
-    print(f"Run folder: {out}")
+    out = Path(args.output_dir)
+    print(path_line("Run folder", out))
     if not args.no_export:
-        print(f"Release folder: {out / RELEASE_DIR}")
+        print(path_line("Release folder", out / RELEASE_DIR))
     print(f"Total time: {time.perf_counter() - start:.0f} s")
     return 0

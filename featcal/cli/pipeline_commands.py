@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from featcal.cli.common import format_results, show_progress
+from featcal.cli.common import format_results, path_line, show_progress
 from featcal.cli.options import add_spec_options, given_values
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
 
@@ -30,10 +30,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     results = run_pipeline(spec)
     if results:
         print(format_results(results))
-    out = Path(spec.output_dir).resolve()
-    print(f"Run folder: {out}")
+    out = Path(spec.output_dir)
+    print(path_line("Run folder", out))
     if not spec.no_export and (out / RELEASE_DIR).is_dir():
-        print(f"Release folder: {out / RELEASE_DIR}")
+        print(path_line("Release folder", out / RELEASE_DIR))
     return 0
 
 
@@ -45,7 +45,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     inputs = resolve_inputs(spec)
     folder = save_vision_model(merge(inputs, spec.merge_method), inputs.vision_config, args.output)
-    print(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts): {folder.resolve()}")
+    print(path_line(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts)", folder))
     return 0
 
 
@@ -65,7 +65,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor, progress=spec.progress
     )
     folder = save_vision_model(model.state_dict(), inputs.vision_config, args.output)
-    print(f"Calibrated model: {folder.resolve()}")
+    print(path_line("Calibrated model", folder))
     return 0
 
 
@@ -95,7 +95,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         atomic_write_json(output, report.to_json())
     print(format_results({Path(args.model).name if args.model else ZERO_SHOT_DIR: report}))
     if output:
-        print(f"Metrics: {Path(output).resolve()}")
+        print(path_line("Metrics", output))
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from featcal.cli.common import path_line
 from featcal.cli.tables import file_table
 from featcal.release import DEFAULT_LICENSE
 
@@ -18,7 +19,7 @@ def run_export(args: argparse.Namespace) -> int:
     from featcal.release import export_release
 
     out = export_release(args.run_dir, args.output, repo_id=args.repo, license=args.license, template=args.template)
-    print(f"Release folder: {out}")
+    print(path_line("Release folder", out))
     return 0
 
 
@@ -26,7 +27,7 @@ def run_card(args: argparse.Namespace) -> int:
     from featcal.release import write_card
 
     card = write_card(args.run_dir, args.output, repo_id=args.repo, license=args.license, template=args.template)
-    print(f"Model card: {card}")
+    print(path_line("Model card", card))
     return 0
 
 
@@ -45,7 +46,7 @@ def run_push(args: argparse.Namespace) -> int:
         endpoint=args.endpoint,
     )
     if result.dry_run:
-        print(f"Dry run: would upload {result.folder} to {result.repo_id}:\n{file_table(result.files)}")
+        print(f"Dry run: would upload {result.folder.resolve()} to {result.repo_id}:\n{file_table(result.files)}")
         return 0
     if not result.changed:
         print(f"{result.repo_id} already holds this release: nothing to commit.")

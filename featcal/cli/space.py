@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from featcal.cli.common import show_progress
+from featcal.cli.common import path_line, show_progress
 from featcal.cli.tables import file_table
 from featcal.space.settings import DEFAULT_MODEL_ID
 
@@ -40,14 +40,15 @@ def cmd_push(args: argparse.Namespace) -> int:
         examples=not args.no_examples,
         progress=show_progress(args),
     )
-    where = f" (staged in {result.folder})" if result.folder else ""
     if result.dry_run:
-        print(f"Dry run: would upload to the Space {result.repo_id}{where}:\n{file_table(result.files)}")
-        return 0
-    print(
-        f"Space: {result.space_url}\nCommit: {result.commit_url}\n{len(result.files)} files{where}; "
-        "the Space builds and starts in a few minutes."
-    )
+        print(f"Dry run: would upload to the Space {result.repo_id}:\n{file_table(result.files)}")
+    else:
+        print(
+            f"Space: {result.space_url}\nCommit: {result.commit_url}\n{len(result.files)} files uploaded; "
+            "the Space builds and starts in a few minutes."
+        )
+    if result.folder:
+        print(path_line("Staged folder", result.folder))
     return 0
 
 

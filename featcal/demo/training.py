@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import CLIPModel, CLIPTokenizer
+
+from featcal.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def pretrain_clip(
     )
     schedule = _cosine_lr(optimizer, lr, steps, warmup=max(steps // 10, 1))
     clip.train()
-    bar = tqdm(range(steps), desc="mini8: pretraining CLIP", disable=not progress)
+    bar = Progress(range(steps), desc="mini8: pretraining CLIP", unit="steps", enabled=progress)
     for _ in bar:
         rows = _stratified_batch([data[n].train_labels.shape[0] for n in names], per_task, generator)
         pixels = torch.cat([data[n].train_pixels[r] for n, r in zip(names, rows)])
@@ -184,7 +185,7 @@ def finetune_expert(
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     schedule = _cosine_lr(optimizer, lr, steps, warmup=max(steps // 10, 1))
     size = task.train_labels.shape[0]
-    for _ in tqdm(range(steps), desc=f"mini8: fine-tuning {desc}", disable=not progress, leave=False):
+    for _ in Progress(range(steps), desc=f"mini8: fine-tuning {desc}", unit="steps", leave=False, enabled=progress):
         rows = torch.randint(size, (batch_size,), generator=generator)
         logits = scale * image_embeddings(vision, projection, task.train_pixels[rows]) @ head.T
         loss = F.cross_entropy(logits, task.train_labels[rows])

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from featcal.demo.config import IMAGE_DRAW, ZOO_VERSION, ZooConfig
 from featcal.demo.images import MINI8_TASKS, ImageTask
 from featcal.demo.tokenizer import build_tokenizer
 from featcal.demo.training import TaskTensors, accuracy, finetune_expert, pretrain_clip, zero_shot_head
 from featcal.errors import FeatcalError
+from featcal.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,9 @@ def _build_into(folder: Path, config: ZooConfig, *, progress: bool) -> None:
     tasks = _select_tasks(config.tasks)
     processor = _image_processor(config)
     tensors: dict[str, TaskTensors] = {}
-    for index, task in enumerate(tqdm(tasks, desc=f"{config.name}: drawing datasets", disable=not progress)):
+    for index, task in enumerate(
+        Progress(tasks, desc=f"{config.name}: drawing datasets", unit="tasks", enabled=progress)
+    ):
         splits = []
         for split_index, (split, count) in enumerate(
             (("train", config.train_per_task), ("test", config.test_per_task))
@@ -233,7 +235,9 @@ def _build_into(folder: Path, config: ZooConfig, *, progress: bool) -> None:
 
     results: dict[str, dict[str, float | int]] = {}
     projection = clip.visual_projection
-    for index, task in enumerate(tqdm(tasks, desc=f"{config.name}: fine-tuning experts", disable=not progress)):
+    for index, task in enumerate(
+        Progress(tasks, desc=f"{config.name}: fine-tuning experts", unit="tasks", enabled=progress)
+    ):
         data = tensors[task.name]
         head = zero_shot_head(clip, tokenizer, task.classnames, task.templates)
         state = finetune_expert(

@@ -6,7 +6,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 import torch
-from tqdm.auto import tqdm
+
+from featcal.progress import Progress
 
 T = TypeVar("T")
 StateDict = Mapping[str, torch.Tensor]
@@ -41,9 +42,9 @@ def is_matrix(tensor: torch.Tensor) -> bool:
     return tensor.dim() == 2
 
 
-def progress(items: Iterable[T], desc: str, *, unit: str = "tensor") -> Iterator[T]:
-    """Iterate over ``items`` with a progress bar that disappears when done."""
-    return iter(tqdm(items, desc=desc, unit=unit, leave=False))
+def progress(items: Iterable[T], desc: str, *, unit: str = "tensors") -> Iterator[T]:
+    """Iterate over ``items`` showing transient progress (a bar on a terminal; see :mod:`featcal.progress`)."""
+    return iter(Progress(items, desc=desc, unit=unit, leave=False))
 
 
 def numerical_rank(singular_values: torch.Tensor, shape: Sequence[int]) -> int:

@@ -53,7 +53,7 @@ def ties(
     """
     keys = [key for key in base if is_mergeable(base[key])]
     thresholds = torch.stack(
-        [magnitude_threshold(base, e, keys, top_k) for e in progress(experts, "TIES thresholds", unit="task")]
+        [magnitude_threshold(base, e, keys, top_k) for e in progress(experts, "TIES thresholds", unit="tasks")]
     )
 
     merged: dict[str, torch.Tensor] = {}

@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from featcal.data import load_task_split, to_rgb
 from featcal.errors import DatasetInputError
 from featcal.hub import hub_reachable, is_hub_id, is_offline, local_path
+from featcal.progress import Progress
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -53,7 +52,7 @@ def collect_examples(
     warning: examples are a convenience, never a reason not to start.
     """
     found: dict[str, Path] = {}
-    for task in tqdm(tasks, desc="Example images", disable=not progress):
+    for task in Progress(tasks, desc="Example images", unit="tasks", enabled=progress):
         if shipped is not None and example_path(shipped, task).is_file():
             found[task.name] = example_path(shipped, task)
             continue

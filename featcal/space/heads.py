@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from featcal.evaluation import ZeroShotClassifier
+from featcal.progress import Progress
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def task_heads(
     """Per task, its [classes, dim] head: read from ``cache_dir`` when stored, else computed (and stored)."""
     fingerprint = base_fingerprint(base_folder)
     heads: dict[str, torch.Tensor] = {}
-    for task in tqdm(list(tasks), desc="Class embeddings", disable=not progress):
+    for task in Progress(list(tasks), desc="Class embeddings", unit="tasks", enabled=progress):
         path = cache_dir / f"{task.name}-{_key(fingerprint, task)}.safetensors" if cache_dir else None
         if path is not None and path.is_file():
             try:
