@@ -39,6 +39,10 @@ TAGS = ["merge", "featcal", "model-merging", "clip", "vision", "image-classifica
 FEATCAL_PARAMS = {
     f.name: (option_of(f).symbol, option_of(f).card) for f, _, cls in option_fields() if cls is FeatCalParams
 }
+# What run_config.json's FeatCal section records beside the parameters, when it applies.
+FEATCAL_RECORDS = {
+    "calibration_examples_used": ("", "train images of the tasks that had fewer than n; all of them were used"),
+}
 TIMING_LABELS = {"merge_s": "merge", "calibrate_s": "FeatCal calibration", "eval_s": "evaluation"}
 
 
@@ -186,9 +190,9 @@ def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | N
         "featcal": [
             {
                 "name": k,
-                "symbol": FEATCAL_PARAMS.get(k, ("", ""))[0],
+                "symbol": (FEATCAL_PARAMS | FEATCAL_RECORDS).get(k, ("", ""))[0],
                 "value": v,
-                "meaning": FEATCAL_PARAMS.get(k, ("", ""))[1],
+                "meaning": (FEATCAL_PARAMS | FEATCAL_RECORDS).get(k, ("", ""))[1],
             }
             for k, v in featcal.items()
         ]

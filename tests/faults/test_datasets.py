@@ -75,3 +75,5 @@ def test_fewer_calibration_images_need_the_explicit_option_and_are_recorded(worl
     assert json.loads((out / "run_config.json").read_text())["featcal"]["calibration_examples_used"] == used
     assert json.loads((out / "featcal-ta" / "metrics.json").read_text())["calibration_examples_used"] == used
     assert "calibration_examples_used" not in json.loads((out / "ta" / "metrics.json").read_text())
+    card = (out / "release" / "README.md").read_text()
+    assert "featcal.calibration_examples_used" in card and "'task0': 12" in card and "fewer than n" in card
