@@ -149,28 +149,59 @@ def calibration_pixels(task: Task, processor: ImageProcessor, n: int, seed: int,
 
 
 class LabelledImages(Dataset):
-    """(pixel_values, label) pairs from a Hub-format dataset split."""
+    """(image, label) pairs from a Hub-format dataset split; :class:`PixelBatch` makes the pixels."""
 
-    def __init__(self, dataset, processor: ImageProcessor, image_column: str, label_column: str) -> None:
+    def __init__(self, dataset, image_column: str, label_column: str) -> None:
         self.dataset = dataset
-        self.processor = processor
         self.image_column = image_column
         self.label_column = label_column
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
         row = self.dataset[index]
-        return pixel_values(self.processor, [row[self.image_column]])[0], int(row[self.label_column])
+        return row[self.image_column], int(row[self.label_column])
+
+
+class PixelBatch:
+    """The collate function: one call of the image processor on the whole batch, and the labels.
+
+    Runs in the data-loading workers when there are any; picklable for them.
+    """
+
+    def __init__(self, processor: ImageProcessor) -> None:
+        self.processor = processor
+
+    def __call__(self, rows: list[tuple[Image.Image, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = zip(*rows)
+        return pixel_values(self.processor, list(images)), torch.tensor(labels, dtype=torch.int64)
 
 
 def evaluation_loader(
-    task: Task, processor: ImageProcessor, *, batch_size: int, num_workers: int, max_samples: int | None = None
+    task: Task,
+    processor: ImageProcessor,
+    *,
+    batch_size: int,
+    num_workers: int,
+    max_samples: int | None = None,
+    pin_memory: bool = False,
 ) -> DataLoader:
-    """Batches of the task's test split, in order (the first ``max_samples`` rows if given)."""
+    """Batches of the task's test split, in order (the first ``max_samples`` rows if given).
+
+    ``pin_memory`` (for a CUDA device) puts each batch in page-locked memory, so the copy to the
+    device can be non-blocking.
+    """
     ds = load_task_split(task, "test")
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
-    wrapped = LabelledImages(ds, processor, task.dataset.image_column, task.dataset.label_column)
-    return DataLoader(wrapped, batch_size=batch_size, shuffle=False, num_workers=num_workers, persistent_workers=False)
+    wrapped = LabelledImages(ds, task.dataset.image_column, task.dataset.label_column)
+    return DataLoader(
+        wrapped,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=PixelBatch(processor),
+        pin_memory=pin_memory,
+        persistent_workers=False,
+    )

@@ -77,15 +77,17 @@ def check_clip_model_folder(folder: str | Path) -> None:
         )
 
 
+# transformers picks a torchvision backend for CLIPImageProcessor when torchvision imports, whose
+# pixels differ slightly from the PIL backend's: featcal always uses the PIL one, so pixels,
+# statistics and accuracies do not depend on whether torchvision is installed.
+IMAGE_PROCESSOR = "CLIPImageProcessorPil"
+
+
 def load_image_processor(folder: str | Path):
-    """The model's CLIP image processor: the torchvision backend when it imports, else the PIL one."""
-    import importlib.util
+    """The model's CLIP image processor, always with the PIL backend (:data:`IMAGE_PROCESSOR`)."""
+    from transformers import CLIPImageProcessorPil
 
-    from transformers import CLIPImageProcessor
-
-    if importlib.util.find_spec("torchvision") is None:
-        from transformers import CLIPImageProcessorPil as CLIPImageProcessor
-    return CLIPImageProcessor.from_pretrained(str(folder))
+    return CLIPImageProcessorPil.from_pretrained(str(folder))
 
 
 class ZeroShotClassifier:
@@ -124,7 +126,7 @@ class ZeroShotClassifier:
 
     @torch.no_grad()
     def image_embeddings(self, vision_model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
-        pooled = vision_model(pixel_values=pixel_values.to(self.device)).pooler_output
+        pooled = vision_model(pixel_values=pixel_values.to(self.device, non_blocking=True)).pooler_output
         return F.normalize(self.clip.visual_projection(pooled), dim=-1)
 
     @torch.no_grad()
@@ -144,19 +146,29 @@ class ZeroShotClassifier:
         progress: bool = True,
     ) -> TaskMetrics:
         """Accuracy, mean cross-entropy and image count of ``vision_model`` on ``task``'s test split."""
+        vision_model = vision_model.to(self.device).eval()
         loader = evaluation_loader(
-            task, processor, batch_size=batch_size, num_workers=num_workers, max_samples=max_samples
+            task,
+            processor,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            max_samples=max_samples,
+            pin_memory=self.device.type == "cuda",
         )
-        correct, seen, loss_sum = 0, 0, 0.0
+        # Sums stay on the device: one host round-trip per task, not per batch.
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct_total = torch.zeros((), dtype=torch.int64, device=self.device)
+        seen = 0
         total = len(loader.dataset)
         with Progress(desc=f"Evaluating {task.name}", total=total, unit="images", leave=False, enabled=progress) as bar:
             for pixels, labels in loader:
-                labels = labels.to(self.device)
+                labels = labels.to(self.device, non_blocking=True)
                 logits = self.logits(vision_model, pixels, task)
-                loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
-                correct += int((logits.argmax(-1) == labels).sum())
-                seen += int(labels.numel())
-                bar.update(int(labels.numel()))
+                loss_total += F.cross_entropy(logits, labels, reduction="sum").double()
+                correct_total += (logits.argmax(-1) == labels).sum()
+                seen += labels.numel()
+                bar.update(labels.numel())
+        loss_sum, correct = float(loss_total), int(correct_total)
         if not math.isfinite(loss_sum):
             raise ModelInputError(
                 None,

@@ -61,6 +61,9 @@ def resolve_device(name: str) -> torch.device:
         raise InvalidParameterError("device", name, "auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidParameterError("device", name, "cpu or auto, since torch sees no GPU")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise InvalidParameterError("device", name, f"cuda:0 to cuda:{count - 1}, since torch sees {count} GPU(s)")
     return device
 
 

@@ -22,7 +22,7 @@ from featcal import __version__
 from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.data import calibration_pixels
 from featcal.errors import FeatcalError
-from featcal.evaluation import ZeroShotClassifier, load_base_clip
+from featcal.evaluation import IMAGE_PROCESSOR, ZeroShotClassifier, load_base_clip
 from featcal.fingerprints import digest, folder_fingerprint
 from featcal.inputs import (
     DatasetFacts,
@@ -37,6 +37,7 @@ from featcal.inputs import (
 )
 from featcal.io import config_hash, fault_point, read_json, save_vision_model
 from featcal.merging import get_method
+from featcal.precision import fixed_precision
 from featcal.runfolder import (
     EXPERTS_DIR,
     METRICS,
@@ -85,7 +86,8 @@ def run_record(spec: RunSpec, inputs: RunInputs, calibration_counts: Mapping[str
             "from": spec.ta_model_path if spec.skip_ta else None,
         },
         "featcal": featcal,
-        "evaluation": {"max_eval_samples": spec.max_eval_samples},
+        "evaluation": {"max_eval_samples": spec.max_eval_samples, "image_processor": IMAGE_PROCESSOR},
+        "precision": spec.precision,
     }
 
 
@@ -96,9 +98,10 @@ def check_finite(state: Mapping[str, torch.Tensor], what: str) -> None:
             raise FeatcalError(f"{what}: tensor {key!r} is not finite, although every input is.")
 
 
-def merge(inputs: RunInputs, method: str) -> dict[str, torch.Tensor]:
-    """The merged vision tower's state dict."""
-    merged = get_method(method)(inputs.base, [inputs.experts[t.name] for t in inputs.tasks], **inputs.merge_params)
+def merge(inputs: RunInputs, method: str, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """The merged vision tower's state dict (on the CPU), computed on ``device``."""
+    experts = [inputs.experts[t.name] for t in inputs.tasks]
+    merged = get_method(method)(inputs.base, experts, device=device, **inputs.merge_params)
     check_finite(merged, f"The {method} merge")
     return merged
 
@@ -218,7 +221,7 @@ def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
     stages = plan_stages(spec, inputs, data)
     created = not out.exists()
     try:
-        with RunLock(out):
+        with RunLock(out), fixed_precision(spec.precision):
             run = _Run(spec, out, inputs, stages, device, ZeroShotClassifier(clip, tokenizer, device), processor)
             return run.execute(record, clip)
     except BaseException:
@@ -269,7 +272,7 @@ class _Run:
             logger.info("Merge: %s/ is up to date (same inputs); skipped", merged_name)
         else:
             start = time.perf_counter()
-            state = merge(inputs, spec.merge_method)
+            state = merge(inputs, spec.merge_method, self.device)
             save_vision_model(state, inputs.vision_config, out / merged_name)
             self.timings["merge_s"] = time.perf_counter() - start
             merged_model = build_vision_model(inputs, state)

@@ -45,6 +45,7 @@ class Option:
         card: The meaning shown in the model card's recipe table.
         nargs: ``"+"`` for a list given as several words (``--tasks a b``).
         recipe_key: The recipe key and flag name when it differs from the field name.
+        choices: The allowed values of a text option.
     """
 
     help: str
@@ -56,9 +57,12 @@ class Option:
     card: str = ""
     nargs: str | None = None
     recipe_key: str | None = None
+    choices: tuple[str, ...] | None = None
 
     def expected(self, kind: str) -> str:
         """The allowed values in words, e.g. ``"a whole number >= 1"``."""
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
         bound = f" >= {self.ge:g}" if self.ge is not None else f" > {self.gt:g}" if self.gt is not None else ""
         return f"{kind}{bound}"
 
@@ -186,6 +190,8 @@ def convert_value(f: dataclasses.Field, annotation: Any, value: Any, *, owner: s
         converted = converter(value)
     except (ValueError, TypeError):
         raise InvalidParameterError(name, value, expected, owner=owner) from None
+    if opt and opt.choices and converted not in opt.choices:
+        raise InvalidParameterError(name, value, expected, owner=owner)
     if opt and ((opt.ge is not None and converted < opt.ge) or (opt.gt is not None and converted <= opt.gt)):
         raise InvalidParameterError(name, value, expected, owner=owner)
     return converted
@@ -314,7 +320,11 @@ class RunSpec:
         None, help="evaluate only the first N test images per task (quick runs)", group=EVALUATION, metavar="N",
         ge=1,
     )  # fmt: skip
-    device: str = option("auto", help="auto, cpu, cuda or cuda:N", group=RUNTIME)
+    device: str = option("auto", help="auto, cpu, cuda or cuda:N (merging, calibration and evaluation)", group=RUNTIME)
+    precision: str = option(
+        "float32", help="CUDA arithmetic: float32 (IEEE, also for cuDNN), or tf32 (faster on Ampere and newer)",
+        group=RUNTIME, choices=("float32", "tf32"),
+    )  # fmt: skip
     seed: int = option(42, help="seed of the calibration shuffle", group=RUNTIME, ge=0)
     skip_ta: bool = option(False, help="start from ta-model-path instead of merging", group=STAGES)
     ta_model_path: str | None = option(None, help="merged model folder for skip-ta", group=STAGES, metavar="DIR")

@@ -38,13 +38,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from featcal.inputs import resolve_inputs
+    from featcal.inputs import resolve_device, resolve_inputs
     from featcal.io import save_vision_model
     from featcal.pipeline import merge
+    from featcal.precision import fixed_precision
 
     spec = spec_from_args(args)
+    device = resolve_device(spec.device)
     inputs = resolve_inputs(spec)
-    folder = save_vision_model(merge(inputs, spec.merge_method), inputs.vision_config, args.output)
+    with fixed_precision(spec.precision):
+        state = merge(inputs, spec.merge_method, device)
+    folder = save_vision_model(state, inputs.vision_config, args.output)
     print(path_line(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts)", folder))
     return 0
 
@@ -54,6 +58,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from featcal.inputs import load_vision_folder, resolve_device, resolve_inputs, validate_datasets
     from featcal.io import save_vision_model
     from featcal.pipeline import calibrate
+    from featcal.precision import fixed_precision
 
     spec = spec_from_args(args)
     device = resolve_device(spec.device)
@@ -61,9 +66,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     validate_datasets(inputs.tasks, splits=("train",))
     merged = load_vision_folder(args.merged, inputs.base)
     _, _, processor = load_base_clip(inputs.base_folder)
-    model = calibrate(
-        inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor, progress=spec.progress
-    )
+    with fixed_precision(spec.precision):
+        model = calibrate(
+            inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor, progress=spec.progress
+        )
     folder = save_vision_model(model.state_dict(), inputs.vision_config, args.output)
     print(path_line("Calibrated model", folder))
     return 0
@@ -73,6 +79,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from featcal.evaluation import ZeroShotClassifier, load_base_clip
     from featcal.inputs import load_vision_folder, resolve_device, resolve_inputs, validate_datasets
     from featcal.io import atomic_write_json
+    from featcal.precision import fixed_precision
     from featcal.runfolder import METRICS, ZERO_SHOT_DIR
 
     spec = spec_from_args(args)
@@ -81,15 +88,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     validate_datasets(inputs.tasks, splits=("test",))
     clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
     model = load_vision_folder(args.model, inputs.base) if args.model else clip.vision_model
-    report = ZeroShotClassifier(clip, tokenizer, device).evaluate(
-        model,
-        inputs.tasks,
-        processor,
-        batch_size=spec.eval_batch_size,
-        num_workers=spec.eval_num_workers,
-        max_samples=spec.max_eval_samples,
-        progress=spec.progress,
-    )
+    with fixed_precision(spec.precision):
+        report = ZeroShotClassifier(clip, tokenizer, device).evaluate(
+            model,
+            inputs.tasks,
+            processor,
+            batch_size=spec.eval_batch_size,
+            num_workers=spec.eval_num_workers,
+            max_samples=spec.max_eval_samples,
+            progress=spec.progress,
+        )
     output = args.output or (Path(args.model) / METRICS if args.model else None)
     if output:
         atomic_write_json(output, report.to_json())
@@ -128,7 +136,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("merge", help="merge experts into one model folder")
     p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
-    add_spec_options(p, groups=(TASKS, MERGING), renamed={"merge_method": "--method"})
+    add_spec_options(p, groups=(TASKS, MERGING, RUNTIME), exclude=("seed",), renamed={"merge_method": "--method"})
     p.set_defaults(func=cmd_merge)
 
     p = subparsers.add_parser("calibrate", help="calibrate a merged model folder with FeatCal")

@@ -18,19 +18,21 @@ def is_mergeable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point()
 
 
-def read_task_vectors(base: StateDict, experts: Sequence[StateDict], key: str) -> tuple[torch.Tensor, torch.Tensor]:
+def read_task_vectors(
+    base: StateDict, experts: Sequence[StateDict], key: str, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(θ0, τ)`` for one tensor: the base in float32 and the stacked task vectors ``θ_t − θ0``.
 
     Only this key of each expert is read, so memory stays bounded by ``len(experts)`` copies of one
-    tensor.
+    tensor; both are on ``device`` (default: where the tensors are read, the CPU).
     """
-    theta0 = base[key].to(torch.float32, copy=True)
-    return theta0, read_experts(experts, key).sub_(theta0)
+    theta0 = base[key].to(device=device, dtype=torch.float32, copy=True)
+    return theta0, read_experts(experts, key, device).sub_(theta0)
 
 
-def read_experts(experts: Sequence[StateDict], key: str) -> torch.Tensor:
-    """The experts' tensors ``key`` in float32, stacked along a new first dimension (T, ...)."""
-    return torch.stack([expert[key].to(torch.float32) for expert in experts])
+def read_experts(experts: Sequence[StateDict], key: str, device: torch.device | None = None) -> torch.Tensor:
+    """The experts' tensors ``key`` in float32 on ``device``, stacked along a new first dimension (T, ...)."""
+    return torch.stack([expert[key].to(device=device, dtype=torch.float32) for expert in experts])
 
 
 def is_matrix(tensor: torch.Tensor) -> bool:

@@ -33,6 +33,7 @@ def merge_tensorwise(
     params: Mapping[str, Any],
     *,
     desc: str,
+    device: torch.device | None = None,
 ) -> dict[str, torch.Tensor]:
     """Merge ``experts`` into ``base`` by calling ``kernel(*inputs, **params)`` on each tensor.
 
@@ -44,6 +45,8 @@ def merge_tensorwise(
         experts: The experts' state dicts, each with the base's keys.
         params: The validated hyper-parameters, passed as keyword arguments.
         desc: The progress bar's label.
+        device: Where the kernel computes (default: the CPU, where the tensors are read); the merged
+            tensors are returned on the CPU either way.
 
     Returns:
         The merged state dict, with the base's keys, shapes and dtypes.
@@ -57,26 +60,28 @@ def merge_tensorwise(
         if not is_mergeable(theta0):
             merged[key] = theta0.clone()
             continue
-        result = kernel(*_kernel_inputs(base, experts, key, inputs), **params)
+        result = kernel(*_kernel_inputs(base, experts, key, inputs, device), **params)
         if result.shape != theta0.shape:
             raise ValueError(
                 f"merging kernel {desc!r} returned shape {tuple(result.shape)} for {key} {tuple(theta0.shape)}"
             )
-        result = result.to(theta0.dtype)
+        result = result.to(device=theta0.device, dtype=theta0.dtype)
         # A view into the stacked inputs (``experts[0]``) would keep all T copies alive: copy it out.
         merged[key] = result.clone() if result.untyped_storage().nbytes() > result.nbytes else result
     return merged
 
 
-def _kernel_inputs(base: StateDict, experts: Sequence[StateDict], key: str, names: Sequence[str]) -> list[torch.Tensor]:
-    """The float32 tensors ``names`` for one key, reading each expert's tensor once."""
+def _kernel_inputs(
+    base: StateDict, experts: Sequence[StateDict], key: str, names: Sequence[str], device: torch.device | None
+) -> list[torch.Tensor]:
+    """The float32 tensors ``names`` for one key on ``device``, reading each expert's tensor once."""
     if "experts" not in names:
-        theta0, task_vectors = read_task_vectors(base, experts, key)
+        theta0, task_vectors = read_task_vectors(base, experts, key, device)
         values = {"base": theta0, "task_vectors": task_vectors}
     else:
-        values = {"experts": read_experts(experts, key)}
+        values = {"experts": read_experts(experts, key, device)}
         if "base" in names or "task_vectors" in names:
-            values["base"] = base[key].to(torch.float32, copy=True)
+            values["base"] = base[key].to(device=device, dtype=torch.float32, copy=True)
         if "task_vectors" in names:
             values["task_vectors"] = values["experts"] - values["base"]
     return [values[name] for name in names]

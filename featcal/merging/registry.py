@@ -217,13 +217,17 @@ class MergeMethod:
             for p in self.params
         }
 
-    def __call__(self, base: StateDict, experts: Sequence[StateDict], **params: Any) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, base: StateDict, experts: Sequence[StateDict], *, device: torch.device | str | None = None, **params: Any
+    ) -> dict[str, torch.Tensor]:
         """Merge ``experts`` into ``base``.
 
         Args:
             base: The base model's state dict (a dict of tensors or a lazily-read
                 :class:`~featcal.checkpoint.Checkpoint`); not modified.
             experts: One state dict per task, with the base's keys; not modified.
+            device: Where to compute (default: the CPU); tensors are read there one at a time and
+                the merged state dict is returned on the CPU.
             **params: Hyper-parameters; those not given take their defaults.
 
         Returns:
@@ -240,9 +244,19 @@ class MergeMethod:
             raise InvalidParameterError(
                 "experts", experts, "at least one expert state dict", owner=f"merging method {self.name!r}"
             )
+        device = None if device is None else torch.device(device)
         if self.inputs is None:
+            if "device" in inspect.signature(self.fn).parameters:
+                return self.fn(base, experts, device, **resolved)
+            if device is not None and device.type != "cpu":
+                raise InvalidParameterError(
+                    "device",
+                    str(device),
+                    "cpu: this method computes on the CPU only",
+                    owner=f"merging method {self.name!r}",
+                )
             return self.fn(base, experts, **resolved)
-        return merge_tensorwise(self.fn, self.inputs, base, experts, resolved, desc=self.pretty_name)
+        return merge_tensorwise(self.fn, self.inputs, base, experts, resolved, desc=self.pretty_name, device=device)
 
 
 class MethodRegistry:
@@ -334,8 +348,8 @@ def _read_signature(
         else:
             raise TypeError(f"{where}: *{p.name} is not allowed; hyper-parameters are keyword-only arguments")
     if whole_model:
-        if len(positional) != 2:
-            raise TypeError(f"{where}: a whole-model method takes (base, experts); got {positional}")
+        if positional not in (["base", "experts"], ["base", "experts", "device"]):
+            raise TypeError(f"{where}: a whole-model method takes (base, experts[, device]); got {positional}")
         return None, tuple(params)
     if not set(positional) <= set(KERNEL_INPUTS) or not {"task_vectors", "experts"} & set(positional):
         raise TypeError(

@@ -32,6 +32,7 @@ from featcal.merging.registry import Range, merge_method
 def ties(
     base: StateDict,
     experts: Sequence[StateDict],
+    device: torch.device | None = None,
     *,
     scaling_factor: float = 0.3,
     top_k: Annotated[float, Range(gt=0, le=100)] = 20.0,
@@ -44,6 +45,7 @@ def ties(
     Args:
         base: The base state dict; not modified.
         experts: The experts' state dicts; not modified.
+        device: Where to compute (default: the CPU); the merged state dict is on the CPU.
         scaling_factor: λ, the weight of the merged task vector.
         top_k: The percentage of each task vector's entries kept (FusionBench's ``threshold``).
         merge_func: How the kept values that agree with the elected sign are aggregated.
@@ -53,7 +55,7 @@ def ties(
     """
     keys = [key for key in base if is_mergeable(base[key])]
     thresholds = torch.stack(
-        [magnitude_threshold(base, e, keys, top_k) for e in progress(experts, "TIES thresholds", unit="tasks")]
+        [magnitude_threshold(base, e, keys, top_k, device) for e in progress(experts, "TIES thresholds", unit="tasks")]
     )
 
     merged: dict[str, torch.Tensor] = {}
@@ -64,11 +66,13 @@ def ties(
         if not is_mergeable(theta0):
             merged[key] = theta0.clone()
             continue
-        base32, tvs = read_task_vectors(base, experts, key)
+        base32, tvs = read_task_vectors(base, experts, key, device)
         trimmed = torch.where(tvs.abs() >= thresholds.view(-1, *[1] * theta0.dim()), tvs, 0.0)
         sign = trimmed.sum(dim=0).sign()
         sign_total += int(sign.sum(dtype=torch.int64))
-        merged[key] = (base32 + scaling_factor * disjoint_merge(trimmed, sign, merge_func)).to(theta0.dtype)
+        merged[key] = (base32 + scaling_factor * disjoint_merge(trimmed, sign, merge_func)).to(
+            device=theta0.device, dtype=theta0.dtype
+        )
         tie = ((sign == 0) & (trimmed != 0).any(dim=0)).flatten().nonzero().squeeze(1)
         if tie.numel():
             undecided.append((key, tie, trimmed.flatten(1)[:, tie], base32.flatten()[tie]))
@@ -76,13 +80,15 @@ def ties(
     majority = (sign_total > 0) - (sign_total < 0)
     if majority:
         for key, index, values, theta in undecided:
-            sign = torch.full(index.shape, float(majority))
+            sign = torch.full(index.shape, float(majority), device=values.device)
             fixed = theta + scaling_factor * disjoint_merge(values, sign, merge_func)
-            merged[key].view(-1)[index] = fixed.to(merged[key].dtype)
+            merged[key].view(-1)[index.to(merged[key].device)] = fixed.to(merged[key])
     return merged
 
 
-def magnitude_threshold(base: StateDict, expert: StateDict, keys: Sequence[str], top_k: float) -> torch.Tensor:
+def magnitude_threshold(
+    base: StateDict, expert: StateDict, keys: Sequence[str], top_k: float, device: torch.device | None = None
+) -> torch.Tensor:
     """The smallest magnitude kept when keeping the top ``top_k`` % entries of ``expert − base``.
 
     Entries with ``|τ| >=`` the threshold are kept (ties at the threshold are all kept, as in
@@ -90,15 +96,15 @@ def magnitude_threshold(base: StateDict, expert: StateDict, keys: Sequence[str],
     """
     sizes = [base[key].numel() for key in keys]
     total = sum(sizes)
-    magnitudes = torch.empty(total, dtype=torch.float32)
+    magnitudes = torch.empty(total, dtype=torch.float32, device=device)
     offset = 0
     for key, size in zip(keys, sizes):
-        tv = expert[key].to(torch.float32) - base[key].to(torch.float32)
+        tv = expert[key].to(device=device, dtype=torch.float32) - base[key].to(device=device, dtype=torch.float32)
         magnitudes[offset : offset + size] = tv.abs().flatten()
         offset += size
     kept = int(total * (top_k / 100))
     if kept >= total:
-        return torch.tensor(0.0)
+        return torch.tensor(0.0, device=device)
     return magnitudes.kthvalue(total - kept).values
 
 

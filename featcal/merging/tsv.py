@@ -53,7 +53,7 @@ def merge_matrix(task_vectors: torch.Tensor) -> torch.Tensor:
         rights.append(vh[:kept])
     sigma = torch.cat(values)
     if sigma.numel() == 0:
-        return torch.zeros(rows, cols, dtype=task_vectors.dtype)
+        return torch.zeros(rows, cols, dtype=task_vectors.dtype, device=task_vectors.device)
     return (polar_factor(torch.cat(lefts, dim=1)) * sigma) @ polar_factor(torch.cat(rights, dim=0))
 
 

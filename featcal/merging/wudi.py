@@ -72,8 +72,8 @@ def interference_moments(task_vectors: torch.Tensor) -> tuple[torch.Tensor, torc
     Task vectors that are zero on this tensor add nothing (FusionBench would divide 0 by 0 there).
     """
     _, rows, cols = task_vectors.shape
-    a = torch.zeros(cols, cols, dtype=task_vectors.dtype)
-    b = torch.zeros(rows, cols, dtype=task_vectors.dtype)
+    a = torch.zeros(cols, cols, dtype=task_vectors.dtype, device=task_vectors.device)
+    b = torch.zeros(rows, cols, dtype=task_vectors.dtype, device=task_vectors.device)
     for tv in task_vectors:
         norm2 = torch.linalg.vector_norm(tv).square()
         if norm2 == 0:

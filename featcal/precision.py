@@ -1,0 +1,56 @@
+"""The float32 arithmetic of a run on CUDA: exact float32 unless the user opts into TF32.
+
+PyTorch lets cuDNN convolutions (the patch embedding) run in TF32 on Ampere and newer GPUs by
+default, and a user's global ``torch.set_float32_matmul_precision("high")`` would make every matmul
+TF32, statistics included. featcal fixes both for the length of a run and restores them after:
+``float32`` (the default) is IEEE float32 everywhere; ``tf32`` allows TF32 in CUDA matmuls and
+convolutions. CPU arithmetic (oneDNN) is IEEE float32 either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+PRECISIONS = ("float32", "tf32")
+
+
+@contextmanager
+def fixed_precision(precision: str) -> Iterator[None]:
+    """Run the body with CUDA matmuls and convolutions in ``precision``, then restore the settings.
+
+    Args:
+        precision: ``"float32"`` (IEEE) or ``"tf32"``.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    tf32 = precision == "tf32"
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    if hasattr(matmul, "fp32_precision") and hasattr(conv, "fp32_precision"):  # torch >= 2.9
+        # CUDA follows the choice; oneDNN on the CPU stays IEEE (a global "high" would make it TF32).
+        settings = [(matmul, "tf32" if tf32 else "ieee"), (conv, "tf32" if tf32 else "ieee")]
+        cpu = getattr(torch.backends, "mkldnn", None)
+        settings += [
+            (getattr(cpu, part), "ieee")
+            for part in ("matmul", "conv")
+            if hasattr(getattr(cpu, part, None), "fp32_precision")
+        ]
+        saved = [(backend, backend.fp32_precision) for backend, _ in settings]
+        for backend, value in settings:
+            backend.fp32_precision = value
+        try:
+            yield
+        finally:
+            for backend, value in saved:
+                backend.fp32_precision = value
+        return
+    saved_legacy = (matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_legacy[:2]
+        torch.set_float32_matmul_precision(saved_legacy[2])
