@@ -99,8 +99,10 @@ class FeatCalibrator:
         bs = self.params.calibration_batch_size
         dtype = next(model.parameters()).dtype
         student = teacher = None
+        if self.device.type == "cuda":  # page-locked, so each batch's copy to the GPU does not block
+            pixels = pixels.pin_memory()
         for start in range(0, pixels.shape[0], bs):
-            px = pixels[start : start + bs].to(self.device, dtype)
+            px = pixels[start : start + bs].to(self.device, dtype, non_blocking=True)
             s, t = self.adapter.run_stem(stem, px), self.adapter.run_stem(expert_stem, px)
             if student is None:
                 student = s.new_empty(pixels.shape[0], *s.shape[1:])
