@@ -7,12 +7,12 @@ and whether the Hub may be asked, is decided by :mod:`featcal.hub`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
 from featcal.errors import DatasetInputError
 from featcal.hub import OFFLINE_HINT, hub_reachable, is_hub_id, is_offline, local_path
@@ -178,30 +178,75 @@ class PixelBatch:
         return pixel_values(self.processor, list(images)), torch.tensor(labels, dtype=torch.int64)
 
 
-def evaluation_loader(
-    task: Task,
-    processor: ImageProcessor,
-    *,
-    batch_size: int,
-    num_workers: int,
-    max_samples: int | None = None,
-    pin_memory: bool = False,
-) -> DataLoader:
-    """Batches of the task's test split, in order (the first ``max_samples`` rows if given).
+# Worker processes cost about a second to start and pay off only on larger test sets.
+MIN_IMAGES_FOR_WORKERS = 1024
 
-    ``pin_memory`` (for a CUDA device) puts each batch in page-locked memory, so the copy to the
-    device can be non-blocking.
+
+class _TaskBatches(Sampler[list[int]]):
+    """Batches of one task's rows of a :class:`ConcatDataset`, in order; the task is switchable."""
+
+    def __init__(self, offsets: Sequence[int], sizes: Sequence[int], batch_size: int) -> None:
+        self.offsets, self.sizes, self.batch_size = list(offsets), list(sizes), batch_size
+        self.task = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start, size = self.offsets[self.task], self.sizes[self.task]
+        for first in range(0, size, self.batch_size):
+            yield list(range(start + first, start + min(first + self.batch_size, size)))
+
+    def __len__(self) -> int:
+        return -(-self.sizes[self.task] // self.batch_size)
+
+
+class TestImages:
+    """Every task's test images (the first ``max_samples`` of each) behind one data loader.
+
+    Its worker processes start once and serve every evaluation of a run (zero-shot, experts, merged,
+    calibrated), instead of once per task and stage; below :data:`MIN_IMAGES_FOR_WORKERS` images in
+    all, the main process loads them itself. With ``pin_memory`` (a CUDA device) batches arrive in
+    page-locked memory for non-blocking copies.
+
+    Args:
+        tasks: The tasks; each one's test split is loaded and checked once.
+        processor: The image processor, applied to a batch at a time in the loader.
+        batch_size: Images per batch (a batch never mixes tasks).
+        num_workers: Data-loading worker processes for large test sets.
+        max_samples: Only the first N test images of each task.
+        pin_memory: Page-locked batches.
     """
-    ds = load_task_split(task, "test")
-    if max_samples is not None:
-        ds = ds.select(range(min(max_samples, len(ds))))
-    wrapped = LabelledImages(ds, task.dataset.image_column, task.dataset.label_column)
-    return DataLoader(
-        wrapped,
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=num_workers,
-        collate_fn=PixelBatch(processor),
-        pin_memory=pin_memory,
-        persistent_workers=False,
-    )
+
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        processor: ImageProcessor,
+        *,
+        batch_size: int,
+        num_workers: int = 0,
+        max_samples: int | None = None,
+        pin_memory: bool = False,
+    ) -> None:
+        parts = []
+        for task in tasks:
+            ds = load_task_split(task, "test")
+            if max_samples is not None:
+                ds = ds.select(range(min(max_samples, len(ds))))
+            parts.append(LabelledImages(ds, task.dataset.image_column, task.dataset.label_column))
+        self.index = {task.name: i for i, task in enumerate(tasks)}
+        sizes = [len(part) for part in parts]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.sizes = dict(zip(self.index, sizes))
+        self._batches = _TaskBatches(offsets, sizes, batch_size)
+        workers = num_workers if sum(sizes) >= MIN_IMAGES_FOR_WORKERS else 0
+        self.loader = DataLoader(
+            ConcatDataset(parts),
+            batch_sampler=self._batches,
+            num_workers=workers,
+            collate_fn=PixelBatch(processor),
+            pin_memory=pin_memory,
+            persistent_workers=workers > 0,
+        )
+
+    def batches(self, task: Task) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(pixels, labels)`` batches of ``task``'s test images, in order."""
+        self._batches.task = self.index[task.name]
+        return iter(self.loader)

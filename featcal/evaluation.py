@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.data import evaluation_loader
+from featcal.data import TestImages
 from featcal.errors import ModelInputError
 from featcal.progress import Progress
 from featcal.runfolder import MetricsReport, TaskMetrics
@@ -138,30 +138,43 @@ class ZeroShotClassifier:
         self,
         vision_model: nn.Module,
         task: Task,
-        processor,
+        processor=None,
         *,
         batch_size: int = 256,
         num_workers: int = 0,
         max_samples: int | None = None,
         progress: bool = True,
+        images: TestImages | None = None,
     ) -> TaskMetrics:
-        """Accuracy, mean cross-entropy and image count of ``vision_model`` on ``task``'s test split."""
+        """Accuracy, mean cross-entropy and image count of ``vision_model`` on ``task``'s test split.
+
+        Args:
+            vision_model: A CLIP vision tower of the base's family; moved to this classifier's device.
+            task: The task.
+            processor: The base's image processor (not needed with ``images``).
+            batch_size: Test images per batch (not needed with ``images``).
+            num_workers: Data-loading worker processes (not needed with ``images``).
+            max_samples: Only the first N test images (not needed with ``images``).
+            progress: Show a progress bar.
+            images: The run's test images, whose loader is shared by every evaluation of the run.
+
+        Returns:
+            The task's result.
+
+        Raises:
+            ModelInputError: when the model's outputs are not finite.
+        """
         vision_model = vision_model.to(self.device).eval()
-        loader = evaluation_loader(
-            task,
-            processor,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            max_samples=max_samples,
-            pin_memory=self.device.type == "cuda",
-        )
+        if images is None:
+            images = self.test_images([task], processor, batch_size=batch_size, num_workers=num_workers,
+                                      max_samples=max_samples)  # fmt: skip
         # Sums stay on the device: one host round-trip per task, not per batch.
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         correct_total = torch.zeros((), dtype=torch.int64, device=self.device)
         seen = 0
-        total = len(loader.dataset)
+        total = images.sizes[task.name]
         with Progress(desc=f"Evaluating {task.name}", total=total, unit="images", leave=False, enabled=progress) as bar:
-            for pixels, labels in loader:
+            for pixels, labels in images.batches(task):
                 labels = labels.to(self.device, non_blocking=True)
                 logits = self.logits(vision_model, pixels, task)
                 loss_total += F.cross_entropy(logits, labels, reduction="sum").double()
@@ -177,42 +190,58 @@ class ZeroShotClassifier:
             )
         return TaskMetrics(accuracy=correct / seen, loss=loss_sum / seen, num_samples=seen)
 
-    def evaluate(
+    def test_images(
         self,
-        vision_model: nn.Module,
         tasks: Sequence[Task],
         processor,
         *,
         batch_size: int = 256,
         num_workers: int = 0,
         max_samples: int | None = None,
+    ) -> TestImages:
+        """The tasks' test images behind one loader, pinned when this classifier is on CUDA."""
+        return TestImages(
+            tasks,
+            processor,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            max_samples=max_samples,
+            pin_memory=self.device.type == "cuda",
+        )
+
+    def evaluate(
+        self,
+        vision_model: nn.Module,
+        tasks: Sequence[Task],
+        processor=None,
+        *,
+        batch_size: int = 256,
+        num_workers: int = 0,
+        max_samples: int | None = None,
         progress: bool = True,
+        images: TestImages | None = None,
     ) -> MetricsReport:
         """Accuracy and loss of ``vision_model`` on each task, their average and the model's size.
 
         Args:
             vision_model: A CLIP vision tower of the base's family.
             tasks: The tasks, each evaluated on its test split.
-            processor: The base's image processor.
-            batch_size: Test images per batch.
-            num_workers: Data-loading worker processes.
-            max_samples: Evaluate only the first N test images of each task.
+            processor: The base's image processor (not needed with ``images``).
+            batch_size: Test images per batch (not needed with ``images``).
+            num_workers: Data-loading worker processes (not needed with ``images``).
+            max_samples: Evaluate only the first N test images of each task (not needed with ``images``).
             progress: Show progress bars.
+            images: The run's test images (:meth:`test_images`), shared by its evaluations.
 
         Returns:
             The report the reference run writes as metrics.json.
         """
         vision_model = vision_model.to(self.device).eval()
+        if images is None:
+            images = self.test_images(tasks, processor, batch_size=batch_size, num_workers=num_workers,
+                                      max_samples=max_samples)  # fmt: skip
         results: dict[str, TaskMetrics] = {}
         for task in Progress(tasks, desc="Evaluating tasks", unit="tasks", enabled=progress):
-            results[task.name] = self.evaluate_task(
-                vision_model,
-                task,
-                processor,
-                batch_size=batch_size,
-                num_workers=num_workers,
-                max_samples=max_samples,
-                progress=progress,
-            )
+            results[task.name] = self.evaluate_task(vision_model, task, progress=progress, images=images)
             logger.info("%s: accuracy %.4f", task.name, results[task.name].accuracy)
         return MetricsReport.from_results(results, model_info=count_parameters(vision_model))

@@ -20,7 +20,7 @@ import torch
 
 from featcal import __version__
 from featcal.calibration import FeatCalParams, featcal_calibrate
-from featcal.data import calibration_pixels
+from featcal.data import TestImages, calibration_pixels
 from featcal.errors import FeatcalError
 from featcal.evaluation import IMAGE_PROCESSOR, ZeroShotClassifier, load_base_clip
 from featcal.fingerprints import digest, folder_fingerprint
@@ -239,12 +239,20 @@ class _Run:
         self.ledger = StageLedger(out) if spec.force else StageLedger.read(out)
         self.run_id = ""
         self.timings: dict[str, float] = {}
-        self.eval_kwargs = dict(
-            batch_size=spec.eval_batch_size,
-            num_workers=spec.eval_num_workers,
-            max_samples=spec.max_eval_samples,
-            progress=spec.progress,
-        )
+        self._images: TestImages | None = None
+
+    @property
+    def images(self) -> TestImages:
+        """The run's test images, loaded on first use; their loader serves every evaluation."""
+        if self._images is None:
+            self._images = self.classifier.test_images(
+                self.inputs.tasks,
+                self.processor,
+                batch_size=self.spec.eval_batch_size,
+                num_workers=self.spec.eval_num_workers,
+                max_samples=self.spec.max_eval_samples,
+            )
+        return self._images
 
     def execute(self, record: Mapping[str, Any], clip) -> dict[str, MetricsReport]:
         spec, out, inputs = self.spec, self.out, self.inputs
@@ -288,7 +296,7 @@ class _Run:
             if spec.skip_ta:  # the merged model comes from elsewhere: reported, not written
                 start = time.perf_counter()
                 results[merged_name] = self.classifier.evaluate(
-                    merged(), inputs.tasks, self.processor, **self.eval_kwargs
+                    merged(), inputs.tasks, progress=spec.progress, images=self.images
                 )
                 self.timings[f"eval_{merged_name}_s"] = time.perf_counter() - start
             else:
@@ -358,7 +366,7 @@ class _Run:
             logger.info("Evaluation of %s/ is up to date (same inputs); skipped", folder)
             return restamp_report(self.out / folder, self.run_id)
         start = time.perf_counter()
-        report = self.classifier.evaluate(model(), self.inputs.tasks, self.processor, **self.eval_kwargs)
+        report = self.classifier.evaluate(model(), self.inputs.tasks, progress=self.spec.progress, images=self.images)
         report = report.with_extra({k: v for k, v in (extra or {}).items() if v})
         self.timings[f"eval_{folder}_s"] = time.perf_counter() - start
         write_stage_report(self.out / folder, report, self.run_id)
@@ -372,8 +380,8 @@ class _Run:
             return restamp_report(self.out / EXPERTS_DIR, self.run_id)
         per_task = {
             task.name: self.classifier.evaluate_task(
-                build_vision_model(self.inputs, self.inputs.experts[task.name]), task, self.processor,
-                **self.eval_kwargs,
+                build_vision_model(self.inputs, self.inputs.experts[task.name]), task,
+                progress=self.spec.progress, images=self.images,
             )
             for task in self.inputs.tasks
         }  # fmt: skip

@@ -162,3 +162,23 @@ def test_a_float16_base_is_loaded_in_float32(world, tmp_path) -> None:
     argv = ["-q", "run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(out), *FAST, "--device", "cpu"]
     assert main(argv) == 0
     assert load_file(str(out / "featcal-ta" / "model.safetensors"))["pre_layrnorm.weight"].dtype == torch.float32
+
+
+def test_test_images_start_their_workers_once_per_run(monkeypatch) -> None:
+    import featcal.data
+
+    processor = load_image_processor(FIXTURE / "base")
+    tasks = list(load_task_file(FIXTURE / "tasks.json").tasks.values())
+    small = featcal.data.TestImages(tasks, processor, batch_size=4, num_workers=2)
+    assert small.loader.num_workers == 0  # 30 images: workers would cost more than they save
+    monkeypatch.setattr(featcal.data, "MIN_IMAGES_FOR_WORKERS", 0)
+    images = featcal.data.TestImages(tasks, processor, batch_size=4, num_workers=1)
+    seen, workers = {}, []
+    for task in [*tasks, tasks[0]]:
+        batches = list(images.batches(task))
+        assert all(len(labels) <= 4 for _, labels in batches)
+        seen.setdefault(task.name, []).append(torch.cat([labels for _, labels in batches]))
+        workers.append([w.pid for w in images.loader._iterator._workers])
+    assert all(pids == workers[0] for pids in workers)  # the same worker process served every pass
+    first, again = seen[tasks[0].name]
+    assert torch.equal(first, again) and len(first) == small.sizes[tasks[0].name]
