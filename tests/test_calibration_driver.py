@@ -41,10 +41,14 @@ def relative_update_errors(state, expected, start):
     }
 
 
-def test_reproduces_published_featcal(fixture_run):
+def cpu_state(model) -> dict:
+    return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
+def test_reproduces_published_featcal(fixture_run, device):
     base, experts, merged, pixels = fixture_run
     params = FeatCalParams(num_calibration_examples=12, calibration_batch_size=4)
-    out = featcal_calibrate(merged, base, experts, pixels.__getitem__, params, progress=False).state_dict()
+    out = cpu_state(featcal_calibrate(merged, base, experts, pixels.__getitem__, params, device=device, progress=False))
     expected = load_file(str(FIXTURE / "expected" / "featcal_reference_featcal.safetensors"))
     errors = relative_update_errors(out, expected, merged.state_dict())
     assert len(errors) == 32
@@ -63,10 +67,11 @@ def test_hyperparameters_move_the_result_beyond_the_tolerance(fixture_run):
     assert max(relative_update_errors(out, expected, merged.state_dict()).values()) > 10 * PUBLISHED_NOISE
 
 
-def test_engine_equals_plain_implementation(fixture_run):
+def test_engine_equals_plain_implementation(fixture_run, device):
     base, experts, merged, pixels = fixture_run
     params = FeatCalParams(num_calibration_examples=12, calibration_batch_size=5)
-    fast = featcal_calibrate(merged, base, experts, pixels.__getitem__, params, progress=False).state_dict()
+    calibrated = featcal_calibrate(merged, base, experts, pixels.__getitem__, params, device=device, progress=False)
+    fast = cpu_state(calibrated)
     base_model = copy.deepcopy(merged)
     base_model.load_state_dict(dict(base))
     expert_models = []
