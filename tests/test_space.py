@@ -260,3 +260,19 @@ def test_class_embeddings_are_cached_on_disk(settings, tmp_path, monkeypatch):
     (tmp_path / "tasks.json").write_text(json.dumps(table))
     with pytest.raises(AssertionError, match="recomputed the head of t2"):
         SpaceModel(replace(cached, tasks_file=str(tmp_path / "tasks.json")), progress=False)
+
+
+def test_the_space_model_runs_on_each_device(settings, device):
+    import dataclasses
+
+    import torch
+
+    from featcal.space.model import SpaceModel
+
+    task = task_table(FIXTURE / "tasks.json", replace=True).tasks["t2"]
+    image = load_task_split(task, "test")[0]["image"]
+    on_device = SpaceModel(dataclasses.replace(settings, device=device), progress=False)
+    on_cpu = SpaceModel(settings, progress=False)
+    assert next(on_device.vision.parameters()).device.type == device
+    for name, probs in on_cpu.probabilities(image, ["t0", "t2"]).items():
+        torch.testing.assert_close(on_device.probabilities(image, ["t0", "t2"])[name], probs, rtol=1e-4, atol=1e-5)
