@@ -86,8 +86,8 @@ def load_dataset_split(path: str, split: str, *, name: str | None = None, task: 
             message = gated_repo_message("dataset", path, repo_type="dataset")
         else:
             message = (
-                f"The dataset {path!r} is not on the Hub, or not visible to you ({exc}): check its id in the tasks "
-                "file, or log in with `hf auth login` for a private or gated one."
+                f"The dataset {path!r} is not on the Hub, or not visible to you: check its id in the tasks file, "
+                "or log in with `hf auth login` for a private or gated one."
             )
         raise DatasetInputError(task, path, f"Task {task!r}: {message}") from None
     except (FileNotFoundError, ConnectionError) as exc:

@@ -159,10 +159,10 @@ def test_a_typo_in_an_id_is_one_line_naming_it(hub, tmp_path):
     (tmp_path / "tasks.json").write_text(json.dumps({"tasks": {"textures": entry}}))
     args = ["evaluate", "--tasks-file", str(tmp_path / "tasks.json"), "--tasks", "textures", *SMALL[:2]]
     line = error_line(featcal_cli(args, user_env(hub.url, tmp_path)))
-    assert line.startswith(
-        "featcal: error: Task 'textures': The dataset 'tanganke/dtdd' is not on the Hub, or not visible to you"
+    assert line == (
+        "featcal: error: Task 'textures': The dataset 'tanganke/dtdd' is not on the Hub, or not visible to you: "
+        "check its id in the tasks file, or log in with `hf auth login` for a private or gated one."
     )
-    assert "check its id in the tasks file" in line
     assert not (tmp_path / "run").exists() and cache_problems(tmp_path) == []
 
 
