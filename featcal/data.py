@@ -15,7 +15,16 @@ from PIL import Image
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
 from featcal.errors import DatasetInputError
-from featcal.hub import OFFLINE_HINT, hub_reachable, is_hub_id, is_offline, local_path
+from featcal.hub import (
+    OFFLINE_HINT,
+    download_failure,
+    gated_repo_message,
+    hub_reachable,
+    is_hub_id,
+    is_offline,
+    local_path,
+    retry_transient,
+)
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -27,7 +36,7 @@ def load_dataset_split(path: str, split: str, *, name: str | None = None, task: 
     """One split of a dataset, from a local parquet repo folder or a Hub id.
 
     A Hub dataset is asked for only when the Hub answers, or from the cache when ``HF_HUB_OFFLINE``
-    is set.
+    is set; passing refusals of the Hub (429, 5xx) are retried (:func:`~featcal.hub.retry_transient`).
 
     Args:
         path: A local dataset folder or a Hub dataset id.
@@ -40,9 +49,11 @@ def load_dataset_split(path: str, split: str, *, name: str | None = None, task: 
 
     Raises:
         DatasetInputError: The folder does not exist, ``path`` is no Hub id, the Hub cannot be reached,
-            the split is missing, or the dataset cannot be loaded.
+            the dataset is missing, gated or private, the split is missing, the download was refused or
+            cut off, or the dataset cannot be loaded.
     """
     import datasets
+    from datasets.exceptions import DatasetNotFoundError
 
     local = local_path(path)
     if local is not None and not local.exists():
@@ -58,18 +69,36 @@ def load_dataset_split(path: str, split: str, *, name: str | None = None, task: 
         raise DatasetInputError(
             task, path, f"Task {task!r}: cannot load dataset {path!r}: the Hub cannot be reached. {OFFLINE_HINT}"
         )
-    try:
+
+    def load():
         return datasets.load_dataset(str(local) if local is not None else path, name, split=split)
+
+    try:
+        return load() if local is not None or is_offline() else retry_transient(load, what=f"dataset {path}")
     except ValueError as exc:
         if "split" in str(exc).lower():
             raise DatasetInputError(
                 task, path, f"Task {task!r}: dataset {path!r} has no split {split!r} ({exc})."
             ) from None
         raise DatasetInputError(task, path, f"Task {task!r}: cannot load dataset {path!r}: {exc}") from None
+    except DatasetNotFoundError as exc:
+        if "gated" in str(exc):
+            message = gated_repo_message("dataset", path, repo_type="dataset")
+        else:
+            message = (
+                f"The dataset {path!r} is not on the Hub, or not visible to you: check its id in the tasks file, "
+                "or log in with `hf auth login` for a private or gated one."
+            )
+        raise DatasetInputError(task, path, f"Task {task!r}: {message}") from None
     except (FileNotFoundError, ConnectionError) as exc:
         raise DatasetInputError(
             task, path, f"Task {task!r}: cannot load dataset {path!r}: {exc}. {OFFLINE_HINT}"
         ) from None
+    except Exception as exc:
+        message = download_failure(exc, "dataset", path, repo_type="dataset")
+        if message is None:
+            raise
+        raise DatasetInputError(task, path, f"Task {task!r}: {message}") from None
 
 
 def load_task_split(task: Task, split: str):

@@ -9,6 +9,8 @@ can be reached, which token to use and how the Hub's refusals read, lives here:
   repository id is a Hub id.
 * :func:`is_offline`, :func:`hub_reachable` and :func:`resolve_model_folder` fetch models only when
   the Hub answers (configs, tokenizer files and safetensors only: never pickles).
+  :func:`retry_transient` calls a download again while the Hub answers a passing refusal (429, 5xx),
+  and :func:`download_failure` words why a download failed, for models and datasets alike.
 * :func:`check_repo_id`, :func:`hub_api`, :func:`check_namespace`, :func:`hub_errors` and
   :func:`publishing` are what both publishers (`featcal push` and `featcal space push`) go through
   before and while writing to the Hub; :class:`HubFile`, :func:`local_files`, :func:`hub_files` and
@@ -26,17 +28,26 @@ import hashlib
 import logging
 import os
 import socket
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlparse
 
 from huggingface_hub import get_token
-from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled, RepositoryNotFoundError
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    IncompleteSnapshotError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+)
+from huggingface_hub.utils import parse_ratelimit_headers, validate_repo_id
 
 from featcal.errors import FeatcalError, HubError, InvalidParameterError, ModelInputError
 
@@ -61,6 +72,13 @@ OFFLINE_HINT = (
     "or download it once where the Hub is reachable and set HF_HUB_OFFLINE=1 to use the cache."
 )
 CHUNK = 1 << 20
+# Answers of the Hub that pass (rate limit, overload, outage): a download refused so is asked again,
+# after each of these waits in turn (longer when a 429 says when its limit resets, up to the cap).
+TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+RETRY_WAITS = (1.0, 2.0, 4.0)
+MAX_RETRY_WAIT = 60.0
+
+T = TypeVar("T")
 
 
 # -- local folder or Hub id ---------------------------------------------------------------------
@@ -180,11 +198,133 @@ def hub_reachable(endpoint: str | None = None, timeout: float = 3.0) -> bool:
         return False
 
 
+def transient_refusal(exc: BaseException | None) -> HfHubHTTPError | None:
+    """The passing refusal of the Hub (429, 5xx, 408) behind ``exc``, following its causes; else None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+            if exc.response.status_code in TRANSIENT_STATUSES:
+                return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _asked_wait(refusal: HfHubHTTPError) -> float:
+    """The seconds a refusal asks to wait: a 429's rate-limit reset, or ``Retry-After``; 0 when it says nothing."""
+    headers = refusal.response.headers
+    limit = parse_ratelimit_headers(headers)
+    if limit is not None and limit.remaining == 0:
+        return limit.reset_in_seconds + 1.0
+    retry_after = headers.get("Retry-After", "")
+    return float(retry_after) + 1.0 if retry_after.isdigit() else 0.0
+
+
+def retry_transient(call: Callable[[], T], *, what: str) -> T:
+    """``call()``, called again while the Hub answers a passing refusal (429, 5xx), up to ``len(RETRY_WAITS)`` times.
+
+    huggingface_hub retries file downloads itself, but not every request (a repository's information
+    is asked once), so the whole call is made again; files it had already downloaded are not fetched
+    again. Each retry waits the next of :data:`RETRY_WAITS`, or what the refusal asks for when that is
+    longer; a refusal asking for more than :data:`MAX_RETRY_WAIT` is not waited for.
+
+    Args:
+        call: The download, without arguments.
+        what: What it downloads, for the log (``"base model openai/clip-vit-base-patch32"``).
+
+    Returns:
+        What ``call`` returns.
+
+    Raises:
+        Exception: Whatever ``call`` raised last, or first when it is no passing refusal.
+    """
+    for attempt, wait in enumerate(RETRY_WAITS, start=1):
+        try:
+            return call()
+        except Exception as exc:
+            refusal = transient_refusal(exc)
+            if refusal is None:
+                raise
+            wait = max(wait, _asked_wait(refusal))
+            if wait > MAX_RETRY_WAIT:
+                raise
+            logger.warning(
+                "The Hub answered %d for %s; retrying in %.0f s (retry %d of %d)",
+                refusal.response.status_code,
+                what,
+                wait,
+                attempt,
+                len(RETRY_WAITS),
+            )
+            time.sleep(wait)
+    return call()
+
+
+def gated_repo_message(what: str, ref: str, *, repo_type: str = "model") -> str:
+    """The sentence for a gated repository ``ref`` that the token (or its absence) may not read."""
+    from huggingface_hub import constants
+
+    url = f"{constants.ENDPOINT}/{'' if repo_type == 'model' else repo_type + 's/'}{ref}"
+    return (
+        f"The {what} {ref!r} is a gated repository: ask for access at {url} (accept its conditions), then "
+        "log in with `hf auth login` or set HF_TOKEN to a token of that account."
+    )
+
+
+def download_failure(exc: BaseException, what: str, ref: str, *, repo_type: str = "model") -> str | None:
+    """Why downloading ``what`` (a Hub repository ``ref``) failed, in one sentence naming the fix; None if unknown.
+
+    Covers what huggingface_hub raises on the way: a passing refusal still refused after the retries,
+    a gated or missing repository, a cache that holds only part of a snapshot, and a connection that
+    broke off mid-file (huggingface_hub resumes a download a few times before giving up; the partial
+    file is removed, nothing half-written stays in the cache).
+    """
+    refusal = transient_refusal(exc)
+    if refusal is not None:
+        status = refusal.response.status_code
+        kind = "a rate limit" if status == 429 else "the Hub is overloaded or down"
+        wait = _asked_wait(refusal)
+        if wait > MAX_RETRY_WAIT:
+            return (
+                f"Cannot download {what} {ref!r}: the Hub answered {status} ({kind}) and asks to wait {wait:.0f} s: "
+                "run again then; files already downloaded are kept."
+            )
+        return (
+            f"Cannot download {what} {ref!r}: the Hub still answered {status} ({kind}) after {len(RETRY_WAITS)} "
+            "retries: run again in a few minutes; files already downloaded are kept."
+        )
+    if isinstance(exc, GatedRepoError):
+        return gated_repo_message(what, ref, repo_type=repo_type)
+    if isinstance(exc, RepositoryNotFoundError):
+        return (
+            f"The {what} {ref!r} is neither a local folder nor a Hub repository you can access "
+            "(check the id, or log in with `hf auth login` for a private or gated one)."
+        )
+    if isinstance(exc, IncompleteSnapshotError):
+        return (
+            f"Only part of {what} {ref!r} is in the cache (a download was interrupted) and the Hub cannot be "
+            f"asked: run once where the Hub is reachable to complete it. {OFFLINE_HINT}"
+        )
+    if isinstance(exc, LocalEntryNotFoundError):
+        why = "HF_HUB_OFFLINE is set" if is_offline() else "the Hub cannot be reached"
+        return f"Cannot load {what} {ref!r}: {why} and it is not in the cache. {OFFLINE_HINT}"
+    if isinstance(exc, TransportError) or (isinstance(exc, OSError) and "Consistency check failed" in str(exc)):
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return (
+            f"Cannot download {what} {ref!r}: the connection to the Hub broke off ({detail}): run again; files "
+            "already downloaded are kept, the partial one was not."
+        )
+    if isinstance(exc, HfHubHTTPError):
+        return f"Cannot download {what} {ref!r}: {str(exc).splitlines()[0]}. {OFFLINE_HINT}"
+    return None
+
+
 def resolve_model_folder(ref: str, *, what: str = "model", cache_dir: str | Path | None = None) -> Path:
     """A local folder holding the model ``ref`` (a folder path or a Hub id), downloading it if needed.
 
     Only configs, tokenizer files and safetensors are fetched: pickles never are. A Hub id is fetched
-    only when the Hub answers; otherwise the local cache is used.
+    only when the Hub answers; otherwise the local cache is used. Passing refusals of the Hub (429,
+    5xx) are retried (:func:`retry_transient`).
 
     Args:
         ref: A model folder or a Hub model id.
@@ -196,7 +336,7 @@ def resolve_model_folder(ref: str, *, what: str = "model", cache_dir: str | Path
 
     Raises:
         ModelInputError: The folder does not exist, ``ref`` is no Hub id, or the model cannot be had
-            (offline and not cached, unknown or private repository, download refused).
+            (offline and not cached, unknown, private or gated repository, download refused or cut off).
     """
     local = local_path(ref)
     if local is not None:
@@ -206,26 +346,19 @@ def resolve_model_folder(ref: str, *, what: str = "model", cache_dir: str | Path
     if not _valid_repo_id(ref):
         raise ModelInputError(ref, f"The {what} {ref!r} is neither an existing folder nor a Hub id ('namespace/name').")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
 
     offline = is_offline() or not hub_reachable()
+
+    def download() -> str:
+        return snapshot_download(ref, allow_patterns=MODEL_FILE_PATTERNS, cache_dir=cache_dir, local_files_only=offline)
+
     try:
-        folder = snapshot_download(
-            ref, allow_patterns=MODEL_FILE_PATTERNS, cache_dir=cache_dir, local_files_only=offline
-        )
-    except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE is set" if is_offline() else "the Hub cannot be reached"
-        raise ModelInputError(
-            ref, f"Cannot load {what} {ref!r}: {why} and it is not in the cache. {OFFLINE_HINT}"
-        ) from None
-    except RepositoryNotFoundError:
-        raise ModelInputError(
-            ref,
-            f"The {what} {ref!r} is neither a local folder nor a Hub repository you can access "
-            "(check the id, or log in with `hf auth login` for a private or gated one).",
-        ) from None
-    except HfHubHTTPError as exc:
-        raise ModelInputError(ref, f"Cannot download {what} {ref!r}: {exc}. {OFFLINE_HINT}") from None
+        folder = download() if offline else retry_transient(download, what=f"{what} {ref}")
+    except Exception as exc:
+        message = download_failure(exc, what, ref)
+        if message is None:
+            raise
+        raise ModelInputError(ref, message) from None
     return Path(folder)
 
 

@@ -13,9 +13,19 @@ import pytest
 import featcal.cli
 import featcal.cli.release
 import featcal.cli.space
+import featcal.hub
 from featcal.data import load_dataset_split
 from featcal.errors import DatasetInputError, HubError, InvalidParameterError, ModelInputError
-from featcal.hub import HubFile, check_repo_id, is_hub_id, local_files, local_path, resolve_model_folder
+from featcal.hub import (
+    HubFile,
+    check_repo_id,
+    download_failure,
+    is_hub_id,
+    local_files,
+    local_path,
+    resolve_model_folder,
+    retry_transient,
+)
 from featcal.release import export_release, push_release
 from featcal.space.publish import push_space
 from tests.support.hub_double import Account, HubDouble
@@ -196,3 +206,109 @@ def test_the_cli_names_flags_where_the_api_names_parameters(online, release, cap
     assert featcal.cli.main(["push", str(release), "--repo", "me/tiny", "--endpoint", "http://127.0.0.1:9"]) == 2
     err = capsys.readouterr().err
     assert "No Hugging Face token: pass --token," in err and "`token`" not in err
+
+
+# -- passing refusals are retried; failed downloads are worded ----------------------------------
+
+
+def _http_error(status: int, headers: dict[str, str] | None = None, cls=None):
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        import httpx2 as httpx
+    except ImportError:  # huggingface_hub 1.x talks through httpx
+        import httpx
+
+    response = httpx.Response(status, headers=headers or {}, request=httpx.Request("GET", "http://127.0.0.1:9/api"))
+    return (cls or HfHubHTTPError)(f"{status} error", response=response)
+
+
+@pytest.fixture
+def waits(monkeypatch) -> list[float]:
+    """The waits of :func:`featcal.hub.retry_transient`, recorded instead of slept."""
+    slept: list[float] = []
+    monkeypatch.setattr(featcal.hub.time, "sleep", slept.append)
+    return slept
+
+
+def test_passing_refusals_are_retried_then_succeed(waits, caplog):
+    answers = [_http_error(503), _http_error(429), "done"]
+
+    def call():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert retry_transient(call, what="base model x/y") == "done"
+    assert waits == [1.0, 2.0]
+    assert "The Hub answered 503 for base model x/y; retrying in 1 s (retry 1 of 3)" in caplog.text
+
+
+def test_a_refusal_behind_another_error_is_found_and_retried(waits):
+    """snapshot_download turns a refused repository-information request into LocalEntryNotFoundError."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def wrapped():
+        try:
+            raise _http_error(502)
+        except Exception as exc:
+            raise LocalEntryNotFoundError("An error happened while trying to locate the files") from exc
+
+    with pytest.raises(LocalEntryNotFoundError) as caught:
+        retry_transient(wrapped, what="x")
+    assert waits == list(featcal.hub.RETRY_WAITS), "retried, then the last error raised"
+    assert "still answered 502" in download_failure(caught.value, "base model", "x/y")
+
+
+def test_rate_limits_are_waited_for_up_to_the_cap(waits):
+    limited = _http_error(429, {"RateLimit": '"api";r=0;t=7', "RateLimit-Policy": '"fixed window";"api";q=500;w=300'})
+    calls = iter([limited, None])
+
+    def call():
+        error = next(calls)
+        if error is not None:
+            raise error
+        return "ok"
+
+    assert retry_transient(call, what="x") == "ok" and waits == [8.0]
+    waits.clear()
+    later = _http_error(429, {"Retry-After": "300"})
+    with pytest.raises(type(later)):
+        retry_transient(lambda: (_ for _ in ()).throw(later), what="x")
+    assert waits == [], "a wait longer than MAX_RETRY_WAIT is not waited for"
+    assert "asks to wait 301 s" in download_failure(later, "base model", "x/y")
+
+
+def test_other_errors_are_not_retried(waits):
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    for error in (_http_error(404, cls=RepositoryNotFoundError), _http_error(401), ValueError("no")):
+        with pytest.raises(type(error)):
+            retry_transient(lambda error=error: (_ for _ in ()).throw(error), what="x")
+    assert waits == []
+
+
+def test_download_failures_are_worded_with_the_repository_and_the_fix():
+    from huggingface_hub.errors import GatedRepoError, IncompleteSnapshotError
+
+    try:
+        from httpx2 import RemoteProtocolError
+    except ImportError:
+        from httpx import RemoteProtocolError
+
+    gated = download_failure(_http_error(401, cls=GatedRepoError), "base model", "org/clip")
+    assert gated.startswith("The base model 'org/clip' is a gated repository: ask for access at ")
+    assert "/org/clip (accept its conditions)" in gated and "`hf auth login`" in gated
+    assert "/datasets/org/data " in download_failure(
+        _http_error(403, cls=GatedRepoError), "dataset", "org/data", repo_type="dataset"
+    )
+    cut = download_failure(RemoteProtocolError("peer closed connection"), "expert for task 'mnist'", "a/b")
+    assert cut.startswith("Cannot download expert for task 'mnist' 'a/b': the connection to the Hub broke off")
+    short = download_failure(OSError("Consistency check failed: file should be of size 9 but has size 4"), "m", "a/b")
+    assert "broke off (Consistency check failed" in short
+    partial = download_failure(
+        IncompleteSnapshotError("2 file(s) are missing", snapshot_path="/x"), "base model", "a/b"
+    )
+    assert partial.startswith("Only part of base model 'a/b' is in the cache")
+    assert download_failure(KeyError("x"), "m", "a/b") is None

@@ -25,7 +25,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, codes)))
 
 
-def byte_level_tokenizer():
+def byte_level_tokenizer(model_max_length: int | None = None):
     """A CLIPTokenizer over single bytes (no merges): 512 byte tokens plus BOS 512 and EOS 513."""
     from transformers import CLIPTokenizer
 
@@ -34,10 +34,11 @@ def byte_level_tokenizer():
     vocab.update({c + "</w>": i + 256 for i, c in enumerate(chars)})
     vocab["<|startoftext|>"] = 512
     vocab["<|endoftext|>"] = 513
-    return CLIPTokenizer(vocab=vocab, merges=[])
+    extra = {} if model_max_length is None else {"model_max_length": model_max_length}
+    return CLIPTokenizer(vocab=vocab, merges=[], **extra)
 
 
-def tiny_clip_config():
+def tiny_clip_config(max_positions: int = 64):
     from transformers import CLIPConfig
 
     return CLIPConfig(
@@ -47,7 +48,7 @@ def tiny_clip_config():
             intermediate_size=37,
             num_hidden_layers=2,
             num_attention_heads=4,
-            max_position_embeddings=64,
+            max_position_embeddings=max_positions,
             bos_token_id=512,
             eos_token_id=513,
             pad_token_id=513,
@@ -64,14 +65,18 @@ def tiny_clip_config():
     )
 
 
-def save_base(folder: Path, seed: int = 0):
-    """A random tiny CLIPModel with tokenizer and image processor, as a Hub-format folder."""
+def save_base(folder: Path, seed: int = 0, *, max_positions: int | None = None):
+    """A random tiny CLIPModel with tokenizer and image processor, as a Hub-format folder.
+
+    ``max_positions`` sets the text tower's positions and the tokenizer's ``model_max_length`` (77 in
+    the real CLIP, long enough for the TA8 prompts); by default 64 and no limit.
+    """
     from transformers import CLIPImageProcessor, CLIPModel
 
     torch.manual_seed(seed)
-    model = CLIPModel(tiny_clip_config()).eval()
+    model = CLIPModel(tiny_clip_config(max_positions or 64)).eval()
     model.save_pretrained(folder)
-    byte_level_tokenizer().save_pretrained(folder)
+    byte_level_tokenizer(max_positions).save_pretrained(folder)
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(folder)
     return model
 
