@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -45,35 +47,55 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     """The vision-tower tensors of a checkpoint, keyed without the ``vision_model.`` prefix.
 
     Accepts a `CLIPModel` or `CLIPVisionModel` folder, or a bare ``.safetensors`` file. Tensors are
-    read lazily from memory-mapped files; nothing is cached, so each ``ckpt[key]`` reads again.
+    read lazily, one at a time; nothing is cached. A file is open (memory-mapped) only while it is
+    read: by one ``ckpt[key]``, or for the whole of a ``with ckpt.reading():`` block. Pages a
+    long-lived mapping has touched count in the process's RSS, so a checkpoint kept for a whole run
+    would hold every tensor it ever read (3 GB for a base and eight ViT-B/32 experts).
     """
 
     def __init__(self, path: str | Path, *, name: str | None = None) -> None:
         self.path = Path(path)
         self.name = name or str(path)
         self.files = _weight_files(self.path)
-        self._handles = [safe_open(str(f), framework="pt") for f in self.files]
         raw: dict[str, int] = {}
-        for i, handle in enumerate(self._handles):
-            for key in handle.keys():
-                raw[key] = i
+        shapes: dict[str, tuple[int, ...]] = {}
+        for i, file in enumerate(self.files):
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    raw[key] = i
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
         has_prefix = any(k.startswith(VISION_PREFIX) for k in raw)
         self._where: dict[str, tuple[int, str]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
         for key, i in raw.items():
-            if has_prefix:
-                if key.startswith(VISION_PREFIX):
-                    self._where[key[len(VISION_PREFIX) :]] = (i, key)
-            else:
-                self._where[key] = (i, key)
+            if has_prefix and not key.startswith(VISION_PREFIX):
+                continue
+            name = key[len(VISION_PREFIX) :] if has_prefix else key
+            self._where[name] = (i, key)
+            self._shapes[name] = shapes[key]
         if not self._where:
             raise FeatcalError(f"{self.name}: the checkpoint holds no tensors.")
+        self._open: list[Any] | None = None
 
     def __getitem__(self, key: str) -> torch.Tensor:
         try:
             i, raw_key = self._where[key]
         except KeyError:
             raise KeyError(f"{self.name} has no tensor {key!r}") from None
-        return self._handles[i].get_tensor(raw_key)
+        if self._open is not None:
+            return self._open[i].get_tensor(raw_key)
+        with safe_open(str(self.files[i]), framework="pt") as handle:
+            return handle.get_tensor(raw_key)
+
+    @contextmanager
+    def reading(self) -> Iterator[Checkpoint]:
+        """Keep the files open for many reads (one mapping per file); closed, and unmapped, after."""
+        with ExitStack() as stack:
+            self._open = [stack.enter_context(safe_open(str(f), framework="pt")) for f in self.files]
+            try:
+                yield self
+            finally:
+                self._open = None
 
     def file_of(self, key: str) -> Path:
         """The safetensors file that holds ``key``."""
@@ -85,18 +107,18 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         Raises:
             ModelInputError: when a floating-point tensor holds a NaN or an infinity.
         """
-        for key in self:
-            value = self[key]
-            if value.is_floating_point() and not torch.isfinite(value).all():
-                raise ModelInputError(
-                    self.name,
-                    f"{self.name}: tensor {key!r} in {self.file_of(key)} is not finite (NaN or infinity); "
-                    "replace the checkpoint with a healthy one.",
-                )
+        with self.reading():
+            bad = next((key for key in self if not _finite(self[key])), None)
+        if bad is not None:
+            raise ModelInputError(
+                self.name,
+                f"{self.name}: tensor {bad!r} in {self.file_of(bad)} is not finite (NaN or infinity); "
+                "replace the checkpoint with a healthy one.",
+            )
 
     def shape(self, key: str) -> tuple[int, ...]:
-        i, raw_key = self._where[key]
-        return tuple(self._handles[i].get_slice(raw_key).get_shape())
+        """The shape of ``key``, read from the header when the checkpoint was opened."""
+        return self._shapes[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -106,6 +128,10 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.name!r}, {len(self)} tensors)"
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
 
 
 def check_same_architecture(base: Checkpoint, shapes: Mapping[str, tuple[int, ...]], what: str, ref: str) -> None:

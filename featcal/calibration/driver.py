@@ -38,10 +38,13 @@ STATISTICS_CHUNK_TOKENS = 4096  # rows per statistics product: large enough for 
 
 @contextmanager
 def _reading(source: StateDict) -> Iterator[StateDict]:
-    """``source`` for one short read. A :class:`Checkpoint` keeps every page it has read mapped, and
-    counted in the RSS, for as long as it lives; reading through a short-lived re-opening releases
-    them, so memory stays flat in the number of experts."""
-    yield Checkpoint(source.path, name=source.name) if isinstance(source, Checkpoint) else source
+    """``source`` for one layer's reads: a :class:`Checkpoint`'s files stay mapped for the block and
+    are unmapped after, so memory stays flat in the number of experts."""
+    if isinstance(source, Checkpoint):
+        with source.reading():
+            yield source
+    else:
+        yield source
 
 
 def _load_params(module: nn.Module, source: StateDict, prefix: str) -> None:
