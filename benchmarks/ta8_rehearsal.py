@@ -517,6 +517,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the run")
     parser.add_argument("--calibration-batch-size", type=int, default=16)
     parser.add_argument("--eval-batch-size", type=int, default=256)
+    parser.add_argument("--device", default="cpu", help="the run's --device (cpu, cuda; default cpu)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (models, datasets, run folder)")
     parser.add_argument("--skip-floor", action="store_true", help="do not measure this machine's matmul rates")
     parser.add_argument("--output", type=Path, default=RESULTS / "ta8_rehearsal.json")
@@ -542,7 +543,7 @@ def main() -> None:
     for folder in (run_dir, hf_home):
         shutil.rmtree(folder, ignore_errors=True)
     cmd = [sys.executable, "-m", "featcal", "run", "--tasks-file", str(workdir / "tasks.json"), "--tasks", *tasks]
-    cmd += ["--base-model-id", str(workdir / "base"), "--device", "cpu"]
+    cmd += ["--base-model-id", str(workdir / "base"), "--device", args.device]
     cmd += ["--num-calibration-examples", str(args.images_per_task)]
     cmd += ["--calibration-batch-size", str(args.calibration_batch_size)]
     cmd += ["--eval-batch-size", str(args.eval_batch_size), "--eval-num-workers", "0", "--output-dir", str(run_dir)]

@@ -230,6 +230,16 @@ def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
         raise
 
 
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """The process's peak memory so far, in GiB: host RSS, and the CUDA allocator's peak on a GPU."""
+    import resource
+
+    memory = {"host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if device.type == "cuda":
+        memory["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return memory
+
+
 class _Run:
     """The stages of one locked run over a run folder, skipping those already done."""
 
@@ -264,7 +274,7 @@ class _Run:
         write_run_config(out, record)
         fault_point("after:run_config")
         if (out / TIMINGS).is_file() and self.ledger.done:
-            self.timings = {k: float(v) for k, v in read_json(out / TIMINGS).items()}
+            self.timings = {k: float(v) for k, v in read_json(out / TIMINGS).items() if isinstance(v, (int, float))}
         merged_name = merged_stage_name(spec.merge_method)
         calibrated_name = calibrated_stage_name(spec.merge_method)
         results: dict[str, MetricsReport] = {}
@@ -324,7 +334,7 @@ class _Run:
                 ),
                 extra={"calibration_examples_used": record["featcal"].get("calibration_examples_used")},
             )
-        write_timings(out, self.timings)
+        write_timings(out, self.timings, peak_memory(self.device))
         if not spec.no_export and (not spec.skip_featcal or not (spec.skip_ta or spec.skip_eval_ta)):
             self._export()
         return results

@@ -182,9 +182,13 @@ def write_stage_report(folder: Path, report: MetricsReport, run_id: str) -> None
     atomic_write_json(folder / RUN_LOG, data, indent=None)
 
 
-def write_timings(run: Path, timings: Mapping[str, float]) -> None:
-    """Write ``timings.json``: seconds per stage, rounded to milliseconds."""
-    atomic_write_json(run / TIMINGS, {k: round(v, 3) for k, v in timings.items()})
+def write_timings(run: Path, timings: Mapping[str, float], memory: Mapping[str, float] | None = None) -> None:
+    """Write ``timings.json``: seconds per stage, rounded to milliseconds, and the process's peak
+    memory in GiB under ``peak_memory`` (host RSS; on CUDA, ``torch.cuda.max_memory_allocated``)."""
+    data: dict[str, Any] = {k: round(v, 3) for k, v in timings.items()}
+    if memory:
+        data["peak_memory"] = {k: round(v, 3) for k, v in memory.items()}
+    atomic_write_json(run / TIMINGS, data)
 
 
 # --- reading -------------------------------------------------------------------------------------

@@ -182,3 +182,8 @@ def test_test_images_start_their_workers_once_per_run(monkeypatch) -> None:
     assert all(pids == workers[0] for pids in workers)  # the same worker process served every pass
     first, again = seen[tasks[0].name]
     assert torch.equal(first, again) and len(first) == small.sizes[tasks[0].name]
+
+
+def test_timings_record_the_peak_memory(cpu_run) -> None:
+    memory = json.loads((cpu_run / "timings.json").read_text())["peak_memory"]
+    assert 0.1 < memory["host_rss_gib"] < 64 and "cuda_max_allocated_gib" not in memory
