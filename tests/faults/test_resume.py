@@ -178,3 +178,15 @@ def test_a_validation_error_leaves_no_folder(world, tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert "fewer than the 1000 calibration images" in err and "--allow-fewer-calibration-examples" in err
     assert not out.exists()
+
+
+def test_a_run_folder_without_a_ledger_is_redone_whole(world, tmp_path) -> None:
+    """A folder written before stages.json existed (or whose ledger was lost) holds outputs of unknown inputs."""
+    out = tmp_path / "run"
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST]
+    assert main(argv) == 0
+    (out / "stages.json").unlink()
+    (out / "featcal-ta" / "stale.txt").write_text("left by an older run")
+    assert main([*argv, "--skip-featcal", "--no-export"]) == 0
+    assert not (out / "featcal-ta").exists() and not (out / "release").exists()
+    assert json.loads((out / "stages.json").read_text()).keys() >= {"merge", "evaluate:ta"}
