@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
 
 import featcal.cli
@@ -28,7 +27,7 @@ from featcal.hub import (
 )
 from featcal.release import export_release, push_release
 from featcal.space.publish import push_space
-from tests.support.hub_double import Account, HubDouble
+from tests.support.hub_double import Account, HubDouble, isolate_from_the_real_hub
 from tests.support.release_runs import make_run
 
 TOKEN = "hf_test_write_token"
@@ -38,11 +37,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationW
 @pytest.fixture
 def online(monkeypatch, tmp_path):
     """No token from the environment or a stored login, and HF_HUB_OFFLINE unset (conftest sets it)."""
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HF_HUB_OFFLINE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    isolate_from_the_real_hub(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")

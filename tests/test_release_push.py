@@ -19,7 +19,7 @@ import pytest
 from featcal.cli.release import register
 from featcal.errors import FeatcalError
 from featcal.release import export_release, push_release, write_card
-from tests.support.hub_double import Account, HubDouble
+from tests.support.hub_double import Account, HubDouble, isolate_from_the_real_hub
 from tests.support.release_runs import make_run
 
 TOKEN = "hf_test_write_token"
@@ -30,11 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationW
 @pytest.fixture(autouse=True)
 def hub_environment(monkeypatch, tmp_path):
     """No token from the environment or a stored login; online; LFS instead of Xet (see the double)."""
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HF_HUB_OFFLINE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    isolate_from_the_real_hub(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import shutil
 import struct
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
 from safetensors import safe_open
 
@@ -23,7 +22,7 @@ from featcal.release.export import stamp_safetensors
 from featcal.release.manifest import MANIFEST, file_sha256, tensors_sha256
 from featcal.release.published import published_config, published_ref
 from featcal.runfolder import recipe_sha256
-from tests.support.hub_double import Account, HubDouble
+from tests.support.hub_double import Account, HubDouble, isolate_from_the_real_hub
 from tests.support.release_runs import FIXTURE, make_run, ta8_config, tiny_config, with_run_id
 
 REPO = "me/x"
@@ -110,11 +109,7 @@ def test_weights_changed_in_place_are_refused_by_dry_run(release, capsys):
 @pytest.fixture
 def hub(monkeypatch, tmp_path):
     """The local Hub protocol double (tests/support/hub_double.py), with no token from the environment."""
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HF_HUB_OFFLINE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    isolate_from_the_real_hub(monkeypatch, tmp_path)
     with HubDouble() as double:
         double.add_token(TOKEN, Account("me"))
         yield double

@@ -697,3 +697,15 @@ def _handler_for(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+def isolate_from_the_real_hub(monkeypatch, tmp_path) -> None:
+    """For a test against the double: no token from the environment or a stored login, online (the
+    test conftest sets HF_HUB_OFFLINE), and LFS instead of Xet, which the double does not speak."""
+    import huggingface_hub.constants
+
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
