@@ -216,14 +216,14 @@ def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
     if not spec.force:
         check_same_run(out, record)
     clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
-    if spec.skip_ta:
-        load_vision_folder(spec.ta_model_path, inputs.base)  # checked before the folder is touched
+    # A merged model to start from is loaded (and checked) before the folder is touched.
+    given_merged = load_vision_folder(spec.ta_model_path, inputs.base) if spec.skip_ta else None
     stages = plan_stages(spec, inputs, data)
     created = not out.exists()
     try:
         with RunLock(out), fixed_precision(spec.precision):
             run = _Run(spec, out, inputs, stages, device, ZeroShotClassifier(clip, tokenizer, device), processor)
-            return run.execute(record, clip)
+            return run.execute(record, clip, given_merged)
     except BaseException:
         if created and not (out / STAGES_FILE).exists():
             shutil.rmtree(out, ignore_errors=True)  # nothing finished: leave no half-made folder
@@ -264,13 +264,11 @@ class _Run:
             )
         return self._images
 
-    def execute(self, record: Mapping[str, Any], clip) -> dict[str, MetricsReport]:
+    def execute(self, record: Mapping[str, Any], clip, given_merged=None) -> dict[str, MetricsReport]:
         spec, out, inputs = self.spec, self.out, self.inputs
         remove_leftovers(out)
         self.run_id = config_hash(record)
-        if spec.force and (out / RUN_CONFIG).is_file():
-            self._clear_unrecorded()
-        self._clear_stale()
+        self._clear_stale()  # with --force the ledger starts empty: every earlier stage folder goes
         write_run_config(out, record)
         fault_point("after:run_config")
         if (out / TIMINGS).is_file() and self.ledger.done:
@@ -283,9 +281,9 @@ class _Run:
         if spec.eval_experts:
             results[EXPERTS_DIR] = self._evaluate_experts()
 
-        merged_model = None
+        merged_model = given_merged  # the --skip-ta model, else merged or loaded below
         if spec.skip_ta:
-            merged_model = load_vision_folder(spec.ta_model_path, inputs.base)
+            pass  # nothing to merge
         elif self._fresh("merge"):
             logger.info("Merge: %s/ is up to date (same inputs); skipped", merged_name)
         else:
