@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from featcal.inputs import (
     validate_datasets,
 )
 from featcal.io import config_hash, fault_point, read_json, save_vision_model
+from featcal.memory import MemoryMeter
 from featcal.merging import get_method
 from featcal.precision import fixed_precision
 from featcal.runfolder import (
@@ -59,6 +61,7 @@ from featcal.runfolder import (
     write_timings,
 )
 from featcal.spec import RunSpec
+from featcal.threads import choose_threads, torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +118,9 @@ def calibrate(
     device: torch.device,
     processor,
     progress: bool = True,
+    in_place: bool = False,
 ):
-    """The FeatCal-calibrated copy of ``merged_model``."""
+    """The FeatCal-calibrated copy of ``merged_model`` (``merged_model`` itself with ``in_place``)."""
     by_name = {t.name: t for t in inputs.tasks}
     model = featcal_calibrate(
         merged_model,
@@ -126,6 +130,7 @@ def calibrate(
         params,
         device=device,
         progress=progress,
+        in_place=in_place,
     )
     check_finite(model.state_dict(), "FeatCal")
     return model
@@ -215,29 +220,20 @@ def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
     record = run_record(spec, inputs, data.calibration_counts)
     if not spec.force:
         check_same_run(out, record)
+    threads = choose_threads(spec.threads, inputs.vision_config.hidden_size)
     clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
     # A merged model to start from is loaded (and checked) before the folder is touched.
     given_merged = load_vision_folder(spec.ta_model_path, inputs.base) if spec.skip_ta else None
     stages = plan_stages(spec, inputs, data)
     created = not out.exists()
     try:
-        with RunLock(out), fixed_precision(spec.precision):
+        with RunLock(out), fixed_precision(spec.precision), torch_threads(threads):
             run = _Run(spec, out, inputs, stages, device, ZeroShotClassifier(clip, tokenizer, device), processor)
-            return run.execute(record, clip, given_merged)
+            return run.execute(record, given_merged)
     except BaseException:
         if created and not (out / STAGES_FILE).exists():
             shutil.rmtree(out, ignore_errors=True)  # nothing finished: leave no half-made folder
         raise
-
-
-def peak_memory(device: torch.device) -> dict[str, float]:
-    """The process's peak memory so far, in GiB: host RSS, and the CUDA allocator's peak on a GPU."""
-    import resource
-
-    memory = {"host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    if device.type == "cuda":
-        memory["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    return memory
 
 
 class _Run:
@@ -249,7 +245,20 @@ class _Run:
         self.ledger = StageLedger(out) if spec.force else StageLedger.read(out)
         self.run_id = ""
         self.timings: dict[str, float] = {}
+        self.memory = MemoryMeter(device)
         self._images: TestImages | None = None
+
+    @contextmanager
+    def _stage(self, key: str, timed: bool = True) -> Iterator[None]:
+        """Measure the body as stage ``key``: its peak memory, and with ``timed`` its seconds as ``<key>_s``."""
+        start = time.perf_counter()
+        with self.memory.stage(key):
+            yield
+        if timed:
+            self.timings[f"{key}_s"] = time.perf_counter() - start
+
+    def _write_timings(self) -> None:
+        write_timings(self.out, self.timings, self.memory.report(), {"torch_threads": torch.get_num_threads()})
 
     @property
     def images(self) -> TestImages:
@@ -264,7 +273,7 @@ class _Run:
             )
         return self._images
 
-    def execute(self, record: Mapping[str, Any], clip, given_merged=None) -> dict[str, MetricsReport]:
+    def execute(self, record: Mapping[str, Any], given_merged=None) -> dict[str, MetricsReport]:
         spec, out, inputs = self.spec, self.out, self.inputs
         remove_leftovers(out)
         self.run_id = config_hash(record)
@@ -277,7 +286,9 @@ class _Run:
         calibrated_name = calibrated_stage_name(spec.merge_method)
         results: dict[str, MetricsReport] = {}
         if spec.eval_zero_shot:
-            results[ZERO_SHOT_DIR] = self._evaluate(ZERO_SHOT_DIR, lambda: clip.vision_model)
+            results[ZERO_SHOT_DIR] = self._evaluate(ZERO_SHOT_DIR, lambda: self.classifier.clip.vision_model)
+        # From here on only the class heads are needed: the base's towers leave memory before the merge.
+        self.classifier.keep_heads_only(inputs.tasks if self._needs_heads() else [])
         if spec.eval_experts:
             results[EXPERTS_DIR] = self._evaluate_experts()
 
@@ -287,11 +298,11 @@ class _Run:
         elif self._fresh("merge"):
             logger.info("Merge: %s/ is up to date (same inputs); skipped", merged_name)
         else:
-            start = time.perf_counter()
-            state = merge(inputs, spec.merge_method, self.device)
-            save_vision_model(state, inputs.vision_config, out / merged_name)
-            self.timings["merge_s"] = time.perf_counter() - start
-            merged_model = build_vision_model(inputs, state)
+            with self._stage("merge"):
+                state = merge(inputs, spec.merge_method, self.device)
+                save_vision_model(state, inputs.vision_config, out / merged_name)
+                merged_model = build_vision_model(inputs, state)
+                del state
             self._mark("merge")
 
         def merged() -> Any:
@@ -302,11 +313,10 @@ class _Run:
 
         if not spec.skip_eval_ta:
             if spec.skip_ta:  # the merged model comes from elsewhere: reported, not written
-                start = time.perf_counter()
-                results[merged_name] = self.classifier.evaluate(
-                    merged(), inputs.tasks, progress=spec.progress, images=self.images
-                )
-                self.timings[f"eval_{merged_name}_s"] = time.perf_counter() - start
+                with self._stage(f"eval_{merged_name}"):
+                    results[merged_name] = self.classifier.evaluate(
+                        merged(), inputs.tasks, progress=spec.progress, images=self.images
+                    )
             else:
                 results[merged_name] = self._evaluate(merged_name, merged)
 
@@ -315,13 +325,16 @@ class _Run:
             if self._fresh("calibrate"):
                 logger.info("FeatCal: %s/ is up to date (same inputs); skipped", calibrated_name)
             else:
-                start = time.perf_counter()
-                calibrated_model = calibrate(
-                    inputs, merged(), spec.featcal, seed=spec.seed, device=self.device,
-                    processor=self.processor, progress=spec.progress,
-                )  # fmt: skip
-                self.timings["calibrate_s"] = time.perf_counter() - start
-                save_vision_model(calibrated_model.state_dict(), inputs.vision_config, out / calibrated_name)
+                with self.memory.stage("calibrate"):
+                    start = time.perf_counter()
+                    # In place: the merged weights are not read again, so only one model is in memory.
+                    calibrated_model = calibrate(
+                        inputs, merged(), spec.featcal, seed=spec.seed, device=self.device,
+                        processor=self.processor, progress=spec.progress, in_place=True,
+                    )  # fmt: skip
+                    merged_model = None
+                    self.timings["calibrate_s"] = time.perf_counter() - start
+                    save_vision_model(calibrated_model.state_dict(), inputs.vision_config, out / calibrated_name)
                 self._mark("calibrate")
             results[calibrated_name] = self._evaluate(
                 calibrated_name,
@@ -332,10 +345,23 @@ class _Run:
                 ),
                 extra={"calibration_examples_used": record["featcal"].get("calibration_examples_used")},
             )
-        write_timings(out, self.timings, peak_memory(self.device))
+        merged_model = calibrated_model = None
+        self._write_timings()
         if not spec.no_export and (not spec.skip_featcal or not (spec.skip_ta or spec.skip_eval_ta)):
-            self._export()
+            with self._stage("export", timed=False):
+                exported = self._export()
+            if exported:
+                self._write_timings()  # with the export's peak (the card was written from the first)
         return results
+
+    def _needs_heads(self) -> bool:
+        """Whether any evaluation stage of this run is still to do (else no class head is needed)."""
+        spec = self.spec
+        merged, calibrated = merged_stage_name(spec.merge_method), calibrated_stage_name(spec.merge_method)
+        wanted = [EXPERTS_DIR] if spec.eval_experts else []
+        wanted += [] if spec.skip_eval_ta else [merged]
+        wanted += [] if spec.skip_featcal else [calibrated]
+        return any((spec.skip_ta and folder == merged) or not self._fresh(f"evaluate:{folder}") for folder in wanted)
 
     def _fresh(self, name: str) -> bool:
         return self.ledger.is_done(name, self.stages[name].identity)
@@ -373,10 +399,11 @@ class _Run:
         if self._fresh(name):
             logger.info("Evaluation of %s/ is up to date (same inputs); skipped", folder)
             return restamp_report(self.out / folder, self.run_id)
-        start = time.perf_counter()
-        report = self.classifier.evaluate(model(), self.inputs.tasks, progress=self.spec.progress, images=self.images)
+        with self._stage(f"eval_{folder}"):
+            report = self.classifier.evaluate(
+                model(), self.inputs.tasks, progress=self.spec.progress, images=self.images
+            )
         report = report.with_extra({k: v for k, v in (extra or {}).items() if v})
-        self.timings[f"eval_{folder}_s"] = time.perf_counter() - start
         write_stage_report(self.out / folder, report, self.run_id)
         self._mark(name)
         return report
@@ -386,13 +413,14 @@ class _Run:
         if self._fresh(name):
             logger.info("Evaluation of the experts is up to date (same inputs); skipped")
             return restamp_report(self.out / EXPERTS_DIR, self.run_id)
-        per_task = {
-            task.name: self.classifier.evaluate_task(
-                build_vision_model(self.inputs, self.inputs.experts[task.name]), task,
-                progress=self.spec.progress, images=self.images,
-            )
-            for task in self.inputs.tasks
-        }  # fmt: skip
+        with self._stage(f"eval_{EXPERTS_DIR}"):
+            per_task = {
+                task.name: self.classifier.evaluate_task(
+                    build_vision_model(self.inputs, self.inputs.experts[task.name]), task,
+                    progress=self.spec.progress, images=self.images,
+                )
+                for task in self.inputs.tasks
+            }  # fmt: skip
         report = MetricsReport.from_results(per_task)
         write_stage_report(self.out / EXPERTS_DIR, report, self.run_id)
         self._mark(name)
@@ -403,13 +431,15 @@ class _Run:
             (name, entry.get("identity")) for name, entry in self.ledger.done.items() if name != "export"
         ))  # fmt: skip
 
-    def _export(self) -> None:
+    def _export(self) -> bool:
+        """Write the release folder unless it is up to date; whether it was written."""
         from featcal.release import export_release
 
         identity = self._export_identity()
         if self.ledger.is_done("export", identity) and (self.out / RELEASE_DIR).is_dir():
             logger.info("Release: %s/ is up to date; skipped", RELEASE_DIR)
-            return
+            return False
         export_release(self.out)
         self.ledger.mark("export", identity, [RELEASE_DIR])
         fault_point("after:export")
+        return True

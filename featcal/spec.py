@@ -325,6 +325,10 @@ class RunSpec:
         "float32", help="CUDA arithmetic: float32 (IEEE, also for cuDNN), or tf32 (faster on Ampere and newer)",
         group=RUNTIME, choices=("float32", "tf32"),
     )  # fmt: skip
+    threads: int | None = option(
+        None, help="torch CPU threads (default: 1 for vision towers narrower than 256, else one per core)",
+        group=RUNTIME, metavar="N", ge=1,
+    )  # fmt: skip
     seed: int = option(42, help="seed of the calibration shuffle", group=RUNTIME, ge=0)
     skip_ta: bool = option(False, help="start from ta-model-path instead of merging", group=STAGES)
     ta_model_path: str | None = option(None, help="merged model folder for skip-ta", group=STAGES, metavar="DIR")

@@ -7,6 +7,8 @@ inside the command that needs it, so ``featcal --help`` does not import torch.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from featcal.cli.common import format_results, path_line, show_progress
@@ -20,6 +22,17 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     return build_spec(
         cli=given_values(args), recipe=recipe, recipe_source=getattr(args, "recipe", None), progress=show_progress(args)
     )
+
+
+@contextmanager
+def compute_settings(spec: RunSpec, inputs) -> Iterator[None]:
+    """The command's CUDA precision and torch threads (``--precision``, ``--threads``), restored after."""
+    from featcal.precision import fixed_precision
+    from featcal.threads import choose_threads, torch_threads
+
+    threads = choose_threads(spec.threads, inputs.vision_config.hidden_size)
+    with fixed_precision(spec.precision), torch_threads(threads):
+        yield
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -41,12 +54,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from featcal.inputs import resolve_device, resolve_inputs
     from featcal.io import save_vision_model
     from featcal.pipeline import merge
-    from featcal.precision import fixed_precision
 
     spec = spec_from_args(args)
     device = resolve_device(spec.device)
     inputs = resolve_inputs(spec)
-    with fixed_precision(spec.precision):
+    with compute_settings(spec, inputs):
         state = merge(inputs, spec.merge_method, device)
     folder = save_vision_model(state, inputs.vision_config, args.output)
     print(path_line(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts)", folder))
@@ -58,7 +70,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from featcal.inputs import load_vision_folder, resolve_device, resolve_inputs, validate_datasets
     from featcal.io import save_vision_model
     from featcal.pipeline import calibrate
-    from featcal.precision import fixed_precision
 
     spec = spec_from_args(args)
     device = resolve_device(spec.device)
@@ -66,10 +77,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     validate_datasets(inputs.tasks, splits=("train",))
     merged = load_vision_folder(args.merged, inputs.base)
     _, _, processor = load_base_clip(inputs.base_folder)
-    with fixed_precision(spec.precision):
+    with compute_settings(spec, inputs):
         model = calibrate(
-            inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor, progress=spec.progress
-        )
+            inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor,
+            progress=spec.progress, in_place=True,
+        )  # fmt: skip
     folder = save_vision_model(model.state_dict(), inputs.vision_config, args.output)
     print(path_line("Calibrated model", folder))
     return 0
@@ -79,7 +91,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from featcal.evaluation import ZeroShotClassifier, load_base_clip
     from featcal.inputs import load_vision_folder, resolve_device, resolve_inputs, validate_datasets
     from featcal.io import atomic_write_json
-    from featcal.precision import fixed_precision
     from featcal.runfolder import METRICS, ZERO_SHOT_DIR
 
     spec = spec_from_args(args)
@@ -88,7 +99,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     validate_datasets(inputs.tasks, splits=("test",))
     clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
     model = load_vision_folder(args.model, inputs.base) if args.model else clip.vision_model
-    with fixed_precision(spec.precision):
+    with compute_settings(spec, inputs):
         report = ZeroShotClassifier(clip, tokenizer, device).evaluate(
             model,
             inputs.tasks,
