@@ -284,8 +284,8 @@ class RunSpec:
         "(see `featcal tasks`)", group=TASKS, metavar="SUITE", choices=SUITE_NAMES,
     )  # fmt: skip
     backbone: str = option(
-        DEFAULT_BACKBONE, help=f"CLIP backbone, {' | '.join(BACKBONE_NAMES)} (ViT-B/32, B/16, L/14): the base and expert "
-        "ids of the built-in suite", group=TASKS, metavar="BACKBONE", choices=BACKBONE_NAMES,
+        DEFAULT_BACKBONE, help=f"CLIP backbone, {' | '.join(BACKBONE_NAMES)} (ViT-B/32, B/16, L/14): the base and "
+        "expert ids of the built-in suite", group=TASKS, metavar="BACKBONE", choices=BACKBONE_NAMES,
     )  # fmt: skip
     tasks: list[str] | None = option(
         None, help="tasks to use (default: every task of tasks-file, else every task of the suite)", group=TASKS,

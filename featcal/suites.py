@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,7 @@ TALL_TABLE = "tall_tasks.json"
 SINGLE_MODEL_KINDS = ("zero_shot", "expert")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _resource(name: str) -> dict[str, Any]:
     return json.loads(resources.files("featcal.resources").joinpath(name).read_text(encoding="utf-8"))
 
@@ -134,7 +134,8 @@ def reference_source(suite: str, backbone_name: str) -> str:
     """Where the merge references of ``suite`` on ``backbone_name`` come from, in words."""
     if (suite, backbone_name) == (DEFAULT_SUITE, DEFAULT_BACKBONE):
         return "the FeatCal reference run (arXiv 2605.13030)"
-    return f"FusionBench (docs/modelpool/clip_vit.md, {backbone(backbone_name).title}, {len(suite_task_names(suite))} tasks)"
+    title, count = backbone(backbone_name).title, len(suite_task_names(suite))
+    return f"FusionBench (docs/modelpool/clip_vit.md, {title}, {count} tasks)"
 
 
 def suite_table(suite: str | None = None, backbone_name: str | None = None) -> TaskTable:
