@@ -222,3 +222,29 @@ def test_the_card_shows_the_references_published_for_the_runs_suite_and_backbone
     assert "FeatCal reference run" not in card
     card = str(render_card(read_run(_suite_run(tmp_path, "ta20", "b32"))))
     assert "| rendered-sst2 | 50.00 | **75.00** |" in card and "Published reference" not in card
+
+
+def test_the_space_offers_the_chosen_suite_else_the_models_own(tmp_path):
+    from featcal.space.model import space_tasks
+    from featcal.space.settings import SpaceSettings
+
+    assert [t.name for t in space_tasks(SpaceSettings())] == suite_task_names("ta8")
+    assert [t.name for t in space_tasks(SpaceSettings(), "ta20")] == suite_task_names("ta20")
+    assert [t.name for t in space_tasks(SpaceSettings(suite="ta14"), "ta20")] == suite_task_names("ta14")
+    assert "suite" not in SpaceSettings().to_config()  # a Space staged without one is as before
+    assert SpaceSettings(suite="ta14").to_config()["suite"] == "ta14"
+    assert SpaceSettings.from_app_dir(tmp_path, {"SUITE": "ta20"}).suite == "ta20"
+    with pytest.raises(UnknownNameError, match="suite 'ta9'"):
+        space_tasks(SpaceSettings(suite="ta9"))
+
+
+def test_featcal_methods_shows_the_averages_published_for_the_suite(capsys):
+    assert main(["methods", "--backbone", "l14"]) == 0
+    out = capsys.readouterr().out
+    assert "published average on ta8/l14: 80.70" in out and "published average on ta8/l14: 84.00" in out
+    assert "CLIP ViT-L/14, 8 tasks" in out
+    assert main(["methods"]) == 0
+    assert "published average with FeatCal on ta8/b32: 85.47" in capsys.readouterr().out
+    assert main(["methods", "--suite", "ta14", "--backbone", "b16"]) == 0
+    out = capsys.readouterr().out
+    assert "published average" not in out and "No merge accuracy is published for ta14 on b16." in out
