@@ -27,7 +27,7 @@ from typing import Any
 from featcal.errors import FeatcalError, InputError, InvalidParameterError, UnknownNameError
 from featcal.suites import BACKBONE_NAMES, DEFAULT_BACKBONE, DEFAULT_SUITE, SUITE_NAMES
 
-DEFAULT_OUTPUT_DIR = "outputs/clip-vit-b32-ta8"
+OUTPUT_DIR_PATTERN = "outputs/clip-vit-{backbone}-{suite}"  # outputs/clip-vit-b32-ta8 by default
 TRUE_WORDS = frozenset({"true", "yes", "on"})
 FALSE_WORDS = frozenset({"false", "no", "off"})
 
@@ -275,7 +275,10 @@ class RunSpec:
             ``skip_ta`` is set without ``ta_model_path``.
     """
 
-    output_dir: str = option(DEFAULT_OUTPUT_DIR, help="run folder", group="output", metavar="DIR")
+    output_dir: str | None = option(
+        None, help=f"run folder (default {OUTPUT_DIR_PATTERN.format(backbone='BACKBONE', suite='SUITE')})",
+        group="output", metavar="DIR",
+    )  # fmt: skip
     force: bool = option(
         False, help="redo every stage, and replace a run of other tasks or base model in output-dir", group="output"
     )
@@ -348,6 +351,8 @@ class RunSpec:
         if isinstance(self.featcal, Mapping):
             object.__setattr__(self, "featcal", FeatCalParams(**self.featcal))
         _validate(self)
+        if self.output_dir is None:
+            object.__setattr__(self, "output_dir", OUTPUT_DIR_PATTERN.format(backbone=self.backbone, suite=self.suite))
         if self.skip_ta and not self.ta_model_path:
             raise InvalidParameterError(
                 "ta_model_path", None, "the merged model folder to start from, since skip_ta is set"

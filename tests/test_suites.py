@@ -137,6 +137,12 @@ def test_a_bad_suite_on_the_command_line_is_one_error_line(capsys, tmp_path):
     assert not out.exists()
 
 
+def test_the_default_run_folder_is_named_after_backbone_and_suite():
+    assert RunSpec().output_dir == "outputs/clip-vit-b32-ta8"
+    assert RunSpec(suite="ta14", backbone="b16").output_dir == "outputs/clip-vit-b16-ta14"
+    assert build_spec(cli={"suite": "ta20", "output_dir": "runs/mine"}).output_dir == "runs/mine"
+
+
 def test_the_record_names_suite_and_backbone_only_when_chosen():
     from featcal.pipeline import suite_record
 
