@@ -108,6 +108,9 @@ def merged_reference(suite: str, backbone_name: str) -> dict[str, dict[str, floa
     The CLIP ViT-B/32 TA8 numbers are the FeatCal reference run's (``ta8_tasks.json``); the others
     FusionBench's. Empty where nothing is published (FusionBench gives no per-task merge accuracies
     for 14 or 20 tasks).
+
+    Raises:
+        UnknownNameError: for a suite or backbone that is not built in.
     """
     suite_task_names(suite)
     backbone(backbone_name)
@@ -141,13 +144,13 @@ def reference_source(suite: str, backbone_name: str) -> str:
 def suite_table(suite: str | None = None, backbone_name: str | None = None) -> TaskTable:
     """The built-in task table of ``suite`` with ``backbone_name``'s base model and experts.
 
-    Args:
-        suite: ``ta8``, ``ta14`` or ``ta20``; None: :data:`DEFAULT_SUITE`.
-        backbone_name: ``b32``, ``b16`` or ``l14``; None: :data:`DEFAULT_BACKBONE`.
-
     Each task's ``reference_accuracy`` holds the merge accuracies published for this suite and
     backbone (none for most: see :func:`merged_reference`), with their source in ``reference_source``.
     ``ta8`` on ``b32`` is the TA8 table exactly as shipped.
+
+    Args:
+        suite: ``ta8``, ``ta14`` or ``ta20``; None: :data:`DEFAULT_SUITE`.
+        backbone_name: ``b32``, ``b16`` or ``l14``; None: :data:`DEFAULT_BACKBONE`.
 
     Raises:
         UnknownNameError: for a suite or backbone that is not built in.
