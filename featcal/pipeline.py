@@ -61,6 +61,7 @@ from featcal.runfolder import (
     write_timings,
 )
 from featcal.spec import RunSpec
+from featcal.suites import DEFAULT_BACKBONE, DEFAULT_SUITE
 from featcal.threads import choose_threads, torch_threads
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def run_record(spec: RunSpec, inputs: RunInputs, calibration_counts: Mapping[str
         "base_model_id": inputs.base_ref,
         "experts": inputs.expert_refs,
         "tasks": [t.name for t in inputs.tasks],
+        **suite_record(spec),
         "tasks_table": {t.name: t.to_dict() for t in inputs.tasks},
         "seed": spec.seed,
         "merge": {
@@ -92,6 +94,16 @@ def run_record(spec: RunSpec, inputs: RunInputs, calibration_counts: Mapping[str
         "evaluation": {"max_eval_samples": spec.max_eval_samples, "image_processor": IMAGE_PROCESSOR},
         "precision": spec.precision,
     }
+
+
+def suite_record(spec: RunSpec) -> dict[str, str]:
+    """The suite and backbone chosen, when not the defaults (``ta8``, ``b32``).
+
+    The tasks, models and references they select are recorded in full anyway; leaving the defaults
+    out keeps the record, and so the run id, of runs made before suites could be chosen.
+    """
+    chosen = {"suite": (spec.suite, DEFAULT_SUITE), "backbone": (spec.backbone, DEFAULT_BACKBONE)}
+    return {key: value for key, (value, default) in chosen.items() if value != default}
 
 
 def check_finite(state: Mapping[str, torch.Tensor], what: str) -> None:

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import FeatcalError, InputError, InvalidParameterError, UnknownNameError
+from featcal.suites import BACKBONE_NAMES, DEFAULT_BACKBONE, DEFAULT_SUITE, SUITE_NAMES
 
-DEFAULT_OUTPUT_DIR = "outputs/clip-vit-b32-ta8"
+OUTPUT_DIR_PATTERN = "outputs/clip-vit-{backbone}-{suite}"  # outputs/clip-vit-b32-ta8 by default
 TRUE_WORDS = frozenset({"true", "yes", "on"})
 FALSE_WORDS = frozenset({"false", "no", "off"})
 
@@ -274,20 +275,31 @@ class RunSpec:
             ``skip_ta`` is set without ``ta_model_path``.
     """
 
-    output_dir: str = option(DEFAULT_OUTPUT_DIR, help="run folder", group="output", metavar="DIR")
+    output_dir: str | None = option(
+        None, help=f"run folder (default {OUTPUT_DIR_PATTERN.format(backbone='BACKBONE', suite='SUITE')})",
+        group="output", metavar="DIR",
+    )  # fmt: skip
     force: bool = option(
         False, help="redo every stage, and replace a run of other tasks or base model in output-dir", group="output"
     )
+    suite: str = option(
+        DEFAULT_SUITE, help=f"built-in task suite, {' | '.join(SUITE_NAMES)}: FusionBench's 8, 14 or 20 tasks "
+        "(see `featcal tasks`)", group=TASKS, metavar="SUITE", choices=SUITE_NAMES,
+    )  # fmt: skip
+    backbone: str = option(
+        DEFAULT_BACKBONE, help=f"CLIP backbone, {' | '.join(BACKBONE_NAMES)} (ViT-B/32, B/16, L/14): the base and "
+        "expert ids of the built-in suite", group=TASKS, metavar="BACKBONE", choices=BACKBONE_NAMES,
+    )  # fmt: skip
     tasks: list[str] | None = option(
-        None, help="tasks to use (default: every task of tasks-file, else the eight TA8 tasks)", group=TASKS,
+        None, help="tasks to use (default: every task of tasks-file, else every task of the suite)", group=TASKS,
         metavar="TASK", nargs="+",
     )  # fmt: skip
     tasks_file: str | None = option(
-        None, help="JSON or YAML task table adding to (or replacing) the built-in TA8 tasks", group=TASKS,
+        None, help="JSON or YAML task table adding to (or replacing) the built-in suite's tasks", group=TASKS,
         metavar="FILE",
     )  # fmt: skip
     base_model_id: str | None = option(
-        None, help="base CLIPModel, Hub id or folder (default: the task table's, openai/clip-vit-base-patch32)",
+        None, help="base CLIPModel, Hub id or folder (default: the backbone's, openai/clip-vit-base-patch32 for b32)",
         group=TASKS, metavar="ID_OR_DIR",
     )  # fmt: skip
     expert_model_format: str | None = option(
@@ -343,6 +355,8 @@ class RunSpec:
         if isinstance(self.featcal, Mapping):
             object.__setattr__(self, "featcal", FeatCalParams(**self.featcal))
         _validate(self)
+        if self.output_dir is None:
+            object.__setattr__(self, "output_dir", OUTPUT_DIR_PATTERN.format(backbone=self.backbone, suite=self.suite))
         if self.skip_ta and not self.ta_model_path:
             raise InvalidParameterError(
                 "ta_model_path", None, "the merged model folder to start from, since skip_ta is set"

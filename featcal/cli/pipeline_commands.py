@@ -14,6 +14,7 @@ from pathlib import Path
 from featcal.cli.common import format_results, path_line, show_progress
 from featcal.cli.options import add_spec_options, given_values
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
+from featcal.suites import BACKBONE_NAMES, DEFAULT_BACKBONE, DEFAULT_SUITE, SUITE_NAMES
 
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
@@ -121,12 +122,22 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_methods(args: argparse.Namespace) -> int:
     from featcal.merging import available_methods, get_method
     from featcal.runfolder import merged_stage_name
+    from featcal.suites import merged_reference, reference_source
 
+    published = merged_reference(args.suite, args.backbone)
     for name in available_methods():
         method = get_method(name)
         print(f"{name:<18} {method.pretty_name}  {method.reference_url}  → folder {merged_stage_name(name)}/")
         for line in [method.description, *map(str, method.params)]:
             print(f"{'':<18} {line}")
+        for key in (name, f"{name}_featcal"):
+            if "average" in published.get(key, {}):
+                label = "published average" + (" with FeatCal" if key != name else "")
+                print(f"{'':<18} {label} on {args.suite}/{args.backbone}: {100 * published[key]['average']:.2f}")
+    if published:
+        print(f"Published averages: {reference_source(args.suite, args.backbone)}; per task: `featcal tasks`.")
+    else:
+        print(f"No merge accuracy is published for {args.suite} on {args.backbone}.")
     return 0
 
 
@@ -165,4 +176,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_evaluate)
 
     p = subparsers.add_parser("methods", help="list the merging methods and their hyper-parameters")
+    p.add_argument("--suite", choices=SUITE_NAMES, default=DEFAULT_SUITE, help="show the averages published for it")
+    p.add_argument("--backbone", choices=BACKBONE_NAMES, default=DEFAULT_BACKBONE, help="… on this backbone")
     p.set_defaults(func=cmd_methods)

@@ -213,6 +213,8 @@ def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | N
         "has_base": any(r.base is not None for r in rows),
         "has_merged": any(r.merged is not None for r in rows),
         "has_reference": any(r.reference_merged is not None or r.reference_calibrated is not None for r in rows),
+        # where the reference numbers come from, when the task table says (else the FeatCal reference run)
+        "reference_source": next((t.reference_source for t in run.tasks if t.reference_source), None),
         "plot": plot,
         "snippet": {
             "task": snippet.name,
