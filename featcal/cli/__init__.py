@@ -15,7 +15,13 @@ from featcal.errors import FeatcalError
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 # Modules that add subcommands; each has `register(subparsers)`.
-COMMAND_MODULES = ("featcal.cli.pipeline_commands", "featcal.cli.release", "featcal.cli.space", "featcal.cli.demo")
+COMMAND_MODULES = (
+    "featcal.cli.pipeline_commands",
+    "featcal.cli.diagnose",
+    "featcal.cli.release",
+    "featcal.cli.space",
+    "featcal.cli.demo",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
