@@ -225,6 +225,14 @@ def diagnose_run(
         raise InvalidParameterError(
             "diagnose_split", split, "test, since this run did not calibrate (it has no calibration images)"
         )
+    counts, seed = None, run.config.get("seed")
+    if split == "calibration":
+        if not isinstance(seed, int):
+            raise RunFolderError(
+                run.path, f"{run.path / RUN_CONFIG} records no seed, so its calibration images are unknown."
+            )
+        used = featcal.get("calibration_examples_used") or {}
+        counts = {t.name: int(used.get(t.name, featcal["num_calibration_examples"])) for t in run.tasks}
     base_folder = resolve_model_folder(run.base_model, what="base model")
     base = Checkpoint(base_folder, name=f"base model {run.base_model}")
     experts: dict[str, Checkpoint] = {}
@@ -238,15 +246,6 @@ def diagnose_run(
     validate_datasets(list(run.tasks), ("train",) if split == "calibration" else ("test",))
     processor = load_image_processor(base_folder)
     models = {name: load_vision_folder(folder, base) for name, folder in folders.items()}
-    counts, seed = None, run.config.get("seed")
-    if split == "calibration":
-        if not isinstance(seed, int):
-            raise RunFolderError(
-                run.path,
-                f"{run.path / RUN_CONFIG} records no seed, so its calibration images are unknown.",
-            )
-        used = featcal.get("calibration_examples_used") or {}
-        counts = {t.name: int(used.get(t.name, featcal["num_calibration_examples"])) for t in run.tasks}
     load = drift_images(
         run.tasks, processor, split=split, num_images=num_images, seed=seed or 0, calibration_counts=counts
     )
