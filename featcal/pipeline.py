@@ -407,7 +407,8 @@ class _Run:
         for name in sorted(names):
             if (self.out / name).is_dir():
                 shutil.rmtree(self.out / name)
-        (self.out / TIMINGS).unlink(missing_ok=True)
+        for name in (TIMINGS, DIAGNOSTICS, DIAGNOSTICS_PLOT):
+            (self.out / name).unlink(missing_ok=True)
 
     def _evaluate(self, folder: str, model: Any, extra: Mapping[str, Any] | None = None) -> MetricsReport:
         name = f"evaluate:{folder}"

@@ -173,6 +173,19 @@ def test_a_second_run_skips_the_stage(run_dir, caplog):
     assert "diagnose" in json.loads((run_dir / "stages.json").read_text())
 
 
+def test_other_diagnostics_options_redo_the_stage_and_the_card(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    argv = ["-q", "run", *RUN, "--diagnose", "--diagnose-images", "4", "--output-dir", str(run)]
+    assert main(argv) == 0
+    report = json.loads((run / DIAGNOSTICS).read_text())
+    assert report["split"] == "test" and report["images_per_task"] == dict.fromkeys(TASKS, 4)
+    assert report["summary"] in (run / "release" / "README.md").read_text()
+    assert main(["-q", "run", *RUN, "--force", "--skip-featcal", "--output-dir", str(run)]) == 0
+    assert not (run / DIAGNOSTICS).exists() and not (run / DIAGNOSTICS_PLOT).exists()
+    assert DIAGNOSTICS_PLOT not in {p.name for p in (run / "release").iterdir()}
+
+
 # --- featcal diagnose RUN --------------------------------------------------------------------------
 
 
