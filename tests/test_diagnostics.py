@@ -64,10 +64,10 @@ def test_an_expert_against_itself_drifts_exactly_zero(experts):
     assert drift.num_images == {"t1": 8}
 
 
-def test_drift_of_a_merge_is_positive_and_equals_the_definition(run_dir, experts):
-    """Against the whole-model forward: every layer's hidden states, and the pooled output."""
+def test_drift_of_a_merge_is_positive_and_equals_the_definition(run_dir, experts, device):
+    """Against the whole-model forward on the CPU: every layer's hidden states, and the pooled output."""
     merged = CLIPVisionModel.from_pretrained(str(run_dir / "ta")).eval()
-    drift = measure_drift({MERGED: merged}, experts, calibration_images, batch_size=3, progress=False)
+    drift = measure_drift({MERGED: merged}, experts, calibration_images, batch_size=3, device=device, progress=False)
     for task in TASKS:
         pixels = calibration_images(task)
         with torch.no_grad():
@@ -75,7 +75,7 @@ def test_drift_of_a_merge_is_positive_and_equals_the_definition(run_dir, experts
             e = expert_model(task)(pixel_values=pixels, output_hidden_states=True)
         expected = [float((a - b).norm() / b.norm()) for a, b in zip(m.hidden_states[1:], e.hidden_states[1:])]
         expected.append(float((m.pooler_output - e.pooler_output).norm() / e.pooler_output.norm()))
-        assert drift.drift[MERGED][task] == pytest.approx(expected, rel=1e-5)
+        assert drift.drift[MERGED][task] == pytest.approx(expected, rel=1e-5 if device == "cpu" else 1e-3)
         assert all(v > 0 for v in drift.drift[MERGED][task])
 
 

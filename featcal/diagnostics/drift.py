@@ -128,7 +128,8 @@ class DriftMeter:
 
     def _on_device(self, model: nn.Module) -> nn.Module:
         """``model`` on the device in eval mode; a copy when it lives elsewhere, so the caller's is not moved."""
-        if next(model.parameters()).device != self.device:
+        where = next(model.parameters()).device
+        if where.type != self.device.type or (self.device.index is not None and where.index != self.device.index):
             model = copy.deepcopy(model).to(self.device)
         return model.eval()
 
