@@ -22,6 +22,7 @@ import torch
 from featcal import __version__
 from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.data import TestImages, calibration_pixels
+from featcal.diagnostics.report import CALIBRATED, MERGED
 from featcal.errors import FeatcalError
 from featcal.evaluation import IMAGE_PROCESSOR, ZeroShotClassifier, load_base_clip
 from featcal.fingerprints import digest, folder_fingerprint
@@ -41,6 +42,8 @@ from featcal.memory import MemoryMeter
 from featcal.merging import get_method
 from featcal.precision import fixed_precision
 from featcal.runfolder import (
+    DIAGNOSTICS,
+    DIAGNOSTICS_PLOT,
     EXPERTS_DIR,
     METRICS,
     RELEASE_DIR,
@@ -195,6 +198,12 @@ def plan_stages(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> dict[st
             [f"{calibrated}/{METRICS}", f"{calibrated}/{RUN_LOG}"],
         ),
     ]
+    split = "train" if spec.diagnose_split == "calibration" else "test"
+    diagnose_id = digest(
+        "diagnose", __version__, calibrate_id, spec.skip_featcal, experts, spec.diagnose_split, spec.diagnose_images,
+        [data.fingerprints[t.name].get(split) for t in inputs.tasks],
+    )  # fmt: skip
+    stages.append(Stage("diagnose", diagnose_id, [DIAGNOSTICS, DIAGNOSTICS_PLOT]))
     return {stage.name: stage for stage in stages}
 
 
@@ -319,8 +328,9 @@ class _Run:
 
         def merged() -> Any:
             nonlocal merged_model
-            if merged_model is None:
-                merged_model = load_vision_folder(out / merged_name, inputs.base)
+            if merged_model is None:  # after an in-place calibration too: read back from its folder
+                folder = Path(spec.ta_model_path) if spec.skip_ta else out / merged_name
+                merged_model = load_vision_folder(folder, inputs.base)
             return merged_model
 
         if not spec.skip_eval_ta:
@@ -332,8 +342,8 @@ class _Run:
             else:
                 results[merged_name] = self._evaluate(merged_name, merged)
 
+        calibrated_model = None
         if not spec.skip_featcal:
-            calibrated_model = None
             if self._fresh("calibrate"):
                 logger.info("FeatCal: %s/ is up to date (same inputs); skipped", calibrated_name)
             else:
@@ -357,6 +367,11 @@ class _Run:
                 ),
                 extra={"calibration_examples_used": record["featcal"].get("calibration_examples_used")},
             )
+        if spec.diagnose:
+            models = {MERGED: merged}
+            if not spec.skip_featcal:
+                models[CALIBRATED] = lambda: calibrated_model or load_vision_folder(out / calibrated_name, inputs.base)
+            self._diagnose(models, (record["featcal"] or {}).get("calibration_examples_used") or {})
         merged_model = calibrated_model = None
         self._write_timings()
         if not spec.no_export and (not spec.skip_featcal or not (spec.skip_ta or spec.skip_eval_ta)):
@@ -374,6 +389,32 @@ class _Run:
         wanted += [] if spec.skip_eval_ta else [merged]
         wanted += [] if spec.skip_featcal else [calibrated]
         return any((spec.skip_ta and folder == merged) or not self._fresh(f"evaluate:{folder}") for folder in wanted)
+
+    def _diagnose(self, models: Mapping[str, Any], fewer: Mapping[str, int]) -> None:
+        """The feature drift of the merged (and calibrated) model from the experts: diagnostics.json and plot.
+
+        ``models`` gives each model by name through a function that loads it; ``fewer`` the
+        calibration images of the tasks that had fewer than asked for.
+        """
+        from featcal.diagnostics.run import diagnose_models, drift_images, write_diagnostics
+
+        if self._fresh("diagnose"):
+            logger.info("Feature drift: %s is up to date (same inputs); skipped", DIAGNOSTICS)
+            return
+        spec, tasks = self.spec, self.inputs.tasks
+        with self._stage("diagnose"):
+            counts = {t.name: fewer.get(t.name, spec.featcal.num_calibration_examples) for t in tasks}
+            load = drift_images(
+                tasks, self.processor, split=spec.diagnose_split, num_images=spec.diagnose_images, seed=spec.seed,
+                calibration_counts=counts,
+            )  # fmt: skip
+            report = diagnose_models(
+                {name: model() for name, model in models.items()}, self.inputs.experts, load,
+                method=spec.merge_method, split=spec.diagnose_split, run_id=self.run_id, device=self.device,
+                batch_size=spec.eval_batch_size, progress=spec.progress,
+            )  # fmt: skip
+            write_diagnostics(self.out, report)
+        self._mark("diagnose")
 
     def _fresh(self, name: str) -> bool:
         return self.ledger.is_done(name, self.stages[name].identity)
@@ -404,7 +445,8 @@ class _Run:
         for name in sorted(names):
             if (self.out / name).is_dir():
                 shutil.rmtree(self.out / name)
-        (self.out / TIMINGS).unlink(missing_ok=True)
+        for name in (TIMINGS, DIAGNOSTICS, DIAGNOSTICS_PLOT):
+            (self.out / name).unlink(missing_ok=True)
 
     def _evaluate(self, folder: str, model: Any, extra: Mapping[str, Any] | None = None) -> MetricsReport:
         name = f"evaluate:{folder}"

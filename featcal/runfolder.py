@@ -9,6 +9,8 @@ the Space and the demo read through it. The layout is the FeatCal reference run'
     <run>/<merged>/              the merged model: ``ta`` for Task Arithmetic, else the method's name
     <run>/featcal-<merged>/      the calibrated model, when FeatCal ran
     <run>/timings.json           seconds per stage
+    <run>/diagnostics.json       optional: feature drift from the experts (``featcal diagnose``)
+    <run>/diagnostics.png        its plot
     <run>/release/               the release folder written by ``featcal export``
 
 Each stage folder holds ``metrics.json`` and ``run.log`` (the same report on one line) and, for
@@ -37,6 +39,8 @@ RELEASE_DIR = "release"
 ZERO_SHOT_DIR = "zero-shot"
 LEGACY_BASE_DIR = "base"
 EXPERTS_DIR = "experts"
+DIAGNOSTICS = "diagnostics.json"
+DIAGNOSTICS_PLOT = "diagnostics.png"
 CALIBRATED_PREFIX = "featcal-"
 # Keys of a metrics report beside the tasks; task tables refuse tasks with these names.
 AVERAGE, MODEL_INFO, RUN_ID = "average", "model_info", "run_id"

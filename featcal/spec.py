@@ -261,6 +261,7 @@ MERGING = "merging"
 EVALUATION = "evaluation"
 RUNTIME = "runtime"
 STAGES = "stages"
+DIAGNOSTICS = "diagnostics"
 
 
 @dataclass(frozen=True)
@@ -349,6 +350,17 @@ class RunSpec:
     eval_zero_shot: bool = option(False, help="also evaluate the base model zero-shot", group=STAGES)
     eval_experts: bool = option(False, help="also evaluate each expert on its own task", group=STAGES)
     no_export: bool = option(False, help="do not write the release folder (<output-dir>/release)", group=STAGES)
+    diagnose: bool = option(
+        False, help="also measure the feature drift of the merged and calibrated models from the experts "
+        "(<output-dir>/diagnostics.json and .png, shown in the model card)", group=STAGES,
+    )  # fmt: skip
+    diagnose_split: str = option(
+        "test", help="images the feature drift is measured on: each task's first test images, or the run's "
+        "calibration images", group=DIAGNOSTICS, metavar="SPLIT", choices=("test", "calibration"),
+    )  # fmt: skip
+    diagnose_images: int = option(
+        256, help="images per task for the feature drift", group=DIAGNOSTICS, metavar="N", ge=1
+    )
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -360,6 +372,10 @@ class RunSpec:
         if self.skip_ta and not self.ta_model_path:
             raise InvalidParameterError(
                 "ta_model_path", None, "the merged model folder to start from, since skip_ta is set"
+            )
+        if self.diagnose and self.skip_featcal and self.diagnose_split == "calibration":
+            raise InvalidParameterError(
+                "diagnose_split", self.diagnose_split, "test, since skip_featcal is set (no calibration images)"
             )
 
     def method_params(self) -> dict[str, Any]:

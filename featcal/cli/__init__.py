@@ -18,6 +18,7 @@ LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 COMMAND_MODULES = (
     "featcal.cli.pipeline_commands",
     "featcal.cli.suites",
+    "featcal.cli.diagnose",
     "featcal.cli.release",
     "featcal.cli.space",
     "featcal.cli.demo",
