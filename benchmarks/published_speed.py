@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -509,7 +510,7 @@ def main() -> None:
         args.workdir = (args.workdir or scratch / "models").resolve()
         measured = measure(args, scratch)
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "note": args.note,
         "published": {"repository": "github egangu/featcal", "commit": commit, "source": str(args.published)},
         "featcal": {"commit": featcal_commit()},
