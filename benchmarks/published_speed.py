@@ -55,6 +55,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from calibration_floor import RESULTS, environment
 from calibration_speed import _images, _memory, _probe_gflops, build_models
@@ -298,6 +299,12 @@ def compare_outputs(published: Path, ours: Path) -> dict:
 
 
 # -- the parent ------------------------------------------------------------------------------------
+def _fail(message: str) -> NoReturn:
+    """One line naming the bad input and the fix, exit status 2."""
+    print(f"published_speed: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def published_source(path: Path, commit: str, scratch: Path) -> tuple[Path, str]:
     """The published checkout (its root holds ``src/featcal``) and its commit.
 
@@ -309,8 +316,8 @@ def published_source(path: Path, commit: str, scratch: Path) -> tuple[Path, str]
     git = ["git", "--git-dir", str(path)]
     done = subprocess.run([*git, "rev-parse", "--verify", f"{commit}^{{commit}}"], capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(
-            f"published_speed: error: --published {path} is neither a checkout with src/featcal nor a git "
+        _fail(
+            f"--published {path} is neither a checkout with src/featcal nor a git "
             f"directory holding commit {commit}; pass the published repository (github egangu/featcal)."
         )
     full = done.stdout.strip()
@@ -461,7 +468,7 @@ def _check_points(points: list[str]) -> None:
     for point in points:
         tasks, _, images = point.partition("x")
         if not (tasks.isdigit() and images.isdigit() and int(tasks) >= 1 and int(images) >= 1):
-            raise SystemExit(f"published_speed: error: --points {point!r} is not TASKSxIMAGES, e.g. 2x128")
+            _fail(f"--points {point!r} is not TASKSxIMAGES, e.g. 2x128")
 
 
 def main() -> None:
@@ -498,11 +505,10 @@ def main() -> None:
         return
 
     if args.published is None:
-        raise SystemExit(
-            "published_speed: error: --published is required: the egangu/featcal checkout or git directory"
-        )
-    if args.repeats < 1:
-        raise SystemExit("published_speed: error: --repeats must be at least 1")
+        _fail("--published is required: the egangu/featcal checkout or git directory")
+    for flag, value in (("--repeats", args.repeats), ("--threads", args.threads), ("--batch-size", args.batch_size)):
+        if value < 1:
+            _fail(f"{flag} must be at least 1, not {value}")
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="featcal-published-speed-") as tmp:
         scratch = Path(tmp)
