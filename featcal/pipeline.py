@@ -8,6 +8,7 @@ first file is written.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -21,6 +22,7 @@ import torch
 from featcal import __version__
 from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.data import TestImages, calibration_pixels
+from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError
 from featcal.evaluation import IMAGE_PROCESSOR, ZeroShotClassifier, load_base_clip
 from featcal.fingerprints import digest, folder_fingerprint
@@ -31,7 +33,6 @@ from featcal.inputs import (
     check_output_folder,
     check_same_run,
     load_vision_folder,
-    resolve_device,
     resolve_inputs,
     validate_datasets,
 )
@@ -98,10 +99,12 @@ def check_finite(state: Mapping[str, torch.Tensor], what: str) -> None:
             raise FeatcalError(f"{what}: tensor {key!r} is not finite, although every input is.")
 
 
-def merge(inputs: RunInputs, method: str, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """The merged vision tower's state dict (on the CPU), computed on ``device``."""
+def merge(
+    inputs: RunInputs, method: str, device: torch.device | None = None, *, world: World = SINGLE
+) -> dict[str, torch.Tensor]:
+    """The merged vision tower's state dict (on the CPU), computed on ``device`` (shared by ``world``'s processes)."""
     experts = [inputs.experts[t.name] for t in inputs.tasks]
-    merged = get_method(method)(inputs.base, experts, device=device, **inputs.merge_params)
+    merged = get_method(method)(inputs.base, experts, device=device, world=world, **inputs.merge_params)
     check_finite(merged, f"The {method} merge")
     return merged
 
@@ -115,17 +118,20 @@ def calibrate(
     device: torch.device,
     processor,
     progress: bool = True,
+    world: World = SINGLE,
 ):
-    """The FeatCal-calibrated copy of ``merged_model``."""
+    """The FeatCal-calibrated copy of ``merged_model``; under torchrun each of ``world``'s processes
+    reads its part of every task's calibration images, and all end with the same weights."""
     by_name = {t.name: t for t in inputs.tasks}
     model = featcal_calibrate(
         merged_model,
         inputs.base,
         inputs.experts,
-        lambda name: calibration_pixels(by_name[name], processor, params.num_calibration_examples, seed),
+        lambda name: calibration_pixels(by_name[name], processor, params.num_calibration_examples, seed, world=world),
         params,
         device=device,
         progress=progress,
+        world=world,
     )
     check_finite(model.state_dict(), "FeatCal")
     return model
@@ -181,7 +187,7 @@ def plan_stages(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> dict[st
     return {stage.name: stage for stage in stages}
 
 
-def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
+def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsReport]:
     """Run every stage ``spec`` asks for, writing the run folder ``spec.output_dir``.
 
     Everything is validated first: options, models, datasets, the output folder. Then the folder is
@@ -189,8 +195,12 @@ def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
     holds its result from the same inputs (``stages.json`` records them); a stage whose inputs
     changed is redone with everything after it. ``spec.force`` redoes every stage.
 
+    Under torchrun (``world``) every process runs the stages together; rank 0 alone checks the
+    inputs first (downloads, dataset caches), then the others; rank 0 alone writes the folder.
+
     Args:
         spec: The run's options (see :class:`~featcal.spec.RunSpec`).
+        world: The processes (:func:`featcal.distributed.session`); one by default.
 
     Returns:
         The evaluation report of each evaluated stage, by stage folder name (``zero-shot``,
@@ -201,31 +211,35 @@ def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
             any file is written whenever the problem can be seen up front; ``RunLockedError`` when
             another process is writing the folder.
     """
-    device = resolve_device(spec.device)
+    device = world.compute_device(spec.device)
     out = Path(spec.output_dir)
-    check_output_folder(out)
-    torch.manual_seed(spec.seed)
-    inputs = resolve_inputs(spec, need_experts=not (spec.skip_ta and spec.skip_featcal and not spec.eval_experts))
-    data = validate_datasets(
-        inputs.tasks,
-        ("test",) if spec.skip_featcal else ("train", "test"),
-        calibration_examples=None if spec.skip_featcal else spec.featcal.num_calibration_examples,
-        allow_fewer=spec.allow_fewer_calibration_examples,
-    )
-    record = run_record(spec, inputs, data.calibration_counts)
-    if not spec.force:
-        check_same_run(out, record)
-    clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
-    # A merged model to start from is loaded (and checked) before the folder is touched.
-    given_merged = load_vision_folder(spec.ta_model_path, inputs.base) if spec.skip_ta else None
+    with world.main_first("checking the inputs"):
+        check_output_folder(out)
+        torch.manual_seed(spec.seed)
+        need_experts = not (spec.skip_ta and spec.skip_featcal and not spec.eval_experts)
+        inputs = resolve_inputs(spec, need_experts=need_experts)
+        data = validate_datasets(
+            inputs.tasks,
+            ("test",) if spec.skip_featcal else ("train", "test"),
+            calibration_examples=None if spec.skip_featcal else spec.featcal.num_calibration_examples,
+            allow_fewer=spec.allow_fewer_calibration_examples,
+        )
+        record = run_record(spec, inputs, data.calibration_counts)
+        if not spec.force:
+            check_same_run(out, record)
+        clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
+        # A merged model to start from is loaded (and checked) before the folder is touched.
+        given_merged = load_vision_folder(spec.ta_model_path, inputs.base) if spec.skip_ta else None
     stages = plan_stages(spec, inputs, data)
     created = not out.exists()
+    classifier = ZeroShotClassifier(clip, tokenizer, device, world=world)
     try:
-        with RunLock(out), fixed_precision(spec.precision):
-            run = _Run(spec, out, inputs, stages, device, ZeroShotClassifier(clip, tokenizer, device), processor)
+        with RunLock(out) if world.is_main else contextlib.nullcontext(), fixed_precision(spec.precision):
+            run = _Run(spec, out, inputs, stages, device, classifier, processor, world)
+            world.barrier("reading the run folder")  # every process has read the ledger before rank 0 changes it
             return run.execute(record, clip, given_merged)
     except BaseException:
-        if created and not (out / STAGES_FILE).exists():
+        if world.is_main and created and not (out / STAGES_FILE).exists():
             shutil.rmtree(out, ignore_errors=True)  # nothing finished: leave no half-made folder
         raise
 
@@ -241,12 +255,17 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 
 
 class _Run:
-    """The stages of one locked run over a run folder, skipping those already done."""
+    """The stages of one locked run over a run folder, skipping those already done.
 
-    def __init__(self, spec, out, inputs, stages, device, classifier, processor) -> None:
+    Under torchrun every process runs the same stages, with the same skip decisions (each keeps
+    the ledger in memory); rank 0 alone writes (``self.writes``).
+    """
+
+    def __init__(self, spec, out, inputs, stages, device, classifier, processor, world: World = SINGLE) -> None:
         self.spec, self.out, self.inputs, self.stages = spec, out, inputs, stages
         self.device, self.classifier, self.processor = device, classifier, processor
-        self.ledger = StageLedger(out) if spec.force else StageLedger.read(out)
+        self.world, self.writes = world, world.is_main
+        self.ledger = StageLedger(out, writes=self.writes) if spec.force else StageLedger.read(out, writes=self.writes)
         self.run_id = ""
         self.timings: dict[str, float] = {}
         self._images: TestImages | None = None
@@ -264,14 +283,32 @@ class _Run:
             )
         return self._images
 
+    def _save(self, state: Mapping[str, torch.Tensor], name: str) -> None:
+        """Save a model folder of the run (rank 0 only)."""
+        if self.writes:
+            save_vision_model(state, self.inputs.vision_config, self.out / name)
+
+    def _report(self, folder: str, report: MetricsReport) -> None:
+        """Write a stage's report (rank 0 only)."""
+        if self.writes:
+            write_stage_report(self.out / folder, report, self.run_id)
+
+    def _restamped(self, folder: str) -> MetricsReport:
+        """A finished stage's report, restamped with this run's id by rank 0."""
+        if self.writes:
+            return restamp_report(self.out / folder, self.run_id)
+        return MetricsReport.from_json(read_json(self.out / folder / METRICS)).with_run_id(self.run_id)
+
     def execute(self, record: Mapping[str, Any], clip, given_merged=None) -> dict[str, MetricsReport]:
         spec, out, inputs = self.spec, self.out, self.inputs
-        remove_leftovers(out)
+        if self.writes:
+            remove_leftovers(out)
         self.run_id = config_hash(record)
         self._clear_stale()  # with --force the ledger starts empty: every earlier stage folder goes
-        write_run_config(out, record)
+        if self.writes:
+            write_run_config(out, record, processes=self.world.record())
         fault_point("after:run_config")
-        if (out / TIMINGS).is_file() and self.ledger.done:
+        if self.writes and (out / TIMINGS).is_file() and self.ledger.done:
             self.timings = {k: float(v) for k, v in read_json(out / TIMINGS).items() if isinstance(v, (int, float))}
         merged_name = merged_stage_name(spec.merge_method)
         calibrated_name = calibrated_stage_name(spec.merge_method)
@@ -288,8 +325,8 @@ class _Run:
             logger.info("Merge: %s/ is up to date (same inputs); skipped", merged_name)
         else:
             start = time.perf_counter()
-            state = merge(inputs, spec.merge_method, self.device)
-            save_vision_model(state, inputs.vision_config, out / merged_name)
+            state = merge(inputs, spec.merge_method, self.device, world=self.world)
+            self._save(state, merged_name)
             self.timings["merge_s"] = time.perf_counter() - start
             merged_model = build_vision_model(inputs, state)
             self._mark("merge")
@@ -318,10 +355,10 @@ class _Run:
                 start = time.perf_counter()
                 calibrated_model = calibrate(
                     inputs, merged(), spec.featcal, seed=spec.seed, device=self.device,
-                    processor=self.processor, progress=spec.progress,
+                    processor=self.processor, progress=spec.progress, world=self.world,
                 )  # fmt: skip
                 self.timings["calibrate_s"] = time.perf_counter() - start
-                save_vision_model(calibrated_model.state_dict(), inputs.vision_config, out / calibrated_name)
+                self._save(calibrated_model.state_dict(), calibrated_name)
                 self._mark("calibrate")
             results[calibrated_name] = self._evaluate(
                 calibrated_name,
@@ -332,6 +369,8 @@ class _Run:
                 ),
                 extra={"calibration_examples_used": record["featcal"].get("calibration_examples_used")},
             )
+        if not self.writes:
+            return results
         write_timings(out, self.timings, peak_memory(self.device))
         if not spec.no_export and (not spec.skip_featcal or not (spec.skip_ta or spec.skip_eval_ta)):
             self._export()
@@ -347,7 +386,7 @@ class _Run:
     def _clear_stale(self) -> None:
         """Remove outputs whose inputs changed, of stages this run cannot produce, and any release
         that is not of exactly this run; a run folder without a ledger is redone whole."""
-        if not self.ledger.done and (self.out / RUN_CONFIG).is_file():
+        if self.writes and not self.ledger.done and (self.out / RUN_CONFIG).is_file():
             self._clear_unrecorded()
         for name in [n for n in self.ledger.done if n != "export"]:
             if name not in self.stages or not self._fresh(name):
@@ -372,12 +411,12 @@ class _Run:
         name = f"evaluate:{folder}"
         if self._fresh(name):
             logger.info("Evaluation of %s/ is up to date (same inputs); skipped", folder)
-            return restamp_report(self.out / folder, self.run_id)
+            return self._restamped(folder)
         start = time.perf_counter()
         report = self.classifier.evaluate(model(), self.inputs.tasks, progress=self.spec.progress, images=self.images)
         report = report.with_extra({k: v for k, v in (extra or {}).items() if v})
         self.timings[f"eval_{folder}_s"] = time.perf_counter() - start
-        write_stage_report(self.out / folder, report, self.run_id)
+        self._report(folder, report)
         self._mark(name)
         return report
 
@@ -385,7 +424,7 @@ class _Run:
         name = f"evaluate:{EXPERTS_DIR}"
         if self._fresh(name):
             logger.info("Evaluation of the experts is up to date (same inputs); skipped")
-            return restamp_report(self.out / EXPERTS_DIR, self.run_id)
+            return self._restamped(EXPERTS_DIR)
         per_task = {
             task.name: self.classifier.evaluate_task(
                 build_vision_model(self.inputs, self.inputs.experts[task.name]), task,
@@ -394,7 +433,7 @@ class _Run:
             for task in self.inputs.tasks
         }  # fmt: skip
         report = MetricsReport.from_results(per_task)
-        write_stage_report(self.out / EXPERTS_DIR, report, self.run_id)
+        self._report(EXPERTS_DIR, report)
         self._mark(name)
         return report
 
