@@ -233,6 +233,8 @@ def start(device: str = "auto", timeout_s: float = 1800.0) -> World:
     kind = _device_kind(device)
     if kind == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InvalidParameterError("device", device, "cpu or auto, since torch sees no GPU")
         if count < local_size:
             raise InvalidParameterError(
                 "device", device, f"cpu, or cuda with one GPU per process: torchrun starts {local_size} processes "
