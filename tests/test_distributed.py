@@ -21,6 +21,7 @@ from featcal.cli import main
 from featcal.data import _TaskBatches
 from featcal.distributed import SINGLE, World, launched, start
 from featcal.errors import InvalidParameterError
+from featcal.release.card import render_card
 from featcal.runfolder import PROCESSES, RUN_CONFIG, StageLedger, read_run, recipe_sha256, write_run_config
 from tests.support.builders import FIXTURE
 
@@ -206,6 +207,7 @@ def test_two_processes_give_one_process_results(one_process, tmp_path: Path) -> 
     config, reference = (json.loads((run / RUN_CONFIG).read_text()) for run in (out, one))
     assert config.pop(PROCESSES) == {"world_size": 2, "backend": "gloo"}
     assert config == reference and read_run(out).recipe_sha256 == reference["run_id"]
+    assert "Computed by 2 processes under torchrun (gloo)." in str(render_card(read_run(out), plot=None))
     # rank 0 alone logs and prints: one log line per evaluation of t0, one results table
     assert done.stderr.count("INFO featcal.evaluation: t0: accuracy") == 3, done.stderr[-3000:]
     assert done.stdout.count("Run folder: ") == 1 and done.stdout.count("featcal-ta") == 1
