@@ -95,6 +95,17 @@ def run(label: str, launcher: list[str], threads: int, tasks_file: Path, out: Pa
     return {"label": label, "threads_per_process": threads, "wall_s": round(seconds, 2), "timings": timings}
 
 
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def distance(reference: Path, other: Path) -> float:
     """‖W_other − W_reference‖ / ‖W_reference − W_merged‖ over the calibrated model."""
     from safetensors.torch import load_file
@@ -143,7 +154,7 @@ def main() -> None:
         "calibration_images_per_task": args.train,
         "test_images_per_task": args.test,
         "environment": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu_name(),
             "cpus": os.cpu_count(),
             "torch": torch.__version__,
             "load_average_before": load_before,

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from featcal import __version__
 from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.data import TestImages, calibration_pixels
 from featcal.distributed import SINGLE, World
-from featcal.errors import FeatcalError
+from featcal.errors import DatasetInputError, FeatcalError
 from featcal.evaluation import IMAGE_PROCESSOR, ZeroShotClassifier, load_base_clip
 from featcal.fingerprints import digest, folder_fingerprint
 from featcal.inputs import (
@@ -60,6 +60,7 @@ from featcal.runfolder import (
     write_timings,
 )
 from featcal.spec import RunSpec
+from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,29 @@ def run_record(spec: RunSpec, inputs: RunInputs, calibration_counts: Mapping[str
         "evaluation": {"max_eval_samples": spec.max_eval_samples, "image_processor": IMAGE_PROCESSOR},
         "precision": spec.precision,
     }
+
+
+def check_calibration_shares(tasks: Sequence[Task], counts: Mapping[str, int], requested: int, world: World) -> None:
+    """Refuse, before anything is written, a task with fewer calibration images than processes.
+
+    Args:
+        tasks: The run's tasks.
+        counts: Images used by each task whose train split is smaller than ``requested``.
+        requested: ``num_calibration_examples``.
+        world: The processes, each of which takes a part of every task's images.
+
+    Raises:
+        DatasetInputError: naming the task and the largest number of processes it allows.
+    """
+    for task in tasks:
+        count = counts.get(task.name, requested)
+        if count < world.size:
+            raise DatasetInputError(
+                task.name,
+                task.dataset.path,
+                f"Task {task.name!r}: its {count} calibration image(s) cannot be split over {world.size} "
+                f"processes; start at most {count} processes, or raise `num_calibration_examples`.",
+            )
 
 
 def check_finite(state: Mapping[str, torch.Tensor], what: str) -> None:
@@ -224,6 +248,10 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
             calibration_examples=None if spec.skip_featcal else spec.featcal.num_calibration_examples,
             allow_fewer=spec.allow_fewer_calibration_examples,
         )
+        if not spec.skip_featcal:
+            check_calibration_shares(
+                inputs.tasks, data.calibration_counts, spec.featcal.num_calibration_examples, world
+            )
         record = run_record(spec, inputs, data.calibration_counts)
         if not spec.force:
             check_same_run(out, record)

@@ -256,3 +256,28 @@ def test_more_processes_than_gpus_is_one_clear_error(tmp_path: Path) -> None:
     errors = [line for line in done.stderr.splitlines() if line.startswith("featcal: error:")]
     assert len(errors) == 1 and "--device 'cuda' is invalid" in errors[0], done.stderr[-2000:]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("method", ["tsv", "ties"])
+def test_merging_over_two_processes_is_bit_identical(method: str, tmp_path: Path) -> None:
+    """TSV deals its tensors to the processes; TIES (whole-model) is computed by each. One thread per
+    process in both runs: an SVD's last bit depends on the thread count."""
+    args = ["merge", "--tasks-file", str(FIXTURE / "tasks.json"), "--base-model-id", str(FIXTURE / "base")]
+    args += ["--method", method, "--device", "cpu"]
+    done, _ = torchrun(1, ["-q", *args, "--output", str(tmp_path / "one")])  # one process, as without torchrun
+    assert done.returncode == 0, done.stderr[-3000:]
+    done, _ = torchrun(2, ["-q", *args, "--output", str(tmp_path / "two")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("one", "two"))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_tasks_need_a_calibration_image_per_process() -> None:
+    from featcal.errors import DatasetInputError
+    from featcal.pipeline import check_calibration_shares
+    from featcal.tasks import load_task_file
+
+    tasks = list(load_task_file(FIXTURE / "tasks.json").tasks.values())
+    check_calibration_shares(tasks, {}, 8, World(rank=0, size=8))
+    with pytest.raises(DatasetInputError, match="'t1': its 2 calibration image.* over 3 processes"):
+        check_calibration_shares(tasks, {"t1": 2}, 8, World(rank=0, size=3))
