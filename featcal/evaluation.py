@@ -14,7 +14,7 @@ from torch import nn
 
 from featcal.data import TestImages
 from featcal.distributed import SINGLE, World
-from featcal.errors import ModelInputError
+from featcal.errors import FeatcalError, ModelInputError
 from featcal.progress import Progress
 from featcal.runfolder import MetricsReport, TaskMetrics
 from featcal.tasks import Task
@@ -129,12 +129,32 @@ class ZeroShotClassifier:
         return torch.cat(out)
 
     def head(self, task: Task) -> torch.Tensor:
-        """[classes, dim]: per class, the normalised mean of its normalised template embeddings."""
+        """[classes, dim]: per class, the normalised mean of its normalised template embeddings.
+
+        Raises:
+            FeatcalError: for a task whose head was not computed before :meth:`keep_heads_only`.
+        """
         if task.name not in self._heads:
+            if self.tokenizer is None:
+                raise FeatcalError(f"Task {task.name!r} has no class head: the text tower was already released.")
             texts = [p for c in task.classnames for p in task.prompts(c)]
             emb = self.text_embeddings(texts).view(len(task.classnames), len(task.templates), -1)
             self._heads[task.name] = F.normalize(emb.mean(1), dim=-1)
         return self._heads[task.name]
+
+    def keep_heads_only(self, tasks: Sequence[Task]) -> None:
+        """Compute the heads of ``tasks``, then drop the base's text and vision towers and the tokenizer.
+
+        What stays (the heads, the visual projection and the logit scale) evaluates any vision tower
+        on these tasks; a run calls this once its heads are known, so the towers do not stay in
+        memory through calibration. The base vision tower is dropped from this classifier's CLIP
+        model: evaluate it (zero-shot) first.
+        """
+        for task in tasks:
+            self.head(task)
+        self.clip.text_model = None
+        self.clip.vision_model = None
+        self.tokenizer = None
 
     @torch.no_grad()
     def image_embeddings(self, vision_model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,7 @@ def expert_ref(task: Task, pattern: str | None, table_pattern: str | None) -> st
 
 def resolve_inputs(spec: RunSpec, *, need_experts: bool = True) -> RunInputs:
     """Tasks, base and experts of a run, validated before anything is written."""
-    table = task_table(spec.tasks_file)
+    table = task_table(spec.tasks_file, suite=spec.suite, backbone=spec.backbone)
     names = spec.tasks or (list(task_table(spec.tasks_file, replace=True).tasks) if spec.tasks_file else None)
     tasks = table.select(names)
     base_ref = spec.base_model_id or table.base_model

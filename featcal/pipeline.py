@@ -8,11 +8,11 @@ first file is written.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import torch
 from featcal import __version__
 from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.data import TestImages, calibration_pixels
+from featcal.diagnostics.report import CALIBRATED, MERGED
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError, FeatcalError
 from featcal.evaluation import IMAGE_PROCESSOR, ZeroShotClassifier, load_base_clip
@@ -37,9 +38,12 @@ from featcal.inputs import (
     validate_datasets,
 )
 from featcal.io import config_hash, fault_point, read_json, save_vision_model
+from featcal.memory import MemoryMeter
 from featcal.merging import get_method
 from featcal.precision import fixed_precision
 from featcal.runfolder import (
+    DIAGNOSTICS,
+    DIAGNOSTICS_PLOT,
     EXPERTS_DIR,
     METRICS,
     RELEASE_DIR,
@@ -60,7 +64,9 @@ from featcal.runfolder import (
     write_timings,
 )
 from featcal.spec import RunSpec
+from featcal.suites import DEFAULT_BACKBONE, DEFAULT_SUITE
 from featcal.tasks import Task
+from featcal.threads import choose_threads, torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +86,7 @@ def run_record(spec: RunSpec, inputs: RunInputs, calibration_counts: Mapping[str
         "base_model_id": inputs.base_ref,
         "experts": inputs.expert_refs,
         "tasks": [t.name for t in inputs.tasks],
+        **suite_record(spec),
         "tasks_table": {t.name: t.to_dict() for t in inputs.tasks},
         "seed": spec.seed,
         "merge": {
@@ -91,6 +98,16 @@ def run_record(spec: RunSpec, inputs: RunInputs, calibration_counts: Mapping[str
         "evaluation": {"max_eval_samples": spec.max_eval_samples, "image_processor": IMAGE_PROCESSOR},
         "precision": spec.precision,
     }
+
+
+def suite_record(spec: RunSpec) -> dict[str, str]:
+    """The suite and backbone chosen, when not the defaults (``ta8``, ``b32``).
+
+    The tasks, models and references they select are recorded in full anyway; leaving the defaults
+    out keeps the record, and so the run id, of runs made before suites could be chosen.
+    """
+    chosen = {"suite": (spec.suite, DEFAULT_SUITE), "backbone": (spec.backbone, DEFAULT_BACKBONE)}
+    return {key: value for key, (value, default) in chosen.items() if value != default}
 
 
 def check_calibration_shares(tasks: Sequence[Task], counts: Mapping[str, int], requested: int, world: World) -> None:
@@ -142,10 +159,12 @@ def calibrate(
     device: torch.device,
     processor,
     progress: bool = True,
+    in_place: bool = False,
     world: World = SINGLE,
 ):
-    """The FeatCal-calibrated copy of ``merged_model``; under torchrun each of ``world``'s processes
-    reads its part of every task's calibration images, and all end with the same weights."""
+    """The FeatCal-calibrated copy of ``merged_model`` (``merged_model`` itself with ``in_place``); under
+    torchrun each of ``world``'s processes reads its part of every task's calibration images, and all
+    end with the same weights."""
     by_name = {t.name: t for t in inputs.tasks}
     model = featcal_calibrate(
         merged_model,
@@ -155,6 +174,7 @@ def calibrate(
         params,
         device=device,
         progress=progress,
+        in_place=in_place,
         world=world,
     )
     check_finite(model.state_dict(), "FeatCal")
@@ -208,6 +228,12 @@ def plan_stages(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> dict[st
             [f"{calibrated}/{METRICS}", f"{calibrated}/{RUN_LOG}"],
         ),
     ]
+    split = "train" if spec.diagnose_split == "calibration" else "test"
+    diagnose_id = digest(
+        "diagnose", __version__, calibrate_id, spec.skip_featcal, experts, spec.diagnose_split, spec.diagnose_images,
+        [data.fingerprints[t.name].get(split) for t in inputs.tasks],
+    )  # fmt: skip
+    stages.append(Stage("diagnose", diagnose_id, [DIAGNOSTICS, DIAGNOSTICS_PLOT]))
     return {stage.name: stage for stage in stages}
 
 
@@ -255,6 +281,7 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
         record = run_record(spec, inputs, data.calibration_counts)
         if not spec.force:
             check_same_run(out, record)
+        threads = choose_threads(spec.threads, inputs.vision_config.hidden_size)
         clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
         # A merged model to start from is loaded (and checked) before the folder is touched.
         given_merged = load_vision_folder(spec.ta_model_path, inputs.base) if spec.skip_ta else None
@@ -262,24 +289,14 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
     created = not out.exists()
     classifier = ZeroShotClassifier(clip, tokenizer, device, world=world)
     try:
-        with RunLock(out) if world.is_main else contextlib.nullcontext(), fixed_precision(spec.precision):
+        with RunLock(out) if world.is_main else nullcontext(), fixed_precision(spec.precision), torch_threads(threads):
             run = _Run(spec, out, inputs, stages, device, classifier, processor, world)
             world.barrier("reading the run folder")  # every process has read the ledger before rank 0 changes it
-            return run.execute(record, clip, given_merged)
+            return run.execute(record, given_merged)
     except BaseException:
         if world.is_main and created and not (out / STAGES_FILE).exists():
             shutil.rmtree(out, ignore_errors=True)  # nothing finished: leave no half-made folder
         raise
-
-
-def peak_memory(device: torch.device) -> dict[str, float]:
-    """The process's peak memory so far, in GiB: host RSS, and the CUDA allocator's peak on a GPU."""
-    import resource
-
-    memory = {"host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    if device.type == "cuda":
-        memory["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    return memory
 
 
 class _Run:
@@ -296,20 +313,21 @@ class _Run:
         self.ledger = StageLedger(out, writes=self.writes) if spec.force else StageLedger.read(out, writes=self.writes)
         self.run_id = ""
         self.timings: dict[str, float] = {}
+        self.memory = MemoryMeter(device)
         self._images: TestImages | None = None
 
-    @property
-    def images(self) -> TestImages:
-        """The run's test images, loaded on first use; their loader serves every evaluation."""
-        if self._images is None:
-            self._images = self.classifier.test_images(
-                self.inputs.tasks,
-                self.processor,
-                batch_size=self.spec.eval_batch_size,
-                num_workers=self.spec.eval_num_workers,
-                max_samples=self.spec.max_eval_samples,
-            )
-        return self._images
+    @contextmanager
+    def _stage(self, key: str, timed: bool = True) -> Iterator[None]:
+        """Measure the body as stage ``key``: its peak memory, and with ``timed`` its seconds as ``<key>_s``."""
+        start = time.perf_counter()
+        with self.memory.stage(key):
+            yield
+        if timed:
+            self.timings[f"{key}_s"] = time.perf_counter() - start
+
+    def _write_timings(self) -> None:
+        if self.writes:
+            write_timings(self.out, self.timings, self.memory.report(), {"torch_threads": torch.get_num_threads()})
 
     def _save(self, state: Mapping[str, torch.Tensor], name: str) -> None:
         """Save a model folder of the run (rank 0 only)."""
@@ -327,7 +345,20 @@ class _Run:
             return restamp_report(self.out / folder, self.run_id)
         return MetricsReport.from_json(read_json(self.out / folder / METRICS)).with_run_id(self.run_id)
 
-    def execute(self, record: Mapping[str, Any], clip, given_merged=None) -> dict[str, MetricsReport]:
+    @property
+    def images(self) -> TestImages:
+        """The run's test images, loaded on first use; their loader serves every evaluation."""
+        if self._images is None:
+            self._images = self.classifier.test_images(
+                self.inputs.tasks,
+                self.processor,
+                batch_size=self.spec.eval_batch_size,
+                num_workers=self.spec.eval_num_workers,
+                max_samples=self.spec.max_eval_samples,
+            )
+        return self._images
+
+    def execute(self, record: Mapping[str, Any], given_merged=None) -> dict[str, MetricsReport]:
         spec, out, inputs = self.spec, self.out, self.inputs
         if self.writes:
             remove_leftovers(out)
@@ -342,7 +373,9 @@ class _Run:
         calibrated_name = calibrated_stage_name(spec.merge_method)
         results: dict[str, MetricsReport] = {}
         if spec.eval_zero_shot:
-            results[ZERO_SHOT_DIR] = self._evaluate(ZERO_SHOT_DIR, lambda: clip.vision_model)
+            results[ZERO_SHOT_DIR] = self._evaluate(ZERO_SHOT_DIR, lambda: self.classifier.clip.vision_model)
+        # From here on only the class heads are needed: the base's towers leave memory before the merge.
+        self.classifier.keep_heads_only(inputs.tasks if self._needs_heads() else [])
         if spec.eval_experts:
             results[EXPERTS_DIR] = self._evaluate_experts()
 
@@ -352,41 +385,44 @@ class _Run:
         elif self._fresh("merge"):
             logger.info("Merge: %s/ is up to date (same inputs); skipped", merged_name)
         else:
-            start = time.perf_counter()
-            state = merge(inputs, spec.merge_method, self.device, world=self.world)
-            self._save(state, merged_name)
-            self.timings["merge_s"] = time.perf_counter() - start
-            merged_model = build_vision_model(inputs, state)
+            with self._stage("merge"):
+                state = merge(inputs, spec.merge_method, self.device, world=self.world)
+                self._save(state, merged_name)
+                merged_model = build_vision_model(inputs, state)
+                del state
             self._mark("merge")
 
         def merged() -> Any:
             nonlocal merged_model
-            if merged_model is None:
-                merged_model = load_vision_folder(out / merged_name, inputs.base)
+            if merged_model is None:  # after an in-place calibration too: read back from its folder
+                folder = Path(spec.ta_model_path) if spec.skip_ta else out / merged_name
+                merged_model = load_vision_folder(folder, inputs.base)
             return merged_model
 
         if not spec.skip_eval_ta:
             if spec.skip_ta:  # the merged model comes from elsewhere: reported, not written
-                start = time.perf_counter()
-                results[merged_name] = self.classifier.evaluate(
-                    merged(), inputs.tasks, progress=spec.progress, images=self.images
-                )
-                self.timings[f"eval_{merged_name}_s"] = time.perf_counter() - start
+                with self._stage(f"eval_{merged_name}"):
+                    results[merged_name] = self.classifier.evaluate(
+                        merged(), inputs.tasks, progress=spec.progress, images=self.images
+                    )
             else:
                 results[merged_name] = self._evaluate(merged_name, merged)
 
+        calibrated_model = None
         if not spec.skip_featcal:
-            calibrated_model = None
             if self._fresh("calibrate"):
                 logger.info("FeatCal: %s/ is up to date (same inputs); skipped", calibrated_name)
             else:
-                start = time.perf_counter()
-                calibrated_model = calibrate(
-                    inputs, merged(), spec.featcal, seed=spec.seed, device=self.device,
-                    processor=self.processor, progress=spec.progress, world=self.world,
-                )  # fmt: skip
-                self.timings["calibrate_s"] = time.perf_counter() - start
-                self._save(calibrated_model.state_dict(), calibrated_name)
+                with self.memory.stage("calibrate"):
+                    start = time.perf_counter()
+                    # In place: the merged weights are not read again, so only one model is in memory.
+                    calibrated_model = calibrate(
+                        inputs, merged(), spec.featcal, seed=spec.seed, device=self.device,
+                        processor=self.processor, progress=spec.progress, in_place=True, world=self.world,
+                    )  # fmt: skip
+                    merged_model = None
+                    self.timings["calibrate_s"] = time.perf_counter() - start
+                    self._save(calibrated_model.state_dict(), calibrated_name)
                 self._mark("calibrate")
             results[calibrated_name] = self._evaluate(
                 calibrated_name,
@@ -397,12 +433,57 @@ class _Run:
                 ),
                 extra={"calibration_examples_used": record["featcal"].get("calibration_examples_used")},
             )
+        if spec.diagnose:
+            models = {MERGED: merged}
+            if not spec.skip_featcal:
+                models[CALIBRATED] = lambda: calibrated_model or load_vision_folder(out / calibrated_name, inputs.base)
+            self._diagnose(models, (record["featcal"] or {}).get("calibration_examples_used") or {})
+        merged_model = calibrated_model = None
         if not self.writes:
             return results
-        write_timings(out, self.timings, peak_memory(self.device))
+        self._write_timings()
         if not spec.no_export and (not spec.skip_featcal or not (spec.skip_ta or spec.skip_eval_ta)):
-            self._export()
+            with self._stage("export", timed=False):
+                exported = self._export()
+            if exported:
+                self._write_timings()  # with the export's peak (the card was written from the first)
         return results
+
+    def _needs_heads(self) -> bool:
+        """Whether any evaluation stage of this run is still to do (else no class head is needed)."""
+        spec = self.spec
+        merged, calibrated = merged_stage_name(spec.merge_method), calibrated_stage_name(spec.merge_method)
+        wanted = [EXPERTS_DIR] if spec.eval_experts else []
+        wanted += [] if spec.skip_eval_ta else [merged]
+        wanted += [] if spec.skip_featcal else [calibrated]
+        return any((spec.skip_ta and folder == merged) or not self._fresh(f"evaluate:{folder}") for folder in wanted)
+
+    def _diagnose(self, models: Mapping[str, Any], fewer: Mapping[str, int]) -> None:
+        """The feature drift of the merged (and calibrated) model from the experts: diagnostics.json and plot.
+
+        ``models`` gives each model by name through a function that loads it; ``fewer`` the
+        calibration images of the tasks that had fewer than asked for.
+        """
+        from featcal.diagnostics.run import diagnose_models, drift_images, write_diagnostics
+
+        if self._fresh("diagnose"):
+            logger.info("Feature drift: %s is up to date (same inputs); skipped", DIAGNOSTICS)
+            return
+        spec, tasks = self.spec, self.inputs.tasks
+        with self._stage("diagnose"):
+            counts = {t.name: fewer.get(t.name, spec.featcal.num_calibration_examples) for t in tasks}
+            load = drift_images(
+                tasks, self.processor, split=spec.diagnose_split, num_images=spec.diagnose_images, seed=spec.seed,
+                calibration_counts=counts,
+            )  # fmt: skip
+            report = diagnose_models(
+                {name: model() for name, model in models.items()}, self.inputs.experts, load,
+                method=spec.merge_method, split=spec.diagnose_split, run_id=self.run_id, device=self.device,
+                batch_size=spec.eval_batch_size, progress=spec.progress,
+            )  # fmt: skip
+            if self.writes:  # every process computed the drift (it is not shared out); rank 0 writes it
+                write_diagnostics(self.out, report)
+        self._mark("diagnose")
 
     def _fresh(self, name: str) -> bool:
         return self.ledger.is_done(name, self.stages[name].identity)
@@ -433,17 +514,19 @@ class _Run:
         for name in sorted(names):
             if (self.out / name).is_dir():
                 shutil.rmtree(self.out / name)
-        (self.out / TIMINGS).unlink(missing_ok=True)
+        for name in (TIMINGS, DIAGNOSTICS, DIAGNOSTICS_PLOT):
+            (self.out / name).unlink(missing_ok=True)
 
     def _evaluate(self, folder: str, model: Any, extra: Mapping[str, Any] | None = None) -> MetricsReport:
         name = f"evaluate:{folder}"
         if self._fresh(name):
             logger.info("Evaluation of %s/ is up to date (same inputs); skipped", folder)
             return self._restamped(folder)
-        start = time.perf_counter()
-        report = self.classifier.evaluate(model(), self.inputs.tasks, progress=self.spec.progress, images=self.images)
+        with self._stage(f"eval_{folder}"):
+            report = self.classifier.evaluate(
+                model(), self.inputs.tasks, progress=self.spec.progress, images=self.images
+            )
         report = report.with_extra({k: v for k, v in (extra or {}).items() if v})
-        self.timings[f"eval_{folder}_s"] = time.perf_counter() - start
         self._report(folder, report)
         self._mark(name)
         return report
@@ -453,13 +536,14 @@ class _Run:
         if self._fresh(name):
             logger.info("Evaluation of the experts is up to date (same inputs); skipped")
             return self._restamped(EXPERTS_DIR)
-        per_task = {
-            task.name: self.classifier.evaluate_task(
-                build_vision_model(self.inputs, self.inputs.experts[task.name]), task,
-                progress=self.spec.progress, images=self.images,
-            )
-            for task in self.inputs.tasks
-        }  # fmt: skip
+        with self._stage(f"eval_{EXPERTS_DIR}"):
+            per_task = {
+                task.name: self.classifier.evaluate_task(
+                    build_vision_model(self.inputs, self.inputs.experts[task.name]), task,
+                    progress=self.spec.progress, images=self.images,
+                )
+                for task in self.inputs.tasks
+            }  # fmt: skip
         report = MetricsReport.from_results(per_task)
         self._report(EXPERTS_DIR, report)
         self._mark(name)
@@ -470,13 +554,15 @@ class _Run:
             (name, entry.get("identity")) for name, entry in self.ledger.done.items() if name != "export"
         ))  # fmt: skip
 
-    def _export(self) -> None:
+    def _export(self) -> bool:
+        """Write the release folder unless it is up to date; whether it was written."""
         from featcal.release import export_release
 
         identity = self._export_identity()
         if self.ledger.is_done("export", identity) and (self.out / RELEASE_DIR).is_dir():
             logger.info("Release: %s/ is up to date; skipped", RELEASE_DIR)
-            return
+            return False
         export_release(self.out)
         self.ledger.mark("export", identity, [RELEASE_DIR])
         fault_point("after:export")
+        return True

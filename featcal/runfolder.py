@@ -9,6 +9,8 @@ the Space and the demo read through it. The layout is the FeatCal reference run'
     <run>/<merged>/              the merged model: ``ta`` for Task Arithmetic, else the method's name
     <run>/featcal-<merged>/      the calibrated model, when FeatCal ran
     <run>/timings.json           seconds per stage
+    <run>/diagnostics.json       optional: feature drift from the experts (``featcal diagnose``)
+    <run>/diagnostics.png        its plot
     <run>/release/               the release folder written by ``featcal export``
 
 Each stage folder holds ``metrics.json`` and ``run.log`` (the same report on one line) and, for
@@ -37,6 +39,8 @@ RELEASE_DIR = "release"
 ZERO_SHOT_DIR = "zero-shot"
 LEGACY_BASE_DIR = "base"
 EXPERTS_DIR = "experts"
+DIAGNOSTICS = "diagnostics.json"
+DIAGNOSTICS_PLOT = "diagnostics.png"
 CALIBRATED_PREFIX = "featcal-"
 # Keys of a metrics report beside the tasks; task tables refuse tasks with these names.
 AVERAGE, MODEL_INFO, RUN_ID = "average", "model_info", "run_id"
@@ -191,13 +195,29 @@ def write_stage_report(folder: Path, report: MetricsReport, run_id: str) -> None
     atomic_write_json(folder / RUN_LOG, data, indent=None)
 
 
-def write_timings(run: Path, timings: Mapping[str, float], memory: Mapping[str, float] | None = None) -> None:
-    """Write ``timings.json``: seconds per stage, rounded to milliseconds, and the process's peak
-    memory in GiB under ``peak_memory`` (host RSS; on CUDA, ``torch.cuda.max_memory_allocated``)."""
+def write_timings(
+    run: Path,
+    timings: Mapping[str, float],
+    memory: Mapping[str, Any] | None = None,
+    settings: Mapping[str, Any] | None = None,
+) -> None:
+    """Write ``timings.json``: seconds per stage, rounded to milliseconds; under ``peak_memory`` the
+    process's peak memory in GiB (host RSS; on CUDA, ``torch.cuda.max_memory_allocated``) and each
+    stage's (see :class:`featcal.memory.MemoryMeter`); under ``settings`` what the run ran with (torch
+    threads)."""
     data: dict[str, Any] = {k: round(v, 3) for k, v in timings.items()}
     if memory:
-        data["peak_memory"] = {k: round(v, 3) for k, v in memory.items()}
+        data["peak_memory"] = _rounded(memory)
+    if settings:
+        data["settings"] = dict(settings)
     atomic_write_json(run / TIMINGS, data)
+
+
+def _rounded(value: Any) -> Any:
+    """Floats rounded to 3 decimals, through nested mappings."""
+    if isinstance(value, Mapping):
+        return {k: _rounded(v) for k, v in value.items()}
+    return round(value, 3) if isinstance(value, float) else value
 
 
 # --- reading -------------------------------------------------------------------------------------

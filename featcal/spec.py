@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import FeatcalError, InputError, InvalidParameterError, UnknownNameError
+from featcal.suites import BACKBONE_NAMES, DEFAULT_BACKBONE, DEFAULT_SUITE, SUITE_NAMES
 
-DEFAULT_OUTPUT_DIR = "outputs/clip-vit-b32-ta8"
+OUTPUT_DIR_PATTERN = "outputs/clip-vit-{backbone}-{suite}"  # outputs/clip-vit-b32-ta8 by default
 TRUE_WORDS = frozenset({"true", "yes", "on"})
 FALSE_WORDS = frozenset({"false", "no", "off"})
 
@@ -260,6 +261,7 @@ MERGING = "merging"
 EVALUATION = "evaluation"
 RUNTIME = "runtime"
 STAGES = "stages"
+DIAGNOSTICS = "diagnostics"
 
 
 @dataclass(frozen=True)
@@ -274,20 +276,31 @@ class RunSpec:
             ``skip_ta`` is set without ``ta_model_path``.
     """
 
-    output_dir: str = option(DEFAULT_OUTPUT_DIR, help="run folder", group="output", metavar="DIR")
+    output_dir: str | None = option(
+        None, help=f"run folder (default {OUTPUT_DIR_PATTERN.format(backbone='BACKBONE', suite='SUITE')})",
+        group="output", metavar="DIR",
+    )  # fmt: skip
     force: bool = option(
         False, help="redo every stage, and replace a run of other tasks or base model in output-dir", group="output"
     )
+    suite: str = option(
+        DEFAULT_SUITE, help=f"built-in task suite, {' | '.join(SUITE_NAMES)}: FusionBench's 8, 14 or 20 tasks "
+        "(see `featcal tasks`)", group=TASKS, metavar="SUITE", choices=SUITE_NAMES,
+    )  # fmt: skip
+    backbone: str = option(
+        DEFAULT_BACKBONE, help=f"CLIP backbone, {' | '.join(BACKBONE_NAMES)} (ViT-B/32, B/16, L/14): the base and "
+        "expert ids of the built-in suite", group=TASKS, metavar="BACKBONE", choices=BACKBONE_NAMES,
+    )  # fmt: skip
     tasks: list[str] | None = option(
-        None, help="tasks to use (default: every task of tasks-file, else the eight TA8 tasks)", group=TASKS,
+        None, help="tasks to use (default: every task of tasks-file, else every task of the suite)", group=TASKS,
         metavar="TASK", nargs="+",
     )  # fmt: skip
     tasks_file: str | None = option(
-        None, help="JSON or YAML task table adding to (or replacing) the built-in TA8 tasks", group=TASKS,
+        None, help="JSON or YAML task table adding to (or replacing) the built-in suite's tasks", group=TASKS,
         metavar="FILE",
     )  # fmt: skip
     base_model_id: str | None = option(
-        None, help="base CLIPModel, Hub id or folder (default: the task table's, openai/clip-vit-base-patch32)",
+        None, help="base CLIPModel, Hub id or folder (default: the backbone's, openai/clip-vit-base-patch32 for b32)",
         group=TASKS, metavar="ID_OR_DIR",
     )  # fmt: skip
     expert_model_format: str | None = option(
@@ -325,6 +338,10 @@ class RunSpec:
         "float32", help="CUDA arithmetic: float32 (IEEE, also for cuDNN), or tf32 (faster on Ampere and newer)",
         group=RUNTIME, choices=("float32", "tf32"),
     )  # fmt: skip
+    threads: int | None = option(
+        None, help="torch CPU threads (default: 1 for vision towers narrower than 256, else one per core)",
+        group=RUNTIME, metavar="N", ge=1,
+    )  # fmt: skip
     seed: int = option(42, help="seed of the calibration shuffle", group=RUNTIME, ge=0)
     dist_timeout: float = option(
         1800.0, help="under torchrun: seconds a process waits for the others in a collective before failing",
@@ -337,15 +354,32 @@ class RunSpec:
     eval_zero_shot: bool = option(False, help="also evaluate the base model zero-shot", group=STAGES)
     eval_experts: bool = option(False, help="also evaluate each expert on its own task", group=STAGES)
     no_export: bool = option(False, help="do not write the release folder (<output-dir>/release)", group=STAGES)
+    diagnose: bool = option(
+        False, help="also measure the feature drift of the merged and calibrated models from the experts "
+        "(<output-dir>/diagnostics.json and .png, shown in the model card)", group=STAGES,
+    )  # fmt: skip
+    diagnose_split: str = option(
+        "test", help="images the feature drift is measured on: each task's first test images, or the run's "
+        "calibration images", group=DIAGNOSTICS, metavar="SPLIT", choices=("test", "calibration"),
+    )  # fmt: skip
+    diagnose_images: int = option(
+        256, help="images per task for the feature drift", group=DIAGNOSTICS, metavar="N", ge=1
+    )
     progress: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.featcal, Mapping):
             object.__setattr__(self, "featcal", FeatCalParams(**self.featcal))
         _validate(self)
+        if self.output_dir is None:
+            object.__setattr__(self, "output_dir", OUTPUT_DIR_PATTERN.format(backbone=self.backbone, suite=self.suite))
         if self.skip_ta and not self.ta_model_path:
             raise InvalidParameterError(
                 "ta_model_path", None, "the merged model folder to start from, since skip_ta is set"
+            )
+        if self.diagnose and self.skip_featcal and self.diagnose_split == "calibration":
+            raise InvalidParameterError(
+                "diagnose_split", self.diagnose_split, "test, since skip_featcal is set (no calibration images)"
             )
 
     def method_params(self) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Task metadata: datasets, class names, prompt templates and reference numbers.
 
 One source of truth for the evaluator, the model card and the Space. The eight TA8 tasks ship with
-the package (``featcal/resources/ta8_tasks.json``); users add or replace tasks with a tasks file in
-the same schema (JSON or YAML).
+the package (``featcal/resources/ta8_tasks.json``), and with them the 14- and 20-task suites on three
+CLIP backbones (:mod:`featcal.suites`); users add or replace tasks with a tasks file in the same
+schema (JSON or YAML).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Task:
     templates: tuple[str, ...]
     expert: str | None = None
     reference_accuracy: Mapping[str, float] = field(default_factory=dict)
+    reference_source: str | None = None
 
     def prompts(self, classname: str) -> list[str]:
         """The task's templates filled with one class name."""
@@ -57,6 +59,8 @@ class Task:
         data["classnames"] = list(self.classnames)
         data["templates"] = list(self.templates)
         data["reference_accuracy"] = dict(self.reference_accuracy)
+        if self.reference_source is None:  # absent rather than null: tables without one record as before
+            data.pop("reference_source")
         return data
 
 
@@ -109,7 +113,7 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     where = f"task {name!r} in {source}"
     if not isinstance(entry, Mapping):
         raise FeatcalError(f"{where}: expected a mapping, got {type(entry).__name__}.")
-    unknown = set(entry) - {"dataset", "classnames", "templates", "expert", "reference_accuracy"}
+    unknown = set(entry) - {"dataset", "classnames", "templates", "expert", "reference_accuracy", "reference_source"}
     if unknown:
         raise FeatcalError(f"{where}: unknown field(s) {sorted(unknown)}.")
     dataset = entry.get("dataset")
@@ -137,6 +141,9 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     reference = entry.get("reference_accuracy") or {}
     if not isinstance(reference, Mapping):
         raise FeatcalError(f"{where}: 'reference_accuracy' must map method names to accuracies.")
+    source = entry.get("reference_source")
+    if source is not None and not isinstance(source, str):
+        raise FeatcalError(f"{where}: 'reference_source' must say in words where the reference accuracies come from.")
     return Task(
         name=name,
         dataset=spec,
@@ -144,6 +151,7 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
         templates=tuple(templates),
         expert=_resolve_ref(expert, root),
         reference_accuracy={str(k): float(v) for k, v in reference.items()},
+        reference_source=source,
     )
 
 
@@ -191,9 +199,29 @@ def builtin_tasks() -> TaskTable:
     return parse_task_table(json.loads(text), root=None, source="built-in TA8")
 
 
-def task_table(tasks_file: str | Path | None = None, *, replace: bool = False) -> TaskTable:
-    """The built-in table, extended (or replaced, with ``replace``) by a tasks file."""
+def task_table(
+    tasks_file: str | Path | None = None,
+    *,
+    replace: bool = False,
+    suite: str | None = None,
+    backbone: str | None = None,
+) -> TaskTable:
+    """The built-in table of ``suite`` on ``backbone``, extended (or replaced, with ``replace``) by a tasks file.
+
+    Args:
+        tasks_file: A JSON or YAML tasks file, or None for the built-in table alone.
+        replace: Use the tasks file's table instead of the built-in one.
+        suite: The built-in suite (``ta8``, ``ta14``, ``ta20``; see :mod:`featcal.suites`); None: ``ta8``.
+        backbone: The CLIP backbone whose base and experts the built-in table names (``b32``, ``b16``,
+            ``l14``); None: ``b32``.
+
+    Raises:
+        FeatcalError: for an invalid tasks file; ``UnknownNameError`` for an unknown suite or backbone.
+    """
+    from featcal.suites import suite_table
+
+    builtin = suite_table(suite, backbone)
     if tasks_file is None:
-        return builtin_tasks()
+        return builtin
     user = load_task_file(tasks_file)
-    return user if replace else builtin_tasks().merged_with(user)
+    return user if replace else builtin.merged_with(user)

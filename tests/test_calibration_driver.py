@@ -97,3 +97,14 @@ def test_input_model_is_not_modified(fixture_run):
     )
     for key, value in merged.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_in_place_calibration_gives_the_copy_s_weights_in_the_model_itself(fixture_run):
+    base, experts, merged, pixels = fixture_run
+    params = FeatCalParams(num_calibration_examples=12, calibration_batch_size=6)
+    expected = featcal_calibrate(merged, base, experts, pixels.__getitem__, params, progress=False)
+    own = copy.deepcopy(merged)
+    result = featcal_calibrate(own, base, experts, pixels.__getitem__, params, progress=False, in_place=True)
+    assert result is own
+    for key, value in expected.state_dict().items():
+        assert torch.equal(result.state_dict()[key], value), key

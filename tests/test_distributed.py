@@ -281,3 +281,10 @@ def test_tasks_need_a_calibration_image_per_process() -> None:
     check_calibration_shares(tasks, {}, 8, World(rank=0, size=8))
     with pytest.raises(DatasetInputError, match="'t1': its 2 calibration image.* over 3 processes"):
         check_calibration_shares(tasks, {"t1": 2}, 8, World(rank=0, size=3))
+
+
+def test_other_commands_refuse_torchrun(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["methods"]) == 2
+    assert "featcal: error: rank 0 of 2: featcal methods runs in one process" in capsys.readouterr().err

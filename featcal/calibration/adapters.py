@@ -1,8 +1,9 @@
 """Architecture knowledge for FeatCal, one adapter per model family; the driver knows none of it.
 
 An adapter says how to get the first layer's input, how to run one layer, which submodules of a
-layer are calibrated (in forward order), how tokens are weighted, and how a layer's parameters are
-named in a checkpoint.
+layer are calibrated (in forward order), how tokens are weighted, how a layer's parameters are
+named in a checkpoint, and (for the feature-drift diagnostics) how the pooled output the zero-shot
+heads read is made from the last layer's output.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ class ArchitectureAdapter(Protocol):
     def run_stem(self, stem: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor: ...
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def head(self, model: nn.Module) -> nn.Module: ...
+
+    def head_prefix(self) -> str: ...
+
+    def run_head(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def calibrated_modules(self, layer: nn.Module) -> dict[str, nn.Module]: ...
 
@@ -89,6 +96,16 @@ class CLIPVisionAdapter:
         # transformers 5 returns a Tensor, 4.x a tuple; never index a Tensor output with [0].
         out = layer(hidden, None)
         return out[0] if isinstance(out, tuple) else out
+
+    def head(self, model: nn.Module) -> nn.Module:
+        return self._tower(model).post_layernorm
+
+    def head_prefix(self) -> str:
+        return "post_layernorm."
+
+    def run_head(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The pooled output (``pooler_output``): ``post_layernorm`` of the CLS token of the last layer."""
+        return head(hidden[:, 0])
 
     def calibrated_modules(self, layer: nn.Module) -> dict[str, nn.Module]:
         return {

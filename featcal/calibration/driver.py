@@ -206,9 +206,12 @@ class FeatCalibrator:
         base: StateDict,
         experts: Mapping[str, StateDict],
         load_images: Callable[[str], torch.Tensor],
+        *,
+        in_place: bool = False,
     ) -> nn.Module:
-        """A calibrated copy of ``merged``; ``load_images(task)`` gives the task's calibration pixels."""
-        model = copy.deepcopy(merged).to(self.device).eval()
+        """A calibrated copy of ``merged`` (``merged`` itself, moved to the device, with ``in_place``: no
+        second copy of the model in memory); ``load_images(task)`` gives the task's calibration pixels."""
+        model = (merged if in_place else copy.deepcopy(merged)).to(self.device).eval()
         tasks = list(experts)
         streams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for task in Progress(tasks, desc="FeatCal: first-layer inputs", unit="tasks", enabled=self.progress):
@@ -302,6 +305,8 @@ def featcal_calibrate(
     experts: Mapping[str, StateDict],
     load_images: Callable[[str], torch.Tensor],
     params: FeatCalParams | None = None,
+    *,
+    in_place: bool = False,
     **kwargs,
 ) -> nn.Module:
     """FeatCal: re-solve every calibrated linear and LayerNorm of ``merged``, layer by layer.
@@ -312,14 +317,18 @@ def featcal_calibrate(
         experts: Each task's expert tensors, by task name.
         load_images: ``load_images(task)`` gives that task's calibration pixels, ``[n, 3, H, W]``.
         params: Hyper-parameters (default: the published reference run's).
+        in_place: Calibrate ``merged`` itself (moved to the device) instead of a copy, when the caller
+            no longer needs the merged weights: one model in memory instead of two.
         **kwargs: Passed to :class:`FeatCalibrator`: ``device``, ``progress``, ``adapter``, ``stats_dtype``,
             ``world`` (under torchrun: ``load_images`` then gives this process's part of each task's
             images, and the statistics are summed over the processes).
 
     Returns:
-        A calibrated copy of ``merged`` on the calibration device.
+        A calibrated copy of ``merged`` (``merged`` itself with ``in_place``) on the calibration device.
 
     Raises:
         FeatcalError: when an expert lacks a tensor the calibration needs.
     """
-    return FeatCalibrator(params or FeatCalParams(), **kwargs).calibrate(merged, base, experts, load_images)
+    return FeatCalibrator(params or FeatCalParams(), **kwargs).calibrate(
+        merged, base, experts, load_images, in_place=in_place
+    )

@@ -18,7 +18,14 @@ from featcal.errors import DistributedError, FeatcalError
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 # Modules that add subcommands; each has `register(subparsers)`.
-COMMAND_MODULES = ("featcal.cli.pipeline_commands", "featcal.cli.release", "featcal.cli.space", "featcal.cli.demo")
+COMMAND_MODULES = (
+    "featcal.cli.pipeline_commands",
+    "featcal.cli.suites",
+    "featcal.cli.diagnose",
+    "featcal.cli.release",
+    "featcal.cli.space",
+    "featcal.cli.demo",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet = args.quiet or rank != 0
     _configure_output(quiet, args.verbose)
     try:
+        if size > 1 and args.command not in processes.DISTRIBUTED_COMMANDS:
+            raise FeatcalError(
+                f"featcal {args.command} runs in one process: start it without torchrun (torchrun runs "
+                f"{', '.join(processes.DISTRIBUTED_COMMANDS)})."
+            )
         with _progress_display(quiet):
             return int(args.func(args) or 0)
     except FeatcalError as exc:

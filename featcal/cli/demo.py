@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="torch CPU threads (default: torch's choice, one per core)",
+        help="torch CPU threads for the zoo build (default: one per core) and the run (default: one, the "
+        "models are small)",
     )
     parser.add_argument(
         "--ta-scaling-factor",
@@ -72,7 +73,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(path_line(f"Benchmark zoo ({built:.0f} s)", zoo))
     spec = demo_run_spec(
         zoo, args.output_dir, device=args.device, progress=progress, scaling_factor=args.ta_scaling_factor
-    ).replace(no_export=args.no_export)
+    ).replace(no_export=args.no_export, threads=args.threads)
     results = run_pipeline(spec)
     print(format_results({s: r for s, r in results.items() if s in labels}, labels, column=10))
     out = Path(args.output_dir)

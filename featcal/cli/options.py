@@ -13,6 +13,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from featcal.spec import (
+    DIAGNOSTICS,
     EVALUATION,
     MERGING,
     RUNTIME,
@@ -31,6 +32,7 @@ GROUP_TITLES = {
     EVALUATION: "evaluation",
     RUNTIME: "runtime",
     STAGES: "stages",
+    DIAGNOSTICS: "feature-drift diagnostics (featcal diagnose, --diagnose)",
 }
 RUN_GROUPS = tuple(GROUP_TITLES)
 

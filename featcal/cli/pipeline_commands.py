@@ -8,11 +8,14 @@ command runs in every process (:func:`featcal.distributed.session`); rank 0 alon
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from featcal.cli.common import format_results, path_line, show_progress
 from featcal.cli.options import add_spec_options, given_values
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
+from featcal.suites import BACKBONE_NAMES, DEFAULT_BACKBONE, DEFAULT_SUITE, SUITE_NAMES
 
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
@@ -21,6 +24,17 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     return build_spec(
         cli=given_values(args), recipe=recipe, recipe_source=getattr(args, "recipe", None), progress=show_progress(args)
     )
+
+
+@contextmanager
+def compute_settings(spec: RunSpec, inputs) -> Iterator[None]:
+    """The command's CUDA precision and torch threads (``--precision``, ``--threads``), restored after."""
+    from featcal.precision import fixed_precision
+    from featcal.threads import choose_threads, torch_threads
+
+    threads = choose_threads(spec.threads, inputs.vision_config.hidden_size)
+    with fixed_precision(spec.precision), torch_threads(threads):
+        yield
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -47,14 +61,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from featcal.inputs import resolve_inputs
     from featcal.io import save_vision_model
     from featcal.pipeline import merge
-    from featcal.precision import fixed_precision
 
     spec = spec_from_args(args)
     with session(spec.device, spec.dist_timeout) as world:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec)
-        with fixed_precision(spec.precision):
+        with compute_settings(spec, inputs):
             state = merge(inputs, spec.merge_method, device, world=world)
     if not world.is_main:
         return 0
@@ -69,7 +82,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from featcal.inputs import load_vision_folder, resolve_inputs, validate_datasets
     from featcal.io import save_vision_model
     from featcal.pipeline import calibrate
-    from featcal.precision import fixed_precision
 
     spec = spec_from_args(args)
     with session(spec.device, spec.dist_timeout) as world:
@@ -79,10 +91,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             validate_datasets(inputs.tasks, splits=("train",))
             merged = load_vision_folder(args.merged, inputs.base)
             _, _, processor = load_base_clip(inputs.base_folder)
-        with fixed_precision(spec.precision):
+        with compute_settings(spec, inputs):
             model = calibrate(
                 inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor,
-                progress=spec.progress, world=world,
+                progress=spec.progress, in_place=True, world=world,
             )  # fmt: skip
     if not world.is_main:
         return 0
@@ -96,7 +108,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from featcal.evaluation import ZeroShotClassifier, load_base_clip
     from featcal.inputs import load_vision_folder, resolve_inputs, validate_datasets
     from featcal.io import atomic_write_json
-    from featcal.precision import fixed_precision
     from featcal.runfolder import METRICS, ZERO_SHOT_DIR
 
     spec = spec_from_args(args)
@@ -107,7 +118,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             validate_datasets(inputs.tasks, splits=("test",))
             clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
             model = load_vision_folder(args.model, inputs.base) if args.model else clip.vision_model
-        with fixed_precision(spec.precision):
+        with compute_settings(spec, inputs):
             report = ZeroShotClassifier(clip, tokenizer, device, world=world).evaluate(
                 model,
                 inputs.tasks,
@@ -131,12 +142,22 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_methods(args: argparse.Namespace) -> int:
     from featcal.merging import available_methods, get_method
     from featcal.runfolder import merged_stage_name
+    from featcal.suites import merged_reference, reference_source
 
+    published = merged_reference(args.suite, args.backbone)
     for name in available_methods():
         method = get_method(name)
         print(f"{name:<18} {method.pretty_name}  {method.reference_url}  → folder {merged_stage_name(name)}/")
         for line in [method.description, *map(str, method.params)]:
             print(f"{'':<18} {line}")
+        for key in (name, f"{name}_featcal"):
+            if "average" in published.get(key, {}):
+                label = "published average" + (" with FeatCal" if key != name else "")
+                print(f"{'':<18} {label} on {args.suite}/{args.backbone}: {100 * published[key]['average']:.2f}")
+    if published:
+        print(f"Published averages: {reference_source(args.suite, args.backbone)}; per task: `featcal tasks`.")
+    else:
+        print(f"No merge accuracy is published for {args.suite} on {args.backbone}.")
     return 0
 
 
@@ -175,4 +196,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_evaluate)
 
     p = subparsers.add_parser("methods", help="list the merging methods and their hyper-parameters")
+    p.add_argument("--suite", choices=SUITE_NAMES, default=DEFAULT_SUITE, help="show the averages published for it")
+    p.add_argument("--backbone", choices=BACKBONE_NAMES, default=DEFAULT_BACKBONE, help="… on this backbone")
     p.set_defaults(func=cmd_methods)

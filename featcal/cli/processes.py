@@ -16,6 +16,7 @@ import time
 import warnings
 
 ERROR_GRACE_S = 5.0
+DISTRIBUTED_COMMANDS = ("run", "merge", "calibrate", "evaluate")  # the commands that run under torchrun
 
 
 def silence() -> None:

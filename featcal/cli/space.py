@@ -8,6 +8,9 @@ from pathlib import Path
 from featcal.cli.common import path_line, show_progress
 from featcal.cli.tables import file_table
 from featcal.space.settings import DEFAULT_MODEL_ID
+from featcal.suites import SUITE_NAMES
+
+SUITE_HELP = "built-in suite whose tasks to offer (default: the model's run_config.json's, else ta8)"
 
 
 def cmd_space(args: argparse.Namespace) -> int:
@@ -17,6 +20,7 @@ def cmd_space(args: argparse.Namespace) -> int:
         model_id=args.model,
         base_model_id=args.base_model_id,
         tasks_file=args.tasks_file,
+        suite=args.suite,
         app_dir=Path.cwd(),
         device=args.device,
     )
@@ -32,6 +36,7 @@ def cmd_push(args: argparse.Namespace) -> int:
         model_id=args.model_id,
         base_model_id=args.base_model_id,
         tasks_file=args.tasks_file,
+        suite=args.suite,
         private=args.private,
         token=args.token,
         dry_run=args.dry_run,
@@ -77,8 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--tasks-file",
         default=None,
         metavar="FILE",
-        help="JSON or YAML task table to offer instead of the eight TA8 tasks",
+        help="JSON or YAML task table to offer instead of the built-in suite's tasks",
     )
+    space.add_argument("--suite", choices=SUITE_NAMES, default=None, help=SUITE_HELP)
     space.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0 for all)")
     space.add_argument("--port", type=int, default=None, help="port (default: Gradio's, 7860 or the next free one)")
     space.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
@@ -109,8 +115,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--tasks-file",
         default=None,
         metavar="FILE",
-        help="task table to ship with the Space instead of the eight TA8 tasks",
+        help="task table to ship with the Space instead of the built-in suite's tasks",
     )
+    push.add_argument("--suite", choices=SUITE_NAMES, default=None, help=SUITE_HELP)
     push.add_argument("--private", action="store_true", help="create the Space private (if it is new)")
     push.add_argument("--token", help="Hub token (default: HF_TOKEN, then the stored login); never printed")
     push.add_argument("--dry-run", action="store_true", help="stage and list the files; do not contact the Hub")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
 from featcal.release.plot import PLOT_FILE, save_results_plot
 from featcal.release.published import LOCAL_MARK, is_published_local, local_name, published_config, published_ref
 from featcal.release.results import ResultRow, results_rows
-from featcal.runfolder import PROCESSES, RELEASE_DIR, RunFolder, merged_stage_name, read_run
+from featcal.runfolder import DIAGNOSTICS_PLOT, PROCESSES, RELEASE_DIR, RunFolder, merged_stage_name, read_run
 from featcal.spec import FeatCalParams, option_fields, option_of
 from featcal.tasks import Task
 
@@ -43,7 +44,12 @@ FEATCAL_PARAMS = {
 FEATCAL_RECORDS = {
     "calibration_examples_used": ("", "train images of the tasks that had fewer than n; all of them were used"),
 }
-TIMING_LABELS = {"merge_s": "merge", "calibrate_s": "FeatCal calibration", "eval_s": "evaluation"}
+TIMING_LABELS = {
+    "merge_s": "merge",
+    "calibrate_s": "FeatCal calibration",
+    "eval_s": "evaluation",
+    "diagnose_s": "feature-drift diagnostics",
+}
 
 
 def timing_label(key: str) -> str:
@@ -157,7 +163,17 @@ def _environment(template: str | Path | None) -> tuple[jinja2.Environment, str]:
     return env, source
 
 
-def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | None) -> dict[str, Any]:
+def _diagnostics(run: RunFolder, plot: str | None) -> dict[str, Any] | None:
+    """The feature-drift summary line (and plot) of the run's ``diagnostics.json``, when it has one of this recipe."""
+    from featcal.diagnostics.report import read_report
+
+    report = read_report(run.path, run.recipe_sha256)
+    return None if report is None else {"summary": report.summary(), "plot": plot}
+
+
+def _context(
+    run: RunFolder, *, repo_id: str | None, license: str, plot: str | None, drift_plot: str | None = None
+) -> dict[str, Any]:
     """The template's variables. References to inputs are given as published (see
     :mod:`featcal.release.published`): Hub ids as they are, local folders as ``local:<folder name>``,
     so that no template, featcal's or a user's, can put a local path in the card."""
@@ -213,7 +229,10 @@ def _context(run: RunFolder, *, repo_id: str | None, license: str, plot: str | N
         "has_base": any(r.base is not None for r in rows),
         "has_merged": any(r.merged is not None for r in rows),
         "has_reference": any(r.reference_merged is not None or r.reference_calibrated is not None for r in rows),
+        # where the reference numbers come from, when the task table says (else the FeatCal reference run)
+        "reference_source": next((t.reference_source for t in run.tasks if t.reference_source), None),
         "plot": plot,
+        "diagnostics": _diagnostics(run, drift_plot),
         "snippet": {
             "task": snippet.name,
             "classnames": list(snippet.classnames),
@@ -238,13 +257,19 @@ def render_card(
     license: str = DEFAULT_LICENSE,
     template: str | Path | None = None,
     plot: str | None = PLOT_FILE,
+    drift_plot: str | None = None,
 ) -> ModelCard:
-    """The model card of ``run``; ``plot`` is the image file the card shows (None for no image)."""
+    """The model card of ``run``; ``plot`` is the image file the card shows (None for no image).
+
+    When the run folder holds feature-drift diagnostics of this recipe (``featcal diagnose``), the
+    card gives their one-line summary, and ``drift_plot`` names the image of them it shows.
+    """
     if repo_id is not None:
         check_repo_id(repo_id)
     env, source = _environment(template)
     try:
-        text = env.from_string(source).render(**_context(run, repo_id=repo_id, license=license, plot=plot))
+        context = _context(run, repo_id=repo_id, license=license, plot=plot, drift_plot=drift_plot)
+        text = env.from_string(source).render(**context)
     except jinja2.TemplateError as exc:
         raise FeatcalError(f"Model card template {template or TEMPLATE} failed to render: {exc}") from None
     try:
@@ -308,19 +333,33 @@ def write_card_files(
             )
     pretty_name, _ = _method_info(run.method)
     plot_path, plot_tmp = out / PLOT_FILE, out / f".{PLOT_FILE}.tmp"
+    drift_path, drift_tmp = out / DIAGNOSTICS_PLOT, out / f".{DIAGNOSTICS_PLOT}.tmp"
     has_plot = save_results_plot(results_rows(run), plot_tmp, merged_label=pretty_name)
     try:
+        has_drift_plot = (run.path / DIAGNOSTICS_PLOT).is_file()
+        if has_drift_plot:
+            shutil.copyfile(run.path / DIAGNOSTICS_PLOT, drift_tmp)
         card = render_card(
-            run, repo_id=repo_id, license=license, template=template, plot=PLOT_FILE if has_plot else None
+            run,
+            repo_id=repo_id,
+            license=license,
+            template=template,
+            plot=PLOT_FILE if has_plot else None,
+            drift_plot=DIAGNOSTICS_PLOT if has_drift_plot else None,
         )
+        # shipped only when the card shows it (diagnostics of this recipe, a template that uses them)
+        has_drift_plot = has_drift_plot and f"({DIAGNOSTICS_PLOT})" in str(card)
     except BaseException:
         plot_tmp.unlink(missing_ok=True)
+        drift_tmp.unlink(missing_ok=True)
         raise
-    if has_plot:
-        os.replace(plot_tmp, plot_path)
-    else:
-        plot_path.unlink(missing_ok=True)
+    for shown, tmp, final in ((has_plot, plot_tmp, plot_path), (has_drift_plot, drift_tmp, drift_path)):
+        if shown:
+            os.replace(tmp, final)
+        else:
+            tmp.unlink(missing_ok=True)
+            final.unlink(missing_ok=True)
     path = out / CARD_FILE
     atomic_write_text(path, str(card))
-    update_manifest(out, {CARD_FILE: True, PLOT_FILE: has_plot})
+    update_manifest(out, {CARD_FILE: True, PLOT_FILE: has_plot, DIAGNOSTICS_PLOT: has_drift_plot})
     return path

@@ -19,13 +19,13 @@ from featcal.release.card import write_card_files
 from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, write_manifest
 from featcal.release.plot import PLOT_FILE
 from featcal.release.published import published_config
-from featcal.runfolder import METRICS, RELEASE_DIR, RUN_CONFIG, RunFolder, read_run, recipe_sha256
+from featcal.runfolder import DIAGNOSTICS_PLOT, METRICS, RELEASE_DIR, RUN_CONFIG, RunFolder, read_run, recipe_sha256
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS = "model.safetensors"
 REQUIRED_FILES = ("config.json", WEIGHTS, "preprocessor_config.json", "README.md", METRICS, RUN_CONFIG, MANIFEST)
-RELEASE_FILES = frozenset({*REQUIRED_FILES, PLOT_FILE})
+RELEASE_FILES = frozenset({*REQUIRED_FILES, PLOT_FILE, DIAGNOSTICS_PLOT})
 
 
 def load_vision_model(folder: Path, what: str):

@@ -23,7 +23,8 @@ from featcal.io import read_json
 from featcal.runfolder import CALIBRATED_PREFIX, RELEASE_DIR, RUN_CONFIG
 from featcal.space.heads import default_cache_dir, task_heads
 from featcal.space.settings import DEFAULT_BASE_MODEL_ID, SpaceSettings
-from featcal.tasks import Task, builtin_tasks, task_table
+from featcal.suites import SUITE_NAMES, suite_table
+from featcal.tasks import Task, task_table
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +97,15 @@ def base_model_ref(settings: SpaceSettings, source: ModelSource) -> str:
     return DEFAULT_BASE_MODEL_ID
 
 
-def space_tasks(settings: SpaceSettings) -> list[Task]:
-    """The tasks the Space offers: those of its tasks file, else the built-in eight."""
+def space_tasks(settings: SpaceSettings, recorded_suite: str | None = None) -> list[Task]:
+    """The tasks the Space offers: those of its tasks file, else those of the built-in suite.
+
+    Args:
+        settings: The Space's settings; their ``suite`` wins over ``recorded_suite``.
+        recorded_suite: The suite the model's ``run_config.json`` records, if any (else ``ta8``).
+    """
     if settings.tasks_file is None:
-        return list(builtin_tasks().tasks.values())
+        return list(suite_table(settings.suite or recorded_suite).tasks.values())
     return list(task_table(settings.path(settings.tasks_file), replace=True).tasks.values())
 
 
@@ -111,7 +117,10 @@ class SpaceModel:
         self.device = resolve_device(settings.device)
         self.source = resolve_model_source(settings.model_id)
         self.base_ref = base_model_ref(settings, self.source)
-        self.tasks = {task.name: task for task in space_tasks(settings)}
+        recorded_suite = self.source.recipe().get("suite")
+        self.tasks = {
+            task.name: task for task in space_tasks(settings, recorded_suite if recorded_suite in SUITE_NAMES else None)
+        }
         unoffered = [name for name in self.source.recipe().get("tasks") or [] if name not in self.tasks]
         if unoffered:
             logger.warning(

@@ -74,6 +74,7 @@ def stage_space(
     model_id: str = DEFAULT_MODEL_ID,
     base_model_id: str | None = None,
     tasks_file: str | Path | None = None,
+    suite: str | None = None,
     examples: bool = True,
     progress: bool = True,
 ) -> Path:
@@ -86,7 +87,8 @@ def stage_space(
     model_id = _hub_id(model_id, "model_id")
     base_model_id = _hub_id(base_model_id, "base_model_id") if base_model_id else None
     tasks_path = Path(tasks_file).expanduser() if tasks_file is not None else None
-    tasks = space_tasks(SpaceSettings(tasks_file=str(tasks_path) if tasks_path else None))  # validates the file
+    # validates the file and the suite
+    tasks = space_tasks(SpaceSettings(tasks_file=str(tasks_path) if tasks_path else None, suite=suite))
     source = space_source()
     out.mkdir(parents=True, exist_ok=True)
     for name in SOURCE_FILES:
@@ -97,7 +99,7 @@ def stage_space(
     shipped_tasks = f"tasks{tasks_path.suffix}" if tasks_path else None
     if tasks_path:
         shutil.copy2(tasks_path, out / shipped_tasks)
-    settings = SpaceSettings(model_id=model_id, base_model_id=base_model_id, tasks_file=shipped_tasks)
+    settings = SpaceSettings(model_id=model_id, base_model_id=base_model_id, tasks_file=shipped_tasks, suite=suite)
     atomic_write_json(out / CONFIG_FILE, settings.to_config())
     shutil.copytree(Path(featcal.__file__).resolve().parent, out / PACKAGE_DIR, ignore=shutil.ignore_patterns(*SKIPPED))
     if examples:
@@ -112,6 +114,7 @@ def push_space(
     model_id: str = DEFAULT_MODEL_ID,
     base_model_id: str | None = None,
     tasks_file: str | Path | None = None,
+    suite: str | None = None,
     private: bool = False,
     token: str | None = None,
     dry_run: bool = False,
@@ -136,6 +139,7 @@ def push_space(
             model_id=model_id,
             base_model_id=base_model_id,
             tasks_file=tasks_file,
+            suite=suite,
             examples=examples,
             progress=progress,
         )

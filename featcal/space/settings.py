@@ -18,7 +18,7 @@ CONFIG_FILE = "space_config.json"
 EXAMPLES_DIR = "examples"
 
 # Environment variables (Space variables in the Hub's settings) override space_config.json.
-ENV_KEYS = {"model_id": "MODEL_ID", "base_model_id": "BASE_MODEL_ID", "tasks_file": "TASKS_FILE"}
+ENV_KEYS = {"model_id": "MODEL_ID", "base_model_id": "BASE_MODEL_ID", "tasks_file": "TASKS_FILE", "suite": "SUITE"}
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,9 @@ class SpaceSettings:
     """The Space's model references and limits.
 
     ``base_model_id`` None means: the base named in the model's ``run_config.json`` when it has one
-    usable here, else :data:`DEFAULT_BASE_MODEL_ID`. ``tasks_file`` None means the built-in TA8 tasks.
+    usable here, else :data:`DEFAULT_BASE_MODEL_ID`. ``tasks_file`` None means the tasks of the built-in
+    ``suite`` (``ta8``, ``ta14``, ``ta20``); ``suite`` None means the one the model's ``run_config.json``
+    records, else ``ta8``.
     Relative ``tasks_file`` and ``examples_dir`` paths resolve against ``app_dir``. ``heads_cache`` is
     where class embeddings are kept between starts (None: ``~/.cache/featcal/space-heads``).
     """
@@ -34,6 +36,7 @@ class SpaceSettings:
     model_id: str = DEFAULT_MODEL_ID
     base_model_id: str | None = None
     tasks_file: str | None = None
+    suite: str | None = None
     app_dir: Path | None = None
     examples_dir: str = EXAMPLES_DIR
     device: str = "auto"
@@ -51,11 +54,14 @@ class SpaceSettings:
 
     def to_config(self) -> dict[str, Any]:
         """The JSON that `featcal space push` writes as ``space_config.json``."""
-        return {k: v for k, v in asdict(self).items() if k not in {"app_dir", "device", "heads_cache"}}
+        config = {k: v for k, v in asdict(self).items() if k not in {"app_dir", "device", "heads_cache"}}
+        if config["suite"] is None:  # as before suites existed: the model's own, else ta8
+            del config["suite"]
+        return config
 
     @classmethod
     def from_app_dir(cls, app_dir: str | Path, environ: Mapping[str, str] | None = None) -> SpaceSettings:
-        """Settings of the app in ``app_dir``: its ``space_config.json``, then MODEL_ID, BASE_MODEL_ID, TASKS_FILE."""
+        """Settings of the app in ``app_dir``: its ``space_config.json``, then the environment (:data:`ENV_KEYS`)."""
         app_dir = Path(app_dir).resolve()
         values: dict[str, Any] = {}
         config = app_dir / CONFIG_FILE

@@ -1,17 +1,23 @@
-"""Tiny stand-ins for the Hub repositories a default `featcal run` reads, to serve from the Hub double.
+"""Tiny stand-ins for the Hub repositories a `featcal run` reads, to serve from the Hub double.
 
-- ``openai/clip-vit-base-patch32``: a tiny CLIPModel with its tokenizer and image processor
-  (:func:`tests.support.builders.save_base`), plus the other weight formats the real repository also
-  holds (``pytorch_model.bin``, ``tf_model.h5``, ``flax_model.msgpack``) as placeholder bytes that are
-  no weights at all: featcal must never fetch them.
-- ``tanganke/clip-vit-base-patch32_<task>``: a tiny CLIPVisionModel expert per task.
-- The eight task datasets under the ids and configurations ``featcal/resources/ta8_tasks.json`` names,
-  in the Hub's parquet layout, each with the configurations, splits, column names and class count of
-  the real one (:data:`DATASETS`) and a README whose YAML declares them, as ``push_to_hub`` writes it.
-  Every split holds a handful of rows (:data:`ROWS`), their labels spread over all the classes.
+The world is built for one built-in suite on one backbone (:func:`featcal.suites.suite_table`; by
+default the eight TA8 tasks on CLIP ViT-B/32, what a run with no input flag reads):
 
-The split lists are those of the real dataset cards as this file's author knows them; they were not
-checked against the live Hub (the tests never reach it).
+- the backbone's base, e.g. ``openai/clip-vit-base-patch32``: a tiny CLIPModel with its tokenizer
+  and image processor (:func:`tests.support.builders.save_base`), plus the other weight formats the
+  real repository also holds (``pytorch_model.bin``, ``tf_model.h5``, ``flax_model.msgpack``) as
+  placeholder bytes that are no weights at all: featcal must never fetch them.
+- the backbone's experts, e.g. ``tanganke/clip-vit-base-patch32_<task>``: a tiny CLIPVisionModel per task.
+- The suite's datasets under the ids and configurations the task table names, in the Hub's parquet
+  layout, each with the configurations, splits, column names, label type and class count the table
+  and :data:`DATASETS` give, and a README whose YAML declares them, as ``push_to_hub`` writes it.
+  The train and test splits the table names hold :data:`ROWS` rows, others :data:`EXTRA_ROWS`,
+  their labels spread over all the classes.
+
+The split lists are those of the real dataset cards as this file's author knows them, or the splits
+FusionBench's dataset configs name; they were not checked against the live Hub (the tests never
+reach it). ``clip-benchmark/wds_fer2013`` is a WebDataset (tar shards) on the Hub; its stand-in is
+parquet with the same columns (``jpg``, ``cls``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ REPO_ROOT = Path(__file__).parents[2]
 TA8 = REPO_ROOT / "featcal" / "resources" / "ta8_tasks.json"
 # The sizes of the rehearsal's runs: a handful of images, CPU, no data-loading workers.
 SMALL = ["--device", "cpu", "--num-calibration-examples", "8", "--max-eval-samples", "8", "--eval-num-workers", "0"]
-ROWS = {"train": 8, "test": 8}  # other splits (corruptions, extra) get EXTRA_ROWS
+ROWS = 8  # in each task's train and test split; other splits (corruptions, extra, validation) get EXTRA_ROWS
 EXTRA_ROWS = 2
 CORRUPTIONS = ["contrast", "gaussian_noise", "impulse_noise", "jpeg_compression", "motion_blur", "pixelate", "spatter"]
 DIGITS = [str(d) for d in range(10)]
@@ -49,6 +55,7 @@ class Config:
     folder: str
     splits: tuple[str, ...]
     full_numbers: bool = False  # SVHN's other configuration: a `digits` column of boxes and labels
+    bool_labels: bool = False  # PatchCamelyon: the label column holds booleans, not class indices
 
 
 def _default(*extra: str) -> tuple[Config, ...]:
@@ -68,6 +75,19 @@ DATASETS: dict[str, tuple[Config, ...]] = {
     "tanganke/gtsrb": _default(*CORRUPTIONS),
     "ylecun/mnist": (Config("mnist", "mnist", ("train", "test")),),
     "tanganke/dtd": _default(),
+    # the twelve more tasks of the 14- and 20-task suites (featcal/resources/tall_tasks.json)
+    "dpdl-benchmark/oxford_flowers102": _default("validation"),
+    "1aurent/PatchCamelyon": (Config("default", "data", ("train", "validation", "test"), bool_labels=True),),
+    "clip-benchmark/wds_fer2013": _default(),
+    "timm/oxford-iiit-pet": _default(),
+    "tanganke/stl10": _default(),
+    "tanganke/cifar100": _default(),
+    "tanganke/cifar10": _default(),
+    "ethz/food101": (Config("default", "data", ("train", "validation")),),
+    "zalando-datasets/fashion_mnist": _default(),
+    "tanganke/emnist_letters": _default(),
+    "tanganke/kmnist": _default(),
+    "nateraw/rendered-sst2": _default("validation"),
 }
 
 PLACEHOLDER_WEIGHTS = {
@@ -99,37 +119,49 @@ class World:
                 double.publish_folder(repo_id, folder, repo_type="dataset", summary="Upload dataset")
 
 
-def build_world(root: Path, seed: int = 0) -> World:
-    """Write the base, the eight experts and the eight datasets under ``root``."""
-    table = ta8_table()
+def build_world(root: Path, seed: int = 0, *, suite: str | None = None, backbone: str | None = None) -> World:
+    """Write the base, experts and datasets of ``suite`` on ``backbone`` (default TA8 on B/32) under ``root``."""
+    from featcal.suites import suite_table
+
+    table = suite_table(suite, backbone)
     models: dict[str, Path] = {}
-    base_folder = root / "models" / table["base_model"]
+    base_folder = root / "models" / table.base_model
     base = save_base(base_folder, seed, max_positions=77)
     for name, data in PLACEHOLDER_WEIGHTS.items():
         (base_folder / name).write_bytes(data)
     (base_folder / "README.md").write_text("---\nlicense: mit\ntags:\n- vision\n---\n\n# Tiny stand-in CLIP\n")
-    models[table["base_model"]] = base_folder
+    models[table.base_model] = base_folder
     datasets: dict[str, Path] = {}
-    for i, (task, entry) in enumerate(table["tasks"].items()):
-        expert = root / "models" / entry["expert"]
+    for i, task in enumerate(table.tasks.values()):
+        expert = root / "models" / task.expert
         save_expert(base, expert, seed=seed + 100 + i)
-        (expert / "README.md").write_text(f"---\nbase_model: {table['base_model']}\n---\n\n# Tiny expert: {task}\n")
-        models[entry["expert"]] = expert
-        repo_id = entry["dataset"]["path"]
-        if repo_id not in datasets:
-            datasets[repo_id] = root / "datasets" / repo_id
-            write_dataset(datasets[repo_id], DATASETS[repo_id], entry["classnames"], seed=seed + 200 + i)
+        (expert / "README.md").write_text(f"---\nbase_model: {table.base_model}\n---\n\n# Tiny expert: {task.name}\n")
+        models[task.expert] = expert
+        spec = task.dataset
+        if spec.path not in datasets:
+            datasets[spec.path] = root / "datasets" / spec.path
+            write_dataset(
+                datasets[spec.path],
+                DATASETS[spec.path],
+                list(task.classnames),
+                seed=seed + 200 + i,
+                columns=(spec.image_column, spec.label_column),
+                full_splits=(spec.train_split, spec.test_split),
+            )
     return World(root, models, datasets)
 
 
-def _features(config: Config, classnames: list[str]):
+def _features(config: Config, classnames: list[str], columns: tuple[str, str]):
     from datasets import ClassLabel, Features, Sequence, Value
     from datasets import Image as ImageFeature
 
+    image, label = columns
     if config.full_numbers:
         digit = {"bbox": Sequence(Value("int32"), length=4), "label": ClassLabel(names=DIGITS)}
-        return Features({"image": ImageFeature(), "digits": Sequence(digit)})
-    return Features({"image": ImageFeature(), "label": ClassLabel(names=classnames)})
+        return Features({image: ImageFeature(), "digits": Sequence(digit)})
+    return Features(
+        {image: ImageFeature(), label: Value("bool") if config.bool_labels else ClassLabel(names=classnames)}
+    )
 
 
 def _image(label: int, rng: np.random.Generator) -> Image.Image:
@@ -137,27 +169,38 @@ def _image(label: int, rng: np.random.Generator) -> Image.Image:
     return Image.fromarray(np.clip(rng.normal(tint, 60, size=(32, 32, 3)), 0, 255).astype(np.uint8))
 
 
-def write_dataset(folder: Path, configs: tuple[Config, ...], classnames: list[str], *, seed: int) -> None:
-    """A dataset repository: ``{config folder}/{split}-00000-of-00001.parquet`` and a README declaring them."""
+def write_dataset(
+    folder: Path,
+    configs: tuple[Config, ...],
+    classnames: list[str],
+    *,
+    seed: int,
+    columns: tuple[str, str] = ("image", "label"),
+    full_splits: tuple[str, ...] = ("train", "test"),
+) -> None:
+    """A dataset repository: ``{config folder}/{split}-00000-of-00001.parquet`` and a README declaring them.
+
+    ``columns`` names the image and label columns; the ``full_splits`` hold :data:`ROWS` rows each.
+    """
     from datasets import Dataset
 
     rng = np.random.default_rng(seed)
     infos, card_configs = [], []
     for config in configs:
         names = DIGITS if config.name in ("cropped_digits", "mnist") else classnames
-        features = _features(config, names)
+        features = _features(config, names, columns)
         splits = []
         for split in config.splits:
-            count = ROWS.get(split, EXTRA_ROWS)
+            count = ROWS if split in full_splits else EXTRA_ROWS
             labels = [(i * len(names)) // count for i in range(count)]  # spread over all the classes
             images = [_image(label, rng) for label in labels]
             if config.full_numbers:
-                columns = {"image": images, "digits": [{"bbox": [[1, 2, 8, 16]], "label": [label]} for label in labels]}
+                rows = {"digits": [{"bbox": [[1, 2, 8, 16]], "label": [label]} for label in labels]}
             else:
-                columns = {"image": images, "label": labels}
+                rows = {columns[1]: [bool(label) for label in labels] if config.bool_labels else labels}
             path = folder / config.folder / f"{split}-00000-of-00001.parquet"
             path.parent.mkdir(parents=True, exist_ok=True)
-            Dataset.from_dict(columns, features=features).to_parquet(str(path))
+            Dataset.from_dict({columns[0]: images, **rows}, features=features).to_parquet(str(path))
             splits.append({"name": split, "num_bytes": path.stat().st_size, "num_examples": count})
         infos.append({"config_name": config.name, "features": features._to_yaml_list(), "splits": splits})
         card_configs.append(

@@ -1,0 +1,86 @@
+"""`featcal tasks`: the tasks of a built-in suite on a backbone, with their data and reference numbers.
+
+Reads the package's JSON tables only, so it imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from featcal.suites import BACKBONE_NAMES, DEFAULT_BACKBONE, DEFAULT_SUITE, SUITE_NAMES, describe_suite
+
+REFERENCE_COLUMNS = {"zero_shot": "zero-shot", "expert": "expert"}
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}"
+
+
+def format_suite(listing: Mapping[str, Any]) -> str:
+    """The listing of :func:`featcal.suites.describe_suite` as a plain-text table, accuracies in %."""
+    methods = sorted({m for t in listing["tasks"] for m in t["reference_accuracy"]} - set(REFERENCE_COLUMNS))
+    columns = [*REFERENCE_COLUMNS, *methods]
+    headings = [REFERENCE_COLUMNS.get(c, c) for c in columns]
+    rows = [
+        [
+            t["name"],
+            t["dataset"] + (f" ({t['config']})" if t["config"] else ""),
+            t["test_split"],
+            str(t["classes"]),
+            str(t["templates"]),
+            *(_pct(t["reference_accuracy"].get(c)) for c in columns),
+        ]
+        for t in listing["tasks"]
+    ]
+    if listing["reference_average"]:
+        rows.append(["average", "", "", "", "", "", "", *(_pct(listing["reference_average"].get(m)) for m in methods)])
+    header = ["task", "dataset", "test split", "classes", "templates", *headings]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    left = 3  # task, dataset and split are text; the rest numbers
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [
+        f"Suite {listing['suite']}: {listing['title']}, {len(listing['tasks'])} tasks, on {listing['backbone_title']}",
+        f"Base {listing['base_model']}; experts {listing['expert_model_pattern']}",
+        "",
+        line(header),
+        *(line(r) for r in rows),
+        "",
+        f"zero-shot, expert: accuracies (%) published by {listing['single_model_reference_source']}.",
+    ]
+    if methods:
+        out.append(f"{', '.join(methods)}: merge accuracies (%) published by {listing['merged_reference_source']}.")
+    else:
+        out.append("No per-task merge accuracy is published for this suite and backbone.")
+    out.append(f"Source: {listing['source']['repository']} at {listing['source']['commit'][:12]}.")
+    return "\n".join(out)
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    listing = describe_suite(args.suite, args.backbone)
+    print(json.dumps(listing, indent=1) if args.json else format_suite(listing))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `tasks`, with ``func`` set to its handler."""
+    p = subparsers.add_parser(
+        "tasks",
+        help="list the tasks of a built-in suite: datasets, classes, templates, reference accuracies",
+        description="The tasks of a built-in suite on a CLIP backbone, with their datasets, number of classes "
+        "and prompt templates, and the accuracies FusionBench (or the FeatCal reference run) publishes.",
+    )
+    p.add_argument("--suite", choices=SUITE_NAMES, default=DEFAULT_SUITE, help=f"the suite (default {DEFAULT_SUITE})")
+    p.add_argument(
+        "--backbone",
+        choices=BACKBONE_NAMES,
+        default=DEFAULT_BACKBONE,
+        help=f"the backbone (default {DEFAULT_BACKBONE})",
+    )
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    p.set_defaults(func=cmd_tasks)
