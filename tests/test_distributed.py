@@ -211,6 +211,11 @@ def test_two_processes_give_one_process_results(one_process, tmp_path: Path) -> 
     # rank 0 alone logs and prints: one log line per evaluation of t0, one results table
     assert done.stderr.count("INFO featcal.evaluation: t0: accuracy") == 3, done.stderr[-3000:]
     assert done.stdout.count("Run folder: ") == 1 and done.stdout.count("featcal-ta") == 1
+    # one process resumes the folder: the number of processes is no part of a stage's identity
+    models = {path: path.stat().st_mtime_ns for path in out.rglob("model.safetensors")}
+    assert main(["-q", *RUN, "--eval-zero-shot", "--eval-experts", "--output-dir", str(out)]) == 0
+    assert {path: path.stat().st_mtime_ns for path in out.rglob("model.safetensors")} == models
+    assert PROCESSES not in json.loads((out / RUN_CONFIG).read_text())  # the record is the last invocation's
 
 
 def test_three_processes_with_uneven_shares(one_process, tmp_path: Path) -> None:
