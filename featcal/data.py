@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
+from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError
 from featcal.hub import (
     OFFLINE_HINT,
@@ -161,14 +162,39 @@ def calibration_indices(num_rows: int, n: int, seed: int) -> list[int]:
     return torch.randperm(num_rows, generator=generator)[:n].tolist()
 
 
-def calibration_pixels(task: Task, processor: ImageProcessor, n: int, seed: int, batch_size: int = 64) -> torch.Tensor:
-    """The calibration images of a task, from its train split only, as pixel tensors."""
+def calibration_pixels(
+    task: Task, processor: ImageProcessor, n: int, seed: int, batch_size: int = 64, *, world: World = SINGLE
+) -> torch.Tensor:
+    """The calibration images of a task, from its train split only, as pixel tensors.
+
+    Args:
+        task: The task.
+        processor: The base's image processor.
+        n: Images to use (all of the split when it has fewer).
+        seed: The seed of the shuffle that picks them.
+        batch_size: Images per call of the processor.
+        world: Under torchrun, this process's contiguous part of the images (:meth:`World.part`).
+
+    Returns:
+        ``[n, 3, H, W]`` pixels, or this process's part of them.
+
+    Raises:
+        DatasetInputError: the split cannot be loaded, or has fewer images than there are processes.
+    """
     ds = load_task_split(task, "train")
-    if n > len(ds):
+    if n > len(ds) and world.is_main:
         logger.warning(
             "Task %s: asked for %d calibration images, the train split has %d; using all.", task.name, n, len(ds)
         )
     rows = calibration_indices(len(ds), n, seed)
+    if len(rows) < world.size:
+        raise DatasetInputError(
+            task.name,
+            task.dataset.path,
+            f"Task {task.name!r}: its {len(rows)} calibration image(s) cannot be split over {world.size} processes; "
+            f"start at most {len(rows)} processes.",
+        )
+    rows = rows[world.part(len(rows))]
     column = task.dataset.image_column
     chunks = []
     for start in range(0, len(rows), batch_size):
@@ -212,19 +238,30 @@ MIN_IMAGES_FOR_WORKERS = 1024
 
 
 class _TaskBatches(Sampler[list[int]]):
-    """Batches of one task's rows of a :class:`ConcatDataset`, in order; the task is switchable."""
+    """Batches of one task's rows of a :class:`ConcatDataset`, in order; the task is switchable.
 
-    def __init__(self, offsets: Sequence[int], sizes: Sequence[int], batch_size: int) -> None:
-        self.offsets, self.sizes, self.batch_size = list(offsets), list(sizes), batch_size
+    Under torchrun, batch ``i`` of a task is rank ``i mod world size``'s: each process sees the very
+    batches one process would, so per-batch results do not depend on the number of processes.
+    """
+
+    def __init__(self, offsets: Sequence[int], sizes: Sequence[int], batch_size: int, world: World = SINGLE) -> None:
+        self.offsets, self.sizes, self.batch_size, self.world = list(offsets), list(sizes), batch_size, world
         self.task = 0
 
+    def _all(self, task: int) -> Iterator[tuple[int, list[int]]]:
+        start, size = self.offsets[task], self.sizes[task]
+        for index, first in enumerate(range(0, size, self.batch_size)):
+            yield index, list(range(start + first, start + min(first + self.batch_size, size)))
+
     def __iter__(self) -> Iterator[list[int]]:
-        start, size = self.offsets[self.task], self.sizes[self.task]
-        for first in range(0, size, self.batch_size):
-            yield list(range(start + first, start + min(first + self.batch_size, size)))
+        return (rows for index, rows in self._all(self.task) if self.world.owns(index))
 
     def __len__(self) -> int:
-        return -(-self.sizes[self.task] // self.batch_size)
+        return sum(1 for index, _ in self._all(self.task) if self.world.owns(index))
+
+    def rows(self, task: int) -> int:
+        """How many of ``task``'s images this process sees."""
+        return sum(len(rows) for index, rows in self._all(task) if self.world.owns(index))
 
 
 class TestImages:
@@ -242,6 +279,7 @@ class TestImages:
         num_workers: Data-loading worker processes for large test sets.
         max_samples: Only the first N test images of each task.
         pin_memory: Page-locked batches.
+        world: Under torchrun, this process's batches only (every ``world.size``-th batch of a task).
     """
 
     def __init__(
@@ -253,6 +291,7 @@ class TestImages:
         num_workers: int = 0,
         max_samples: int | None = None,
         pin_memory: bool = False,
+        world: World = SINGLE,
     ) -> None:
         parts = []
         for task in tasks:
@@ -264,7 +303,7 @@ class TestImages:
         sizes = [len(part) for part in parts]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.sizes = dict(zip(self.index, sizes))
-        self._batches = _TaskBatches(offsets, sizes, batch_size)
+        self._batches = _TaskBatches(offsets, sizes, batch_size, world)
         workers = num_workers if sum(sizes) >= MIN_IMAGES_FOR_WORKERS else 0
         self.loader = DataLoader(
             ConcatDataset(parts),
@@ -275,7 +314,11 @@ class TestImages:
             persistent_workers=workers > 0,
         )
 
+    def local_size(self, task: Task) -> int:
+        """How many of ``task``'s test images this process evaluates (all of them for one process)."""
+        return self._batches.rows(self.index[task.name])
+
     def batches(self, task: Task) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``(pixels, labels)`` batches of ``task``'s test images, in order."""
+        """``(pixels, labels)`` batches of ``task``'s test images (this process's), in order."""
         self._batches.task = self.index[task.name]
         return iter(self.loader)

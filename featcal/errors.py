@@ -137,3 +137,17 @@ class HubError(FeatcalError):
         self.repo_id = repo_id
         self.status = status
         super().__init__(message)
+
+
+class DistributedError(FeatcalError):
+    """A multi-process run (``torchrun``) whose processes cannot work together: the process group did
+    not start, or a collective failed or timed out because another process stopped or hung.
+
+    Args:
+        rank: The rank of the process that saw the failure.
+        message: One line saying what happened and what to do.
+    """
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        super().__init__(message)

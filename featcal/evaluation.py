@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from featcal.data import TestImages
+from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError, ModelInputError
 from featcal.progress import Progress
 from featcal.runfolder import MetricsReport, TaskMetrics
@@ -91,15 +92,26 @@ def load_image_processor(folder: str | Path):
 
 
 class ZeroShotClassifier:
-    """Zero-shot heads of one base CLIP model, applied to any vision tower of the same family."""
+    """Zero-shot heads of one base CLIP model, applied to any vision tower of the same family.
+
+    Under torchrun (``world``), each process evaluates its share of every task's test batches and the
+    counts are summed over the processes; every process computes the class heads itself.
+    """
 
     def __init__(
-        self, clip_model: nn.Module, tokenizer, device: torch.device | str = "cpu", text_batch_size: int = 256
+        self,
+        clip_model: nn.Module,
+        tokenizer,
+        device: torch.device | str = "cpu",
+        text_batch_size: int = 256,
+        *,
+        world: World = SINGLE,
     ) -> None:
         self.clip = clip_model
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.text_batch_size = text_batch_size
+        self.world = world
         self._heads: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
@@ -192,7 +204,7 @@ class ZeroShotClassifier:
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         correct_total = torch.zeros((), dtype=torch.int64, device=self.device)
         seen = 0
-        total = images.sizes[task.name]
+        total = images.local_size(task)
         with Progress(desc=f"Evaluating {task.name}", total=total, unit="images", leave=False, enabled=progress) as bar:
             for pixels, labels in images.batches(task):
                 labels = labels.to(self.device, non_blocking=True)
@@ -201,7 +213,9 @@ class ZeroShotClassifier:
                 correct_total += (logits.argmax(-1) == labels).sum()
                 seen += labels.numel()
                 bar.update(labels.numel())
-        loss_sum, correct = float(loss_total), int(correct_total)
+        seen_total = torch.tensor(seen, dtype=torch.int64, device=self.device)
+        self.world.all_reduce_sum_([loss_total, correct_total, seen_total], what=f"evaluation of {task.name}")
+        loss_sum, correct, seen = float(loss_total), int(correct_total), int(seen_total)
         if not math.isfinite(loss_sum):
             raise ModelInputError(
                 None,
@@ -227,6 +241,7 @@ class ZeroShotClassifier:
             num_workers=num_workers,
             max_samples=max_samples,
             pin_memory=self.device.type == "cuda",
+            world=self.world,
         )
 
     def evaluate(

@@ -71,13 +71,24 @@ def config_hash(data: Mapping[str, Any]) -> str:
 
 
 def fault_point(name: str) -> None:
-    """Kill this process with SIGKILL at ``name`` when ``FEATCAL_KILL_AT`` names it.
+    """Kill this process with SIGKILL at ``name`` when ``FEATCAL_KILL_AT`` names it, or raise a
+    :class:`~featcal.errors.FeatcalError` there when ``FEATCAL_FAIL_AT`` names it.
 
     The resume tests use it to stop a run at chosen points, the way a rented machine's loss would;
-    unset, it costs one environment lookup.
+    the multi-process tests restrict it to one process with ``FEATCAL_FAULT_RANK`` (torchrun's
+    ``RANK``). Unset, it costs two environment lookups.
     """
-    if os.environ.get("FEATCAL_KILL_AT") == name:
+    kill, fail = os.environ.get("FEATCAL_KILL_AT"), os.environ.get("FEATCAL_FAIL_AT")
+    if name not in (kill, fail):
+        return
+    rank = os.environ.get("FEATCAL_FAULT_RANK")
+    if rank is not None and rank != os.environ.get("RANK", "0"):
+        return
+    if kill == name:
         os.kill(os.getpid(), signal.SIGKILL)
+    from featcal.errors import FeatcalError
+
+    raise FeatcalError(f"Stopped at {name} as FEATCAL_FAIL_AT asks.")
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,8 @@ from featcal import __version__
 from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.data import TestImages, calibration_pixels
 from featcal.diagnostics.report import CALIBRATED, MERGED
-from featcal.errors import FeatcalError
+from featcal.distributed import SINGLE, World
+from featcal.errors import DatasetInputError, FeatcalError
 from featcal.evaluation import IMAGE_PROCESSOR, ZeroShotClassifier, load_base_clip
 from featcal.fingerprints import digest, folder_fingerprint
 from featcal.inputs import (
@@ -33,7 +34,6 @@ from featcal.inputs import (
     check_output_folder,
     check_same_run,
     load_vision_folder,
-    resolve_device,
     resolve_inputs,
     validate_datasets,
 )
@@ -65,6 +65,7 @@ from featcal.runfolder import (
 )
 from featcal.spec import RunSpec
 from featcal.suites import DEFAULT_BACKBONE, DEFAULT_SUITE
+from featcal.tasks import Task
 from featcal.threads import choose_threads, torch_threads
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,29 @@ def suite_record(spec: RunSpec) -> dict[str, str]:
     return {key: value for key, (value, default) in chosen.items() if value != default}
 
 
+def check_calibration_shares(tasks: Sequence[Task], counts: Mapping[str, int], requested: int, world: World) -> None:
+    """Refuse, before anything is written, a task with fewer calibration images than processes.
+
+    Args:
+        tasks: The run's tasks.
+        counts: Images used by each task whose train split is smaller than ``requested``.
+        requested: ``num_calibration_examples``.
+        world: The processes, each of which takes a part of every task's images.
+
+    Raises:
+        DatasetInputError: naming the task and the largest number of processes it allows.
+    """
+    for task in tasks:
+        count = counts.get(task.name, requested)
+        if count < world.size:
+            raise DatasetInputError(
+                task.name,
+                task.dataset.path,
+                f"Task {task.name!r}: its {count} calibration image(s) cannot be split over {world.size} "
+                f"processes; start at most {count} processes, or raise `num_calibration_examples`.",
+            )
+
+
 def check_finite(state: Mapping[str, torch.Tensor], what: str) -> None:
     """Raise naming the first non-finite tensor of a result computed from finite inputs."""
     for key, value in state.items():
@@ -116,10 +140,12 @@ def check_finite(state: Mapping[str, torch.Tensor], what: str) -> None:
             raise FeatcalError(f"{what}: tensor {key!r} is not finite, although every input is.")
 
 
-def merge(inputs: RunInputs, method: str, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """The merged vision tower's state dict (on the CPU), computed on ``device``."""
+def merge(
+    inputs: RunInputs, method: str, device: torch.device | None = None, *, world: World = SINGLE
+) -> dict[str, torch.Tensor]:
+    """The merged vision tower's state dict (on the CPU), computed on ``device`` (shared by ``world``'s processes)."""
     experts = [inputs.experts[t.name] for t in inputs.tasks]
-    merged = get_method(method)(inputs.base, experts, device=device, **inputs.merge_params)
+    merged = get_method(method)(inputs.base, experts, device=device, world=world, **inputs.merge_params)
     check_finite(merged, f"The {method} merge")
     return merged
 
@@ -134,18 +160,22 @@ def calibrate(
     processor,
     progress: bool = True,
     in_place: bool = False,
+    world: World = SINGLE,
 ):
-    """The FeatCal-calibrated copy of ``merged_model`` (``merged_model`` itself with ``in_place``)."""
+    """The FeatCal-calibrated copy of ``merged_model`` (``merged_model`` itself with ``in_place``); under
+    torchrun each of ``world``'s processes reads its part of every task's calibration images, and all
+    end with the same weights."""
     by_name = {t.name: t for t in inputs.tasks}
     model = featcal_calibrate(
         merged_model,
         inputs.base,
         inputs.experts,
-        lambda name: calibration_pixels(by_name[name], processor, params.num_calibration_examples, seed),
+        lambda name: calibration_pixels(by_name[name], processor, params.num_calibration_examples, seed, world=world),
         params,
         device=device,
         progress=progress,
         in_place=in_place,
+        world=world,
     )
     check_finite(model.state_dict(), "FeatCal")
     return model
@@ -207,7 +237,7 @@ def plan_stages(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> dict[st
     return {stage.name: stage for stage in stages}
 
 
-def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
+def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsReport]:
     """Run every stage ``spec`` asks for, writing the run folder ``spec.output_dir``.
 
     Everything is validated first: options, models, datasets, the output folder. Then the folder is
@@ -215,8 +245,12 @@ def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
     holds its result from the same inputs (``stages.json`` records them); a stage whose inputs
     changed is redone with everything after it. ``spec.force`` redoes every stage.
 
+    Under torchrun (``world``) every process runs the stages together; rank 0 alone checks the
+    inputs first (downloads, dataset caches), then the others; rank 0 alone writes the folder.
+
     Args:
         spec: The run's options (see :class:`~featcal.spec.RunSpec`).
+        world: The processes (:func:`featcal.distributed.session`); one by default.
 
     Returns:
         The evaluation report of each evaluated stage, by stage folder name (``zero-shot``,
@@ -227,43 +261,56 @@ def run_pipeline(spec: RunSpec) -> dict[str, MetricsReport]:
             any file is written whenever the problem can be seen up front; ``RunLockedError`` when
             another process is writing the folder.
     """
-    device = resolve_device(spec.device)
+    device = world.compute_device(spec.device)
     out = Path(spec.output_dir)
-    check_output_folder(out)
-    torch.manual_seed(spec.seed)
-    inputs = resolve_inputs(spec, need_experts=not (spec.skip_ta and spec.skip_featcal and not spec.eval_experts))
-    data = validate_datasets(
-        inputs.tasks,
-        ("test",) if spec.skip_featcal else ("train", "test"),
-        calibration_examples=None if spec.skip_featcal else spec.featcal.num_calibration_examples,
-        allow_fewer=spec.allow_fewer_calibration_examples,
-    )
-    record = run_record(spec, inputs, data.calibration_counts)
-    if not spec.force:
-        check_same_run(out, record)
-    threads = choose_threads(spec.threads, inputs.vision_config.hidden_size)
-    clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
-    # A merged model to start from is loaded (and checked) before the folder is touched.
-    given_merged = load_vision_folder(spec.ta_model_path, inputs.base) if spec.skip_ta else None
+    with world.main_first("checking the inputs"):
+        check_output_folder(out)
+        torch.manual_seed(spec.seed)
+        need_experts = not (spec.skip_ta and spec.skip_featcal and not spec.eval_experts)
+        inputs = resolve_inputs(spec, need_experts=need_experts)
+        data = validate_datasets(
+            inputs.tasks,
+            ("test",) if spec.skip_featcal else ("train", "test"),
+            calibration_examples=None if spec.skip_featcal else spec.featcal.num_calibration_examples,
+            allow_fewer=spec.allow_fewer_calibration_examples,
+        )
+        if not spec.skip_featcal:
+            check_calibration_shares(
+                inputs.tasks, data.calibration_counts, spec.featcal.num_calibration_examples, world
+            )
+        record = run_record(spec, inputs, data.calibration_counts)
+        if not spec.force:
+            check_same_run(out, record)
+        threads = choose_threads(spec.threads, inputs.vision_config.hidden_size)
+        clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
+        # A merged model to start from is loaded (and checked) before the folder is touched.
+        given_merged = load_vision_folder(spec.ta_model_path, inputs.base) if spec.skip_ta else None
     stages = plan_stages(spec, inputs, data)
     created = not out.exists()
+    classifier = ZeroShotClassifier(clip, tokenizer, device, world=world)
     try:
-        with RunLock(out), fixed_precision(spec.precision), torch_threads(threads):
-            run = _Run(spec, out, inputs, stages, device, ZeroShotClassifier(clip, tokenizer, device), processor)
+        with RunLock(out) if world.is_main else nullcontext(), fixed_precision(spec.precision), torch_threads(threads):
+            run = _Run(spec, out, inputs, stages, device, classifier, processor, world)
+            world.barrier("reading the run folder")  # every process has read the ledger before rank 0 changes it
             return run.execute(record, given_merged)
     except BaseException:
-        if created and not (out / STAGES_FILE).exists():
+        if world.is_main and created and not (out / STAGES_FILE).exists():
             shutil.rmtree(out, ignore_errors=True)  # nothing finished: leave no half-made folder
         raise
 
 
 class _Run:
-    """The stages of one locked run over a run folder, skipping those already done."""
+    """The stages of one locked run over a run folder, skipping those already done.
 
-    def __init__(self, spec, out, inputs, stages, device, classifier, processor) -> None:
+    Under torchrun every process runs the same stages, with the same skip decisions (each keeps
+    the ledger in memory); rank 0 alone writes (``self.writes``).
+    """
+
+    def __init__(self, spec, out, inputs, stages, device, classifier, processor, world: World = SINGLE) -> None:
         self.spec, self.out, self.inputs, self.stages = spec, out, inputs, stages
         self.device, self.classifier, self.processor = device, classifier, processor
-        self.ledger = StageLedger(out) if spec.force else StageLedger.read(out)
+        self.world, self.writes = world, world.is_main
+        self.ledger = StageLedger(out, writes=self.writes) if spec.force else StageLedger.read(out, writes=self.writes)
         self.run_id = ""
         self.timings: dict[str, float] = {}
         self.memory = MemoryMeter(device)
@@ -279,7 +326,24 @@ class _Run:
             self.timings[f"{key}_s"] = time.perf_counter() - start
 
     def _write_timings(self) -> None:
-        write_timings(self.out, self.timings, self.memory.report(), {"torch_threads": torch.get_num_threads()})
+        if self.writes:
+            write_timings(self.out, self.timings, self.memory.report(), {"torch_threads": torch.get_num_threads()})
+
+    def _save(self, state: Mapping[str, torch.Tensor], name: str) -> None:
+        """Save a model folder of the run (rank 0 only)."""
+        if self.writes:
+            save_vision_model(state, self.inputs.vision_config, self.out / name)
+
+    def _report(self, folder: str, report: MetricsReport) -> None:
+        """Write a stage's report (rank 0 only)."""
+        if self.writes:
+            write_stage_report(self.out / folder, report, self.run_id)
+
+    def _restamped(self, folder: str) -> MetricsReport:
+        """A finished stage's report, restamped with this run's id by rank 0."""
+        if self.writes:
+            return restamp_report(self.out / folder, self.run_id)
+        return MetricsReport.from_json(read_json(self.out / folder / METRICS)).with_run_id(self.run_id)
 
     @property
     def images(self) -> TestImages:
@@ -296,12 +360,14 @@ class _Run:
 
     def execute(self, record: Mapping[str, Any], given_merged=None) -> dict[str, MetricsReport]:
         spec, out, inputs = self.spec, self.out, self.inputs
-        remove_leftovers(out)
+        if self.writes:
+            remove_leftovers(out)
         self.run_id = config_hash(record)
         self._clear_stale()  # with --force the ledger starts empty: every earlier stage folder goes
-        write_run_config(out, record)
+        if self.writes:
+            write_run_config(out, record, processes=self.world.record())
         fault_point("after:run_config")
-        if (out / TIMINGS).is_file() and self.ledger.done:
+        if self.writes and (out / TIMINGS).is_file() and self.ledger.done:
             self.timings = {k: float(v) for k, v in read_json(out / TIMINGS).items() if isinstance(v, (int, float))}
         merged_name = merged_stage_name(spec.merge_method)
         calibrated_name = calibrated_stage_name(spec.merge_method)
@@ -320,8 +386,8 @@ class _Run:
             logger.info("Merge: %s/ is up to date (same inputs); skipped", merged_name)
         else:
             with self._stage("merge"):
-                state = merge(inputs, spec.merge_method, self.device)
-                save_vision_model(state, inputs.vision_config, out / merged_name)
+                state = merge(inputs, spec.merge_method, self.device, world=self.world)
+                self._save(state, merged_name)
                 merged_model = build_vision_model(inputs, state)
                 del state
             self._mark("merge")
@@ -352,11 +418,11 @@ class _Run:
                     # In place: the merged weights are not read again, so only one model is in memory.
                     calibrated_model = calibrate(
                         inputs, merged(), spec.featcal, seed=spec.seed, device=self.device,
-                        processor=self.processor, progress=spec.progress, in_place=True,
+                        processor=self.processor, progress=spec.progress, in_place=True, world=self.world,
                     )  # fmt: skip
                     merged_model = None
                     self.timings["calibrate_s"] = time.perf_counter() - start
-                    save_vision_model(calibrated_model.state_dict(), inputs.vision_config, out / calibrated_name)
+                    self._save(calibrated_model.state_dict(), calibrated_name)
                 self._mark("calibrate")
             results[calibrated_name] = self._evaluate(
                 calibrated_name,
@@ -373,6 +439,8 @@ class _Run:
                 models[CALIBRATED] = lambda: calibrated_model or load_vision_folder(out / calibrated_name, inputs.base)
             self._diagnose(models, (record["featcal"] or {}).get("calibration_examples_used") or {})
         merged_model = calibrated_model = None
+        if not self.writes:
+            return results
         self._write_timings()
         if not spec.no_export and (not spec.skip_featcal or not (spec.skip_ta or spec.skip_eval_ta)):
             with self._stage("export", timed=False):
@@ -413,7 +481,8 @@ class _Run:
                 method=spec.merge_method, split=spec.diagnose_split, run_id=self.run_id, device=self.device,
                 batch_size=spec.eval_batch_size, progress=spec.progress,
             )  # fmt: skip
-            write_diagnostics(self.out, report)
+            if self.writes:  # every process computed the drift (it is not shared out); rank 0 writes it
+                write_diagnostics(self.out, report)
         self._mark("diagnose")
 
     def _fresh(self, name: str) -> bool:
@@ -426,7 +495,7 @@ class _Run:
     def _clear_stale(self) -> None:
         """Remove outputs whose inputs changed, of stages this run cannot produce, and any release
         that is not of exactly this run; a run folder without a ledger is redone whole."""
-        if not self.ledger.done and (self.out / RUN_CONFIG).is_file():
+        if self.writes and not self.ledger.done and (self.out / RUN_CONFIG).is_file():
             self._clear_unrecorded()
         for name in [n for n in self.ledger.done if n != "export"]:
             if name not in self.stages or not self._fresh(name):
@@ -452,13 +521,13 @@ class _Run:
         name = f"evaluate:{folder}"
         if self._fresh(name):
             logger.info("Evaluation of %s/ is up to date (same inputs); skipped", folder)
-            return restamp_report(self.out / folder, self.run_id)
+            return self._restamped(folder)
         with self._stage(f"eval_{folder}"):
             report = self.classifier.evaluate(
                 model(), self.inputs.tasks, progress=self.spec.progress, images=self.images
             )
         report = report.with_extra({k: v for k, v in (extra or {}).items() if v})
-        write_stage_report(self.out / folder, report, self.run_id)
+        self._report(folder, report)
         self._mark(name)
         return report
 
@@ -466,7 +535,7 @@ class _Run:
         name = f"evaluate:{EXPERTS_DIR}"
         if self._fresh(name):
             logger.info("Evaluation of the experts is up to date (same inputs); skipped")
-            return restamp_report(self.out / EXPERTS_DIR, self.run_id)
+            return self._restamped(EXPERTS_DIR)
         with self._stage(f"eval_{EXPERTS_DIR}"):
             per_task = {
                 task.name: self.classifier.evaluate_task(
@@ -476,7 +545,7 @@ class _Run:
                 for task in self.inputs.tasks
             }  # fmt: skip
         report = MetricsReport.from_results(per_task)
-        write_stage_report(self.out / EXPERTS_DIR, report, self.run_id)
+        self._report(EXPERTS_DIR, report)
         self._mark(name)
         return report
 

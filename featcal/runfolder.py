@@ -44,6 +44,9 @@ DIAGNOSTICS_PLOT = "diagnostics.png"
 CALIBRATED_PREFIX = "featcal-"
 # Keys of a metrics report beside the tasks; task tables refuse tasks with these names.
 AVERAGE, MODEL_INFO, RUN_ID = "average", "model_info", "run_id"
+# run_config.json's record of a multi-process run (world_size, backend): outside the recipe's hash,
+# since the number of processes moves results by float rounding only.
+PROCESSES = "processes"
 REPORT_KEYS = RESERVED_TASK_NAMES
 
 logger = logging.getLogger(__name__)
@@ -60,11 +63,12 @@ def calibrated_stage_name(method: str) -> str:
 
 
 def recipe_sha256(config: Mapping[str, Any]) -> str:
-    """The hash naming a recipe: everything in run_config.json but its own ``run_id`` entry.
+    """The hash naming a recipe: everything in run_config.json but its own ``run_id`` entry and the
+    record of the processes that ran it (:data:`PROCESSES`).
 
     It is the ``run_id`` of run_config.json and metrics.json, and ``recipe_sha256`` in the released weights.
     """
-    return config_hash({k: v for k, v in config.items() if k != RUN_ID})
+    return config_hash({k: v for k, v in config.items() if k not in (RUN_ID, PROCESSES)})
 
 
 # --- the metrics report --------------------------------------------------------------------------
@@ -172,10 +176,15 @@ class MetricsReport:
 # --- writing -------------------------------------------------------------------------------------
 
 
-def write_run_config(run: Path, record: Mapping[str, Any]) -> str:
-    """Write ``run_config.json`` (the record plus its hash as ``run_id``); returns the run id."""
+def write_run_config(run: Path, record: Mapping[str, Any], *, processes: Mapping[str, Any] | None = None) -> str:
+    """Write ``run_config.json`` (the record plus its hash as ``run_id``); returns the run id.
+
+    ``processes``: a multi-process run's ``world_size`` and ``backend``, recorded under
+    :data:`PROCESSES` outside the hash; absent for one process.
+    """
     run_id = config_hash(record)
-    atomic_write_json(run / RUN_CONFIG, {**record, RUN_ID: run_id})
+    extra = {PROCESSES: dict(processes)} if processes else {}
+    atomic_write_json(run / RUN_CONFIG, {**record, **extra, RUN_ID: run_id})
     return run_id
 
 
@@ -496,20 +505,23 @@ class StageLedger:
     Kept in ``<run>/stages.json`` as ``{stage: {"identity": …, "outputs": [relative paths]}}``. A
     stage whose recorded identity equals the one a new run computes is skipped; a stage whose
     identity changed, or that the new run cannot produce, has its outputs removed and is redone.
+    With ``writes`` False (the processes of a torchrun run other than rank 0) it is kept in memory
+    only: the same decisions, no file touched.
     """
 
     run: Path
     done: dict[str, dict[str, Any]] = field(default_factory=dict)
+    writes: bool = True
 
     @classmethod
-    def read(cls, run: Path) -> StageLedger:
+    def read(cls, run: Path, *, writes: bool = True) -> StageLedger:
         path = Path(run) / STAGES_FILE
         try:
             data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
         except ValueError:
             data = {}
         entries = {str(k): v for k, v in (data.items() if isinstance(data, dict) else ()) if isinstance(v, dict)}
-        return cls(Path(run), entries)
+        return cls(Path(run), entries, writes)
 
     def is_done(self, stage: str, identity: str) -> bool:
         return (self.done.get(stage) or {}).get("identity") == identity
@@ -524,6 +536,8 @@ class StageLedger:
         import shutil
 
         entry = self.done.pop(stage, None) or {}
+        if not self.writes:
+            return
         for relative in entry.get("outputs", []):
             path = self.run / relative
             if path.is_dir():
@@ -533,7 +547,8 @@ class StageLedger:
         self._write()
 
     def _write(self) -> None:
-        atomic_write_json(self.run / STAGES_FILE, dict(sorted(self.done.items())))
+        if self.writes:
+            atomic_write_json(self.run / STAGES_FILE, dict(sorted(self.done.items())))
 
 
 def restamp_report(folder: Path, run_id: str) -> MetricsReport:

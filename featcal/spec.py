@@ -343,6 +343,10 @@ class RunSpec:
         group=RUNTIME, metavar="N", ge=1,
     )  # fmt: skip
     seed: int = option(42, help="seed of the calibration shuffle", group=RUNTIME, ge=0)
+    dist_timeout: float = option(
+        1800.0, help="under torchrun: seconds a process waits for the others in a collective before failing",
+        group=RUNTIME, metavar="S", gt=0,
+    )  # fmt: skip
     skip_ta: bool = option(False, help="start from ta-model-path instead of merging", group=STAGES)
     ta_model_path: str | None = option(None, help="merged model folder for skip-ta", group=STAGES, metavar="DIR")
     skip_eval_ta: bool = option(False, help="do not evaluate the merged baseline", group=STAGES)

@@ -25,7 +25,9 @@ from featcal.calibration.layer_state import LayerPlan, LayerState, Recorder, Sto
 from featcal.calibration.solves import anchor
 from featcal.calibration.statistics import product_dtype
 from featcal.checkpoint import Checkpoint
+from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError
+from featcal.io import fault_point
 from featcal.progress import Progress
 from featcal.spec import FeatCalParams
 
@@ -83,12 +85,14 @@ class FeatCalibrator:
         device: torch.device | str = "cpu",
         stats_dtype: torch.dtype = torch.float64,
         progress: bool = True,
+        world: World = SINGLE,
     ) -> None:
         self.params = params
         self.adapter = adapter or CLIPVisionAdapter()
         self.device = torch.device(device)
         self.stats_dtype = stats_dtype
         self.progress = progress
+        self.world = world
 
     # -- streams ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -181,6 +185,10 @@ class FeatCalibrator:
         finally:
             rec_s.remove()
             rec_e.remove()
+        # Each process holds the sums of its part of the task's images: their sum is the task's.
+        self.world.all_reduce_sum_(
+            [t for moments in state.moments.values() for t in moments.tensors()], what="FeatCal statistics"
+        )
         for i, group in enumerate(state.plan.groups):
             system, moments = state.systems[i], state.moments[i]
             if group.kind == "layernorm":
@@ -207,12 +215,16 @@ class FeatCalibrator:
         tasks = list(experts)
         streams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for task in Progress(tasks, desc="FeatCal: first-layer inputs", unit="tasks", enabled=self.progress):
-            streams[task] = self._first_inputs(model, experts[task], load_images(task))
+            pixels = load_images(task)
+            if pixels.shape[0] == 0:
+                raise FeatcalError(f"Task {task!r} has no calibration images (on process {self.world.rank}).")
+            streams[task] = self._first_inputs(model, experts[task], pixels)
         layers = self.adapter.layers(model)
         num_layers = len(layers)
         expert_layer = copy.deepcopy(layers[0])
         state: LayerState | None = None
         for index in Progress(range(num_layers), desc="FeatCal: layers", unit="layers", enabled=self.progress):
+            fault_point(f"calibrate:layer{index}")
             layer, prefix = layers[index], self.adapter.layer_prefix(index)
             modules = self.adapter.calibrated_modules(layer)
             seq_len = streams[tasks[0]][0].shape[1]
@@ -279,6 +291,12 @@ class FeatCalibrator:
             module.weight.copy_(weight)
             if bias is not None:
                 module.bias.copy_(bias)
+        # Every process solved the same summed systems; rank 0's solution is made everyone's, so the
+        # processes carry bit-identical weights into the next layer whatever their linear algebra.
+        self.world.broadcast_(
+            [t for name in solved for t in (modules[name].weight, modules[name].bias) if t is not None],
+            what="FeatCal weights",
+        )
 
 
 def featcal_calibrate(
@@ -301,7 +319,9 @@ def featcal_calibrate(
         params: Hyper-parameters (default: the published reference run's).
         in_place: Calibrate ``merged`` itself (moved to the device) instead of a copy, when the caller
             no longer needs the merged weights: one model in memory instead of two.
-        **kwargs: Passed to :class:`FeatCalibrator`: ``device``, ``progress``, ``adapter``, ``stats_dtype``.
+        **kwargs: Passed to :class:`FeatCalibrator`: ``device``, ``progress``, ``adapter``, ``stats_dtype``,
+            ``world`` (under torchrun: ``load_images`` then gives this process's part of each task's
+            images, and the statistics are summed over the processes).
 
     Returns:
         A calibrated copy of ``merged`` (``merged`` itself with ``in_place``) on the calibration device.

@@ -50,6 +50,10 @@ class Sums:
     def __add__(self, other):
         return type(self)(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The sums, in field order (fields that are None left out): what processes add together."""
+        return [value for f in fields(self) if (value := getattr(self, f.name)) is not None]
+
     def zero_(self) -> None:
         """Reset every sum to zero, in place (to reuse the memory for another layer)."""
         for f in fields(self):

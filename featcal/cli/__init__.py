@@ -7,10 +7,13 @@ import contextlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from featcal import __version__, progress
-from featcal.errors import FeatcalError
+from featcal.cli import processes
+from featcal.distributed import launched as launched_world
+from featcal.errors import DistributedError, FeatcalError
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
@@ -99,15 +102,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    _configure_output(args.quiet, args.verbose)
+    rank, size = launched_world()
+    if rank != 0:  # under torchrun rank 0 alone logs, shows progress and prints results
+        processes.silence()
+    quiet = args.quiet or rank != 0
+    _configure_output(quiet, args.verbose)
     try:
-        with _progress_display(args.quiet):
+        if size > 1 and args.command not in processes.DISTRIBUTED_COMMANDS:
+            raise FeatcalError(
+                f"featcal {args.command} runs in one process: start it without torchrun (torchrun runs "
+                f"{', '.join(processes.DISTRIBUTED_COMMANDS)})."
+            )
+        with _progress_display(quiet):
             return int(args.func(args) or 0)
     except FeatcalError as exc:
         from featcal.cli.errors import word_error
 
-        print(f"featcal: error: {word_error(exc)}", file=sys.stderr)
+        defer = rank != 0 or isinstance(exc, DistributedError)
+        processes.print_error(word_error(exc), rank, size, defer=defer)
         return 2
     except KeyboardInterrupt:
         print("featcal: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if size == 1:
+            raise
+        if args.verbose:
+            traceback.print_exc()
+        processes.print_error(f"{type(exc).__name__}: {exc}", rank, size, defer=rank != 0)
+        return 1

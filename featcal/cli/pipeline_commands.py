@@ -1,7 +1,8 @@
 """`featcal run` (the whole pipeline) and the single stages `merge`, `calibrate`, `evaluate`, `methods`.
 
 Flags come from :mod:`featcal.spec` through :mod:`featcal.cli.options`; the library is imported only
-inside the command that needs it, so ``featcal --help`` does not import torch.
+inside the command that needs it, so ``featcal --help`` does not import torch. Under torchrun each
+command runs in every process (:func:`featcal.distributed.session`); rank 0 alone writes and prints.
 """
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ def compute_settings(spec: RunSpec, inputs) -> Iterator[None]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from featcal.distributed import session
     from featcal.pipeline import run_pipeline
     from featcal.runfolder import RELEASE_DIR
 
     spec = spec_from_args(args)
-    results = run_pipeline(spec)
+    with session(spec.device, spec.dist_timeout) as world:
+        results = run_pipeline(spec, world)
+    if not world.is_main:
+        return 0
     if results:
         print(format_results(results))
     out = Path(spec.output_dir)
@@ -52,64 +57,79 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from featcal.inputs import resolve_device, resolve_inputs
+    from featcal.distributed import session
+    from featcal.inputs import resolve_inputs
     from featcal.io import save_vision_model
     from featcal.pipeline import merge
 
     spec = spec_from_args(args)
-    device = resolve_device(spec.device)
-    inputs = resolve_inputs(spec)
-    with compute_settings(spec, inputs):
-        state = merge(inputs, spec.merge_method, device)
+    with session(spec.device, spec.dist_timeout) as world:
+        device = world.compute_device(spec.device)
+        with world.main_first("checking the inputs"):
+            inputs = resolve_inputs(spec)
+        with compute_settings(spec, inputs):
+            state = merge(inputs, spec.merge_method, device, world=world)
+    if not world.is_main:
+        return 0
     folder = save_vision_model(state, inputs.vision_config, args.output)
     print(path_line(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts)", folder))
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from featcal.distributed import session
     from featcal.evaluation import load_base_clip
-    from featcal.inputs import load_vision_folder, resolve_device, resolve_inputs, validate_datasets
+    from featcal.inputs import load_vision_folder, resolve_inputs, validate_datasets
     from featcal.io import save_vision_model
     from featcal.pipeline import calibrate
 
     spec = spec_from_args(args)
-    device = resolve_device(spec.device)
-    inputs = resolve_inputs(spec)
-    validate_datasets(inputs.tasks, splits=("train",))
-    merged = load_vision_folder(args.merged, inputs.base)
-    _, _, processor = load_base_clip(inputs.base_folder)
-    with compute_settings(spec, inputs):
-        model = calibrate(
-            inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor,
-            progress=spec.progress, in_place=True,
-        )  # fmt: skip
+    with session(spec.device, spec.dist_timeout) as world:
+        device = world.compute_device(spec.device)
+        with world.main_first("checking the inputs"):
+            inputs = resolve_inputs(spec)
+            validate_datasets(inputs.tasks, splits=("train",))
+            merged = load_vision_folder(args.merged, inputs.base)
+            _, _, processor = load_base_clip(inputs.base_folder)
+        with compute_settings(spec, inputs):
+            model = calibrate(
+                inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor,
+                progress=spec.progress, in_place=True, world=world,
+            )  # fmt: skip
+    if not world.is_main:
+        return 0
     folder = save_vision_model(model.state_dict(), inputs.vision_config, args.output)
     print(path_line("Calibrated model", folder))
     return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    from featcal.distributed import session
     from featcal.evaluation import ZeroShotClassifier, load_base_clip
-    from featcal.inputs import load_vision_folder, resolve_device, resolve_inputs, validate_datasets
+    from featcal.inputs import load_vision_folder, resolve_inputs, validate_datasets
     from featcal.io import atomic_write_json
     from featcal.runfolder import METRICS, ZERO_SHOT_DIR
 
     spec = spec_from_args(args)
-    device = resolve_device(spec.device)
-    inputs = resolve_inputs(spec, need_experts=False)
-    validate_datasets(inputs.tasks, splits=("test",))
-    clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
-    model = load_vision_folder(args.model, inputs.base) if args.model else clip.vision_model
-    with compute_settings(spec, inputs):
-        report = ZeroShotClassifier(clip, tokenizer, device).evaluate(
-            model,
-            inputs.tasks,
-            processor,
-            batch_size=spec.eval_batch_size,
-            num_workers=spec.eval_num_workers,
-            max_samples=spec.max_eval_samples,
-            progress=spec.progress,
-        )
+    with session(spec.device, spec.dist_timeout) as world:
+        device = world.compute_device(spec.device)
+        with world.main_first("checking the inputs"):
+            inputs = resolve_inputs(spec, need_experts=False)
+            validate_datasets(inputs.tasks, splits=("test",))
+            clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
+            model = load_vision_folder(args.model, inputs.base) if args.model else clip.vision_model
+        with compute_settings(spec, inputs):
+            report = ZeroShotClassifier(clip, tokenizer, device, world=world).evaluate(
+                model,
+                inputs.tasks,
+                processor,
+                batch_size=spec.eval_batch_size,
+                num_workers=spec.eval_num_workers,
+                max_samples=spec.max_eval_samples,
+                progress=spec.progress,
+            )
+    if not world.is_main:
+        return 0
     output = args.output or (Path(args.model) / METRICS if args.model else None)
     if output:
         atomic_write_json(output, report.to_json())

@@ -5,6 +5,11 @@ floating-point tensor the driver reads that one tensor of each expert (experts a
 :class:`~featcal.checkpoint.Checkpoint` objects), hands the kernel float32 copies, and casts the
 kernel's result back to the base tensor's dtype. Memory stays bounded by ``len(experts)`` copies of
 the largest tensor, whatever the method.
+
+Under torchrun each process computes a share of the tensors, balanced by size
+(:meth:`~featcal.distributed.World.owners`), and each merged tensor is then copied from the process
+that computed it to all the others: every process ends with the same merge, bit for bit, as one
+process computes.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 
 import torch
 
+from featcal.distributed import SINGLE, World
 from featcal.merging.common import StateDict, is_mergeable, progress, read_experts, read_task_vectors
 
 KERNEL_INPUTS = ("base", "task_vectors", "experts")
@@ -34,6 +40,7 @@ def merge_tensorwise(
     *,
     desc: str,
     device: torch.device | None = None,
+    world: World = SINGLE,
 ) -> dict[str, torch.Tensor]:
     """Merge ``experts`` into ``base`` by calling ``kernel(*inputs, **params)`` on each tensor.
 
@@ -47,6 +54,7 @@ def merge_tensorwise(
         desc: The progress bar's label.
         device: Where the kernel computes (default: the CPU, where the tensors are read); the merged
             tensors are returned on the CPU either way.
+        world: Under torchrun, the processes that share the tensors.
 
     Returns:
         The merged state dict, with the base's keys, shapes and dtypes.
@@ -55,7 +63,9 @@ def merge_tensorwise(
         ValueError: If the kernel returns a tensor of another shape (a bug in the kernel).
     """
     merged: dict[str, torch.Tensor] = {}
-    for key in progress(list(base), desc):
+    keys = list(base)
+    owner = _owners(base, keys, world)
+    for key in progress([k for k in keys if owner.get(k, world.rank) == world.rank], desc):
         theta0 = base[key]
         if not is_mergeable(theta0):
             merged[key] = theta0.clone()
@@ -68,7 +78,22 @@ def merge_tensorwise(
         result = result.to(device=theta0.device, dtype=theta0.dtype)
         # A view into the stacked inputs (``experts[0]``) would keep all T copies alive: copy it out.
         merged[key] = result.clone() if result.untyped_storage().nbytes() > result.nbytes else result
+    if world.distributed:
+        for key in keys:  # in the base's order on every process: one copy per tensor from its owner
+            if key in owner:
+                if key not in merged:
+                    merged[key] = torch.empty_like(base[key], device="cpu")
+                world.broadcast_([merged[key]], src=owner[key], what=f"merging {key}")
+        merged = {key: merged[key] for key in keys}
     return merged
+
+
+def _owners(base: StateDict, keys: list[str], world: World) -> dict[str, int]:
+    """The process that merges each floating-point tensor (none for one process)."""
+    if not world.distributed:
+        return {}
+    mergeable = [key for key in keys if is_mergeable(base[key])]
+    return dict(zip(mergeable, world.owners([base[key].numel() for key in mergeable])))
 
 
 def _kernel_inputs(

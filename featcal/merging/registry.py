@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import torch
 
+from featcal.distributed import SINGLE, World
 from featcal.errors import InvalidParameterError, UnknownNameError
 from featcal.merging.common import StateDict
 from featcal.merging.driver import KERNEL_INPUTS, merge_tensorwise
@@ -218,7 +219,13 @@ class MergeMethod:
         }
 
     def __call__(
-        self, base: StateDict, experts: Sequence[StateDict], *, device: torch.device | str | None = None, **params: Any
+        self,
+        base: StateDict,
+        experts: Sequence[StateDict],
+        *,
+        device: torch.device | str | None = None,
+        world: World = SINGLE,
+        **params: Any,
     ) -> dict[str, torch.Tensor]:
         """Merge ``experts`` into ``base``.
 
@@ -228,6 +235,8 @@ class MergeMethod:
             experts: One state dict per task, with the base's keys; not modified.
             device: Where to compute (default: the CPU); tensors are read there one at a time and
                 the merged state dict is returned on the CPU.
+            world: Under torchrun, the processes: a per-tensor method shares the tensors among them;
+                a whole-model method (TIES) is computed whole by every process.
             **params: Hyper-parameters; those not given take their defaults.
 
         Returns:
@@ -256,7 +265,9 @@ class MergeMethod:
                     owner=f"merging method {self.name!r}",
                 )
             return self.fn(base, experts, **resolved)
-        return merge_tensorwise(self.fn, self.inputs, base, experts, resolved, desc=self.pretty_name, device=device)
+        return merge_tensorwise(
+            self.fn, self.inputs, base, experts, resolved, desc=self.pretty_name, device=device, world=world
+        )
 
 
 class MethodRegistry:

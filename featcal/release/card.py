@@ -27,7 +27,7 @@ from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
 from featcal.release.plot import PLOT_FILE, save_results_plot
 from featcal.release.published import LOCAL_MARK, is_published_local, local_name, published_config, published_ref
 from featcal.release.results import ResultRow, results_rows
-from featcal.runfolder import DIAGNOSTICS_PLOT, RELEASE_DIR, RunFolder, merged_stage_name, read_run
+from featcal.runfolder import DIAGNOSTICS_PLOT, PROCESSES, RELEASE_DIR, RunFolder, merged_stage_name, read_run
 from featcal.spec import FeatCalParams, option_fields, option_of
 from featcal.tasks import Task
 
@@ -245,6 +245,7 @@ def _context(
         },
         "timings": [(timing_label(k), float(v)) for k, v in run.timings.items() if isinstance(v, (int, float))],
         "max_eval_samples": run.max_eval_samples,
+        "processes": run.config.get(PROCESSES),
         "has_expert": any(r.expert is not None for r in rows),
     }
 
