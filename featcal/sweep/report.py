@@ -70,6 +70,11 @@ class SweepReport:
     def tasks(self) -> list[str]:
         return list(self.points[0].tasks) if self.points else []
 
+    def rows(self) -> list[tuple[str, list[float]]]:
+        """``(task, accuracies)`` per task and then ``average``, in the order of :attr:`points`."""
+        rows = [(task, [p.tasks[task] for p in self.points]) for task in self.tasks]
+        return [*rows, ("average", [p.average for p in self.points])]
+
     def label(self, point: SweepPoint) -> str:
         """What distinguishes ``point`` from the others: ``n=32``, ``λ=0.1`` or ``n=32 λ=0.1``."""
         parts = [f"n={point.size}"] if len(self.sizes) > 1 or self.parameter is None else []
@@ -117,7 +122,9 @@ class SweepReport:
                 timings=dict(data.get("timings") or {}),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            raise RunFolderError(where, f"{where} is not a featcal sweep ({exc}): run `featcal sweep` again.") from None
+            raise RunFolderError(
+                where, f"{where} is not a featcal sweep ({exc}): run `featcal sweep` again, or remove {where.parent}."
+            ) from None
         return report
 
 
