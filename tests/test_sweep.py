@@ -124,3 +124,93 @@ def test_settings_must_share_the_batch_size(fixture_run):
     settings = [FeatCalParams(calibration_batch_size=4), FeatCalParams(calibration_batch_size=8)]
     with pytest.raises(FeatcalError, match="calibration_batch_size"):
         swept(fixture_run, settings, "cpu")
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+FAST = ["--calibration-batch-size", "4", "--eval-num-workers", "0", "--eval-batch-size", "4", "--device", "cpu"]
+SWEEP_FAST = ["--eval-num-workers", "0", "--eval-batch-size", "4", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(world, tmp_path_factory):
+    from featcal.cli import main
+
+    out = tmp_path_factory.mktemp("sweep-run") / "out"
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out)]
+    assert main([*argv, "--num-calibration-examples", "8", *FAST]) == 0
+    return out
+
+
+def read(path):
+    import json
+
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_sweep_over_n_writes_the_curve_and_its_n_of_the_run_matches_the_run(run_dir, world, capsys):
+    from featcal.cli import main
+
+    assert main(["-q", "sweep", str(run_dir), "--num-calibration-examples", "8,2,4", *SWEEP_FAST]) == 0
+    printed = capsys.readouterr().out
+    assert "n=2" in printed and "average" in printed and str(run_dir / "sweep" / "sweep.json") in printed
+    sweep = read(run_dir / "sweep" / "sweep.json")
+    assert sweep["num_calibration_examples"] == [2, 4, 8] and sweep["parameter"] is None
+    assert [p["params"]["num_calibration_examples"] for p in sweep["points"]] == [2, 4, 8]
+    assert sweep["run_id"] == read(run_dir / "run_config.json")["run_id"]
+    assert (run_dir / "sweep" / "sweep.png").read_bytes().startswith(b"\x89PNG")
+    calibrated, merged = read(run_dir / "featcal-ta" / "metrics.json"), read(run_dir / "ta" / "metrics.json")
+    for task in world["tasks"]:  # n = 8 is the run's own setting: the same weights, the same accuracies
+        assert sweep["points"][2]["tasks"][task] == calibrated[task]["accuracy"]
+        assert sweep["merged"]["tasks"][task] == merged[task]["accuracy"]
+    assert sweep["points"][2]["average"] == calibrated["average"]["accuracy"]
+
+
+def test_sweep_of_lambda_uses_the_runs_n_and_shows_in_the_exported_card(run_dir, world):
+    from featcal.cli import main
+    from featcal.release.check import check_release
+
+    assert main(["-q", "sweep", str(run_dir), "--param", "lambda-ratio=0.5,0.05", *SWEEP_FAST]) == 0
+    sweep = read(run_dir / "sweep" / "sweep.json")
+    assert sweep["parameter"] == {"name": "lambda_ratio", "values": [0.5, 0.05]}
+    assert [p["params"]["lambda_ratio"] for p in sweep["points"]] == [0.5, 0.05]
+    assert {p["params"]["num_calibration_examples"] for p in sweep["points"]} == {8}
+    calibrated = read(run_dir / "featcal-ta" / "metrics.json")
+    assert sweep["points"][1]["average"] == calibrated["average"]["accuracy"]  # λ = 0.05 is the run's
+    assert main(["-q", "export", str(run_dir)]) == 0
+    card = (run_dir / "release" / "README.md").read_text(encoding="utf-8")
+    assert "| Task | λ=0.5 | λ=0.05 |" in card and "(sweep.png)" in card
+    assert (run_dir / "release" / "sweep.png").is_file()
+    check_release(run_dir / "release")  # the manifest lists sweep.png
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--param", "lambda=0.1"], "unknown FeatCal parameter to sweep 'lambda'"),
+        (["--param", "num_calibration_examples=4,8"], "have their own option, --num-calibration-examples."),
+        (["--param", "lambda_ratio=0.1,-1"], "lambda_ratio='-1' is invalid: it must be a finite number >= 0"),
+        (["--param", "lambda_ratio"], "NAME=VALUE"),
+        (["--num-calibration-examples", "4,0"], "--num-calibration-examples '4,0' is invalid"),
+        (["--num-calibration-examples", "4,,8"], "--num-calibration-examples '4,,8' is invalid"),
+        (["--num-calibration-examples", "13"], "fewer than the 13 calibration images"),
+        (["--together", "0"], "together='0' is invalid"),
+        (["--device", "tpu"], "--device 'tpu' is invalid"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(run_dir, argv, message, capsys):
+    from featcal.cli import main
+
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    assert main(["-q", "sweep", str(run_dir), *argv, *SWEEP_FAST[:-2]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("featcal: error: "), err
+    assert message.lower() in err[0].lower(), err[0]
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+
+def test_a_folder_that_is_not_a_run_is_refused(tmp_path, capsys):
+    from featcal.cli import main
+
+    assert main(["-q", "sweep", str(tmp_path / "nothing")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -56,9 +56,11 @@ def parse_parameter(text: str) -> SweptParameter:
     name, sep, values = str(text).partition("=")
     name = name.strip().replace("-", "_")
     if not sep or not name:
-        raise InvalidParameterError("param", text, "NAME=VALUE,VALUE,… with NAME one of " + ", ".join(SWEEPABLE))
+        raise InvalidParameterError(
+            "param", text, "NAME=VALUE,VALUE,… with NAME one of " + ", ".join(SWEEPABLE), owner="sweep"
+        )
     if name not in SWEEPABLE:
-        hint = "The calibration sizes have their own option, num_calibration_examples." if name in _FIELDS else ""
+        hint = "The calibration sizes have their own option, `num_calibration_examples`." if name in _FIELDS else ""
         raise UnknownNameError("FeatCal parameter to sweep", name, SWEEPABLE, hint=hint)
     items = [item.strip() for item in values.split(",")]
     if any(not item for item in items):
