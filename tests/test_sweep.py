@@ -214,3 +214,64 @@ def test_a_folder_that_is_not_a_run_is_refused(tmp_path, capsys):
 
     assert main(["-q", "sweep", str(tmp_path / "nothing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# --- requests, report and plot ---------------------------------------------------------------------
+
+
+def test_requests_are_parsed_and_checked():
+    from featcal.errors import InvalidParameterError, UnknownNameError
+    from featcal.sweep import SweptParameter, parse_parameter, parse_sizes
+    from featcal.sweep.request import sweep_settings
+
+    assert parse_sizes(" 32,8,16,8") == (8, 16, 32)
+    assert parse_parameter("teacher-interp-alpha=0.5, 0,0.5") == SweptParameter("teacher_interp_alpha", (0.5, 0.0))
+    for bad in ("", "8,", "8.5", "-8", "x"):
+        with pytest.raises(InvalidParameterError):
+            parse_sizes(bad)
+    for bad in ("lambda_ratio=", "lambda_ratio=1,,2", "lambda_ratio=nan", "covariance_eps=-1", "=1"):
+        with pytest.raises(InvalidParameterError):
+            parse_parameter(bad)
+    with pytest.raises(UnknownNameError):
+        parse_parameter("calibration_batch_size=4,8")
+    grid = sweep_settings(FeatCalParams(), (8, 16), SweptParameter("lambda_ratio", (0.1, 0.2)))
+    assert [(p.num_calibration_examples, p.lambda_ratio) for p in grid] == [(8, 0.1), (16, 0.1), (8, 0.2), (16, 0.2)]
+    assert all(p.anchor_blend_rho == 2.2 for p in grid)  # everything else as given
+
+
+def _report(run_id="abc", parameter=None, sizes=(8, 16)):
+    from featcal.sweep import SweepPoint, SweepReport
+
+    values = (0.1, 0.2) if parameter else ()
+    points = [
+        SweepPoint({"num_calibration_examples": n, **({parameter: v} if parameter else {})}, 0.5, {"a": 0.4, "b": 0.6})
+        for v in (values or (None,))
+        for n in sizes
+    ]
+    merged = SweepPoint({"num_calibration_examples": 0}, 0.3, {"a": 0.2, "b": 0.4})
+    return SweepReport(run_id, "ta", sizes, parameter, values, tuple(points), merged)
+
+
+def test_sweep_json_round_trips_and_a_stale_sweep_is_ignored(tmp_path):
+    from featcal.errors import RunFolderError
+    from featcal.sweep import SWEEP_FILE, SweepReport, read_sweep
+    from featcal.sweep.report import write_sweep
+
+    report = _report(parameter="lambda_ratio")
+    folder = write_sweep(tmp_path, report)
+    assert read_sweep(tmp_path, "abc") == report
+    assert read_sweep(tmp_path, "another recipe") is None
+    assert [report.label(p) for p in report.points] == ["n=8 λ=0.1", "n=16 λ=0.1", "n=8 λ=0.2", "n=16 λ=0.2"]
+    (folder / SWEEP_FILE).write_text('{"format": "featcal-sweep/1", "run_id": "abc"}')
+    with pytest.raises(RunFolderError, match="not a featcal sweep"):
+        read_sweep(tmp_path, "abc")
+    with pytest.raises(RunFolderError):
+        SweepReport.from_json([], where=tmp_path)
+
+
+@pytest.mark.parametrize("parameter,sizes", [(None, (8, 16)), ("lambda_ratio", (8,)), ("lambda_ratio", (8, 16))])
+def test_the_plot_draws_every_kind_of_sweep(tmp_path, parameter, sizes):
+    from featcal.sweep.plot import save_sweep_plot
+
+    assert save_sweep_plot(_report(parameter=parameter, sizes=sizes), tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")

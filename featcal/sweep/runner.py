@@ -25,7 +25,7 @@ from featcal.inputs import RunInputs, load_vision_folder, resolve_device, valida
 from featcal.pipeline import check_finite
 from featcal.precision import PRECISIONS, fixed_precision
 from featcal.progress import Progress
-from featcal.runfolder import RUN_CONFIG, RunFolder, RunLock, merged_stage_name, read_run
+from featcal.runfolder import RUN_CONFIG, RunFolder, RunLock, merged_stage_name, read_run, remove_leftovers
 from featcal.sweep.report import SweepPoint, SweepReport, write_sweep
 from featcal.sweep.request import DEFAULT_SIZES, SweptParameter, sweep_settings
 
@@ -157,6 +157,7 @@ def run_sweep(
     timings = {"calibrate_s": 0.0, "evaluate_s": 0.0}
     results: dict[int, SweepPoint] = {}
     with RunLock(run.path), fixed_precision(precision):
+        remove_leftovers(run.path)  # e.g. the temporary folder of a killed sweep
         classifier = ZeroShotClassifier(clip, tokenizer, compute)
         images = classifier.test_images(
             inputs.tasks, processor, batch_size=eval_batch_size, num_workers=eval_num_workers,
