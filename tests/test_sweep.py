@@ -209,6 +209,20 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(run_dir, argv, messa
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
+def test_a_skip_ta_run_is_swept_from_the_folder_it_started_from(run_dir, world, tmp_path):
+    from featcal.cli import main
+
+    out = tmp_path / "skip"
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), "--no-export"]
+    argv += ["--skip-ta", "--ta-model-path", str(run_dir / "ta"), "--num-calibration-examples", "8", *FAST]
+    assert main(argv) == 0
+    assert not (out / "ta").exists()
+    assert main(["-q", "sweep", str(out), "--num-calibration-examples", "8", *SWEEP_FAST]) == 0
+    sweep, calibrated = read(out / "sweep" / "sweep.json"), read(out / "featcal-ta" / "metrics.json")
+    assert sweep["merged_model"] == "ta"  # the folder's name
+    assert sweep["points"][0]["average"] == calibrated["average"]["accuracy"]
+
+
 def test_a_folder_that_is_not_a_run_is_refused(tmp_path, capsys):
     from featcal.cli import main
 
