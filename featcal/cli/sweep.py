@@ -16,6 +16,7 @@ SWEEP_RUN_OPTIONS = (
     "eval_num_workers",
     "device",
     "precision",
+    "threads",
     "allow_fewer_calibration_examples",
 )
 
@@ -61,6 +62,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         eval_batch_size=spec.eval_batch_size,
         eval_num_workers=spec.eval_num_workers,
         cache_dir=spec.cache_dir,
+        threads=spec.threads,
         together=together,
         allow_fewer_calibration_examples=spec.allow_fewer_calibration_examples,
         progress=spec.progress,

@@ -357,7 +357,8 @@ def write_card_files(
     pretty_name, _ = _method_info(run.method)
     plot_path, plot_tmp = out / PLOT_FILE, out / f".{PLOT_FILE}.tmp"
     drift_path, drift_tmp = out / DIAGNOSTICS_PLOT, out / f".{DIAGNOSTICS_PLOT}.tmp"
-    sweep_source, sweep_path, sweep_tmp = run.path / SWEEP_DIR / SWEEP_PLOT, out / SWEEP_PLOT, out / f".{SWEEP_PLOT}.tmp"
+    sweep_path, sweep_tmp = out / SWEEP_PLOT, out / f".{SWEEP_PLOT}.tmp"
+    sweep_source = run.path / SWEEP_DIR / SWEEP_PLOT
     has_plot = save_results_plot(results_rows(run), plot_tmp, merged_label=pretty_name)
     try:
         has_drift_plot = (run.path / DIAGNOSTICS_PLOT).is_file()

@@ -28,6 +28,7 @@ from featcal.progress import Progress
 from featcal.runfolder import RUN_CONFIG, RunFolder, RunLock, merged_stage_name, read_run, remove_leftovers
 from featcal.sweep.report import SweepPoint, SweepReport, write_sweep
 from featcal.sweep.request import DEFAULT_SIZES, SweptParameter, sweep_settings
+from featcal.threads import choose_threads, torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ def run_sweep(
     eval_batch_size: int = 256,
     eval_num_workers: int = 0,
     cache_dir: str | None = None,
+    threads: int | None = None,
     together: int | None = None,
     allow_fewer_calibration_examples: bool = False,
     progress: bool = True,
@@ -118,6 +120,7 @@ def run_sweep(
         eval_batch_size: Test images per batch.
         eval_num_workers: Data-loading workers for the test images.
         cache_dir: The Hub cache folder, for models and datasets named by Hub id.
+        threads: torch CPU threads (default: 1 for vision towers narrower than 256, else torch's).
         together: At most this many settings are calibrated at once (each holds a model, its student
             streams and its layer statistics in memory); None: all of them.
         allow_fewer_calibration_examples: Use every train image of a task with fewer than the largest n.
@@ -156,7 +159,8 @@ def run_sweep(
     by_name = {t.name: t for t in inputs.tasks}
     timings = {"calibrate_s": 0.0, "evaluate_s": 0.0}
     results: dict[int, SweepPoint] = {}
-    with RunLock(run.path), fixed_precision(precision):
+    threads = choose_threads(threads, inputs.vision_config.hidden_size)
+    with RunLock(run.path), fixed_precision(precision), torch_threads(threads):
         remove_leftovers(run.path)  # e.g. the temporary folder of a killed sweep
         classifier = ZeroShotClassifier(clip, tokenizer, compute)
         images = classifier.test_images(
