@@ -254,7 +254,7 @@ def test_requests_are_parsed_and_checked():
 
 
 def _report(run_id="abc", parameter=None, sizes=(8, 16)):
-    from featcal.sweep import SweepPoint, SweepReport
+    from featcal.sweep.report import SweepPoint, SweepReport
 
     values = (0.1, 0.2) if parameter else ()
     points = [
@@ -268,8 +268,7 @@ def _report(run_id="abc", parameter=None, sizes=(8, 16)):
 
 def test_sweep_json_round_trips_and_a_stale_sweep_is_ignored(tmp_path):
     from featcal.errors import RunFolderError
-    from featcal.sweep import SWEEP_FILE, SweepReport, read_sweep
-    from featcal.sweep.report import write_sweep
+    from featcal.sweep.report import SWEEP_FILE, SweepReport, read_sweep, write_sweep
 
     report = _report(parameter="lambda_ratio")
     folder = write_sweep(tmp_path, report)

@@ -37,7 +37,8 @@ def format_sweep(report) -> str:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from featcal.errors import InvalidParameterError
     from featcal.spec import build_spec
-    from featcal.sweep import SWEEP_DIR, SWEEP_FILE, SWEEP_PLOT, parse_parameter, parse_sizes
+    from featcal.sweep import parse_parameter, parse_sizes
+    from featcal.sweep.report import SWEEP_DIR, SWEEP_FILE, SWEEP_PLOT
 
     sizes = parse_sizes(args.sizes) if args.sizes is not None else None
     parameter = parse_parameter(args.param) if args.param is not None else None
