@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "featcal.cli.pipeline_commands",
     "featcal.cli.suites",
     "featcal.cli.diagnose",
+    "featcal.cli.sweep",
     "featcal.cli.release",
     "featcal.cli.space",
     "featcal.cli.demo",

@@ -29,6 +29,7 @@ from featcal.release.published import LOCAL_MARK, is_published_local, local_name
 from featcal.release.results import ResultRow, results_rows
 from featcal.runfolder import DIAGNOSTICS_PLOT, PROCESSES, RELEASE_DIR, RunFolder, merged_stage_name, read_run
 from featcal.spec import FeatCalParams, option_fields, option_of
+from featcal.sweep.report import SWEEP_DIR, SWEEP_PLOT, read_sweep
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -171,8 +172,26 @@ def _diagnostics(run: RunFolder, plot: str | None) -> dict[str, Any] | None:
     return None if report is None else {"summary": report.summary(), "plot": plot}
 
 
+def _sweep(run: RunFolder, plot: str | None) -> dict[str, Any] | None:
+    """The table (and plot) of the run's ``featcal sweep``, when it has one of this recipe."""
+    sweep = read_sweep(run.path, run.recipe_sha256)
+    if sweep is None:
+        return None
+    return {
+        "columns": [sweep.label(p) for p in sweep.points],
+        "rows": [{"task": task, "values": values} for task, values in sweep.rows()],
+        "plot": plot,
+    }
+
+
 def _context(
-    run: RunFolder, *, repo_id: str | None, license: str, plot: str | None, drift_plot: str | None = None
+    run: RunFolder,
+    *,
+    repo_id: str | None,
+    license: str,
+    plot: str | None,
+    drift_plot: str | None = None,
+    sweep_plot: str | None = None,
 ) -> dict[str, Any]:
     """The template's variables. References to inputs are given as published (see
     :mod:`featcal.release.published`): Hub ids as they are, local folders as ``local:<folder name>``,
@@ -233,6 +252,7 @@ def _context(
         "reference_source": next((t.reference_source for t in run.tasks if t.reference_source), None),
         "plot": plot,
         "diagnostics": _diagnostics(run, drift_plot),
+        "sweep": _sweep(run, sweep_plot),
         "snippet": {
             "task": snippet.name,
             "classnames": list(snippet.classnames),
@@ -258,17 +278,21 @@ def render_card(
     template: str | Path | None = None,
     plot: str | None = PLOT_FILE,
     drift_plot: str | None = None,
+    sweep_plot: str | None = None,
 ) -> ModelCard:
     """The model card of ``run``; ``plot`` is the image file the card shows (None for no image).
 
     When the run folder holds feature-drift diagnostics of this recipe (``featcal diagnose``), the
-    card gives their one-line summary, and ``drift_plot`` names the image of them it shows.
+    card gives their one-line summary, and ``drift_plot`` names the image of them it shows; likewise
+    for a sweep (``featcal sweep``): its table, and ``sweep_plot``.
     """
     if repo_id is not None:
         check_repo_id(repo_id)
     env, source = _environment(template)
     try:
-        context = _context(run, repo_id=repo_id, license=license, plot=plot, drift_plot=drift_plot)
+        context = _context(
+            run, repo_id=repo_id, license=license, plot=plot, drift_plot=drift_plot, sweep_plot=sweep_plot
+        )
         text = env.from_string(source).render(**context)
     except jinja2.TemplateError as exc:
         raise FeatcalError(f"Model card template {template or TEMPLATE} failed to render: {exc}") from None
@@ -334,11 +358,16 @@ def write_card_files(
     pretty_name, _ = _method_info(run.method)
     plot_path, plot_tmp = out / PLOT_FILE, out / f".{PLOT_FILE}.tmp"
     drift_path, drift_tmp = out / DIAGNOSTICS_PLOT, out / f".{DIAGNOSTICS_PLOT}.tmp"
+    sweep_path, sweep_tmp = out / SWEEP_PLOT, out / f".{SWEEP_PLOT}.tmp"
+    sweep_source = run.path / SWEEP_DIR / SWEEP_PLOT
     has_plot = save_results_plot(results_rows(run), plot_tmp, merged_label=pretty_name)
     try:
         has_drift_plot = (run.path / DIAGNOSTICS_PLOT).is_file()
         if has_drift_plot:
             shutil.copyfile(run.path / DIAGNOSTICS_PLOT, drift_tmp)
+        has_sweep_plot = sweep_source.is_file()
+        if has_sweep_plot:
+            shutil.copyfile(sweep_source, sweep_tmp)
         card = render_card(
             run,
             repo_id=repo_id,
@@ -346,14 +375,18 @@ def write_card_files(
             template=template,
             plot=PLOT_FILE if has_plot else None,
             drift_plot=DIAGNOSTICS_PLOT if has_drift_plot else None,
+            sweep_plot=SWEEP_PLOT if has_sweep_plot else None,
         )
         # shipped only when the card shows it (diagnostics of this recipe, a template that uses them)
         has_drift_plot = has_drift_plot and f"({DIAGNOSTICS_PLOT})" in str(card)
+        has_sweep_plot = has_sweep_plot and f"({SWEEP_PLOT})" in str(card)  # a sweep of this recipe
     except BaseException:
-        plot_tmp.unlink(missing_ok=True)
-        drift_tmp.unlink(missing_ok=True)
+        for tmp in (plot_tmp, drift_tmp, sweep_tmp):
+            tmp.unlink(missing_ok=True)
         raise
-    for shown, tmp, final in ((has_plot, plot_tmp, plot_path), (has_drift_plot, drift_tmp, drift_path)):
+    shipped = ((has_plot, plot_tmp, plot_path), (has_drift_plot, drift_tmp, drift_path),
+               (has_sweep_plot, sweep_tmp, sweep_path))  # fmt: skip
+    for shown, tmp, final in shipped:
         if shown:
             os.replace(tmp, final)
         else:
@@ -361,5 +394,7 @@ def write_card_files(
             final.unlink(missing_ok=True)
     path = out / CARD_FILE
     atomic_write_text(path, str(card))
-    update_manifest(out, {CARD_FILE: True, PLOT_FILE: has_plot, DIAGNOSTICS_PLOT: has_drift_plot})
+    update_manifest(
+        out, {CARD_FILE: True, PLOT_FILE: has_plot, DIAGNOSTICS_PLOT: has_drift_plot, SWEEP_PLOT: has_sweep_plot}
+    )
     return path

@@ -20,12 +20,13 @@ from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, writ
 from featcal.release.plot import PLOT_FILE
 from featcal.release.published import published_config
 from featcal.runfolder import DIAGNOSTICS_PLOT, METRICS, RELEASE_DIR, RUN_CONFIG, RunFolder, read_run, recipe_sha256
+from featcal.sweep.report import SWEEP_PLOT
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS = "model.safetensors"
 REQUIRED_FILES = ("config.json", WEIGHTS, "preprocessor_config.json", "README.md", METRICS, RUN_CONFIG, MANIFEST)
-RELEASE_FILES = frozenset({*REQUIRED_FILES, PLOT_FILE, DIAGNOSTICS_PLOT})
+RELEASE_FILES = frozenset({*REQUIRED_FILES, PLOT_FILE, DIAGNOSTICS_PLOT, SWEEP_PLOT})
 
 
 def load_vision_model(folder: Path, what: str):

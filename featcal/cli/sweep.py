@@ -1,0 +1,115 @@
+"""`featcal sweep`: parse, call :func:`featcal.sweep.runner.run_sweep`, print the curve as a table."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from featcal.cli.common import path_line, show_progress
+from featcal.cli.options import add_spec_options, given_values
+from featcal.spec import option_fields
+
+# The run options `featcal sweep` takes; everything else comes from the run folder's run_config.json.
+SWEEP_RUN_OPTIONS = (
+    "cache_dir",
+    "eval_batch_size",
+    "eval_num_workers",
+    "device",
+    "precision",
+    "threads",
+    "allow_fewer_calibration_examples",
+)
+
+
+def format_sweep(report) -> str:
+    """One row per task and the average, one column per setting (and the merged model), in %."""
+    columns = [(f"{report.merged_model} (n=0)", report.merged)] if report.merged is not None else []
+    columns += [(report.label(point), point) for point in report.points]
+    width = max([len(t) for t in report.tasks] + [7])
+    cell = max(9, *(len(label) for label, _ in columns))
+    lines = [f"{'task':<{width}}  " + "  ".join(f"{label:>{cell}}" for label, _ in columns)]
+    for task in [*report.tasks, "average"]:
+        values = [point.average if task == "average" else point.tasks[task] for _, point in columns]
+        lines.append(f"{task:<{width}}  " + "  ".join(f"{100 * v:>{cell}.2f}" for v in values))
+    return "\n".join(lines)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from featcal.errors import InvalidParameterError
+    from featcal.spec import build_spec
+    from featcal.sweep import parse_parameter, parse_sizes
+    from featcal.sweep.report import SWEEP_DIR, SWEEP_FILE, SWEEP_PLOT
+
+    sizes = parse_sizes(args.sizes) if args.sizes is not None else None
+    parameter = parse_parameter(args.param) if args.param is not None else None
+    together = None
+    if args.together is not None:
+        try:
+            together = int(args.together)
+        except ValueError:
+            together = 0
+        if together < 1:
+            raise InvalidParameterError("together", args.together, "a whole number >= 1", owner="sweep")
+    spec = build_spec(cli=given_values(args), progress=show_progress(args))
+
+    from featcal.sweep.runner import run_sweep
+
+    report = run_sweep(
+        args.run_dir,
+        sizes=sizes,
+        parameter=parameter,
+        device=spec.device,
+        precision=spec.precision,
+        eval_batch_size=spec.eval_batch_size,
+        eval_num_workers=spec.eval_num_workers,
+        cache_dir=spec.cache_dir,
+        threads=spec.threads,
+        together=together,
+        allow_fewer_calibration_examples=spec.allow_fewer_calibration_examples,
+        progress=spec.progress,
+    )
+    print(format_sweep(report))
+    folder = Path(args.run_dir) / SWEEP_DIR
+    print(path_line("Sweep", folder / SWEEP_FILE))
+    if (folder / SWEEP_PLOT).is_file():
+        print(path_line("Plot", folder / SWEEP_PLOT))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `sweep`, with ``func`` set to its handler."""
+    from featcal.sweep import DEFAULT_SIZES, SWEEPABLE
+
+    p = subparsers.add_parser(
+        "sweep",
+        help="FeatCal's accuracy against the calibration size n (or λ, ρ, α, ε) on a run's merged model",
+        description="Calibrate a run's merged model with FeatCal for several calibration sizes n (and values of "
+        "one FeatCal parameter), evaluate each zero-shot and write the curve into RUN_DIR/sweep/ (sweep.json, "
+        "sweep.png). The run's own FeatCal parameters, seed and evaluation are kept; the calibration subsets "
+        "are nested (the first n images of one seeded shuffle) and the settings are calibrated together.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by `featcal run` (with its merged model)")
+    p.add_argument(
+        "--num-calibration-examples",
+        dest="sizes",
+        default=None,
+        metavar="N,N,…",
+        help="calibration images per task, comma-separated (default "
+        f"{','.join(map(str, DEFAULT_SIZES))}; with --param, the run's n)",
+    )
+    p.add_argument(
+        "--param",
+        default=None,
+        metavar="NAME=V,V,…",
+        help=f"also sweep one FeatCal parameter: {', '.join(SWEEPABLE)} (e.g. lambda_ratio=0.01,0.05,0.1)",
+    )
+    p.add_argument(
+        "--together",
+        default=None,
+        metavar="K",
+        help="calibrate at most K settings at once (each holds a model copy, its feature streams and its "
+        "layer statistics in memory; default: all)",
+    )
+    names = {f.name for f, _, _ in option_fields()}
+    add_spec_options(p, exclude=names - set(SWEEP_RUN_OPTIONS))
+    p.set_defaults(func=cmd_sweep)

@@ -1,0 +1,86 @@
+"""What a sweep asks for: the calibration sizes and at most one swept FeatCal parameter, checked
+before any work, and the FeatCal settings they make."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+from featcal.errors import InvalidParameterError, UnknownNameError
+from featcal.spec import FeatCalParams, convert_value
+
+DEFAULT_SIZES = (8, 16, 32, 64, 128, 256)
+# The parameters a sweep may vary besides n: those that change the solves or the teacher. The batch
+# size only changes the arithmetic's order, and n has its own option.
+SWEEPABLE = ("lambda_ratio", "anchor_blend_rho", "teacher_interp_alpha", "covariance_eps")
+SIZES_EXPECTED = "whole numbers >= 1 separated by commas, e.g. 8,16,32"
+
+_FIELDS = {f.name: f for f in dataclasses.fields(FeatCalParams)}
+_HINTS = typing.get_type_hints(FeatCalParams)
+
+
+@dataclass(frozen=True)
+class SweptParameter:
+    """One FeatCal parameter and the values it takes in a sweep."""
+
+    name: str
+    values: tuple[float, ...]
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """Calibration sizes from ``"8,16,32"``: each a whole number >= 1; sorted, repeats dropped.
+
+    Raises:
+        InvalidParameterError: naming ``num_calibration_examples`` and the text given.
+    """
+    items = [item.strip() for item in str(text).split(",")]
+    if not items or any(not item for item in items):
+        raise InvalidParameterError("num_calibration_examples", text, SIZES_EXPECTED)
+    field = _FIELDS["num_calibration_examples"]
+    try:
+        sizes = {convert_value(field, int, item) for item in items}
+    except InvalidParameterError:
+        raise InvalidParameterError("num_calibration_examples", text, SIZES_EXPECTED) from None
+    return tuple(sorted(sizes))
+
+
+def parse_parameter(text: str) -> SweptParameter:
+    """``"lambda_ratio=0.01,0.05,0.1"`` (dashes allowed in the name): a parameter of
+    :data:`SWEEPABLE` and its values, each checked as that option checks it; repeats dropped, order kept.
+
+    Raises:
+        UnknownNameError: for a name that is not a sweepable FeatCal parameter.
+        InvalidParameterError: for a missing ``=``, an empty list or a value out of the option's range.
+    """
+    name, sep, values = str(text).partition("=")
+    name = name.strip().replace("-", "_")
+    if not sep or not name:
+        raise InvalidParameterError(
+            "param", text, "NAME=VALUE,VALUE,… with NAME one of " + ", ".join(SWEEPABLE), owner="sweep"
+        )
+    if name not in SWEEPABLE:
+        hint = "The calibration sizes have their own option, `num_calibration_examples`." if name in _FIELDS else ""
+        raise UnknownNameError("FeatCal parameter to sweep", name, SWEEPABLE, hint=hint)
+    items = [item.strip() for item in values.split(",")]
+    if any(not item for item in items):
+        raise InvalidParameterError(name, values, "numbers separated by commas", owner="sweep")
+    converted: list[float] = []
+    for item in items:
+        try:
+            value = convert_value(_FIELDS[name], _HINTS[name], item)
+        except InvalidParameterError as exc:
+            raise InvalidParameterError(name, item, exc.expected, owner="sweep") from None
+        if value not in converted:
+            converted.append(value)
+    return SweptParameter(name, tuple(converted))
+
+
+def sweep_settings(
+    base: FeatCalParams, sizes: tuple[int, ...], parameter: SweptParameter | None
+) -> list[FeatCalParams]:
+    """Every setting of the sweep: each size, with each value of the swept parameter (n varies fastest)."""
+    values: tuple[dict[str, float], ...] = (
+        ({},) if parameter is None else tuple({parameter.name: v} for v in parameter.values)
+    )
+    return [dataclasses.replace(base, num_calibration_examples=n, **change) for change in values for n in sizes]
