@@ -18,6 +18,7 @@ import torch
 from featcal.demo import ZOO_VERSION, ZooConfig, build_zoo, default_cache_dir, zoo_path
 from featcal.demo import zoo as zoo_module
 from featcal.demo.images import MINI8_TASKS
+from featcal.demo.styles import PRETRAIN_STYLES, restyle
 from featcal.demo.tokenizer import build_tokenizer
 from featcal.errors import FeatcalError
 
@@ -65,6 +66,16 @@ def test_renderers_are_deterministic_and_vary(task):
         assert draw(3, label).std() > 5  # something is drawn
 
 
+@pytest.mark.parametrize("style", sorted(PRETRAIN_STYLES))
+def test_pretraining_styles_keep_the_image_and_change_its_look(style):
+    images = [task.sample(np.random.default_rng(5), 1, 32) for task in MINI8_TASKS]
+    styled = restyle(images, style)
+    assert [(s.mode, s.size) for s in styled] == [("RGB", (32, 32))] * len(images)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(styled, restyle(images, style)))
+    changed = [not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(images, styled)]
+    assert all(changed) if style != "native" else not any(changed)
+
+
 def test_tokenizer_round_trips_and_separates_class_names(tmp_path):
     from transformers import AutoTokenizer
 
@@ -93,7 +104,14 @@ def test_cache_keys():
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(tasks=("digits", "nope")), dict(tasks=("digits",)), dict(patch_size=5), dict(expert_steps=0)]
+    "bad",
+    [
+        dict(tasks=("digits", "nope")),
+        dict(tasks=("digits",)),
+        dict(patch_size=5),
+        dict(expert_steps=0),
+        dict(pretrain_style="sepia"),
+    ],
 )
 def test_config_rejects_bad_fields(bad):
     with pytest.raises(FeatcalError):
