@@ -195,6 +195,31 @@ def test_experts_keep_the_frozen_parts_of_the_base(micro_zoo):
     assert any(not torch.equal(expert[k], base[k]) for k in trained)
 
 
+def test_base_is_pretrained_on_the_train_images_in_the_pretraining_style(monkeypatch, tmp_path):
+    import datasets
+
+    assert ZooConfig.mini8().pretrain_style == "negative" and MICRO.pretrain_style == "negative"
+    seen = {}
+    real = zoo_module.pretrain_clip
+
+    def spy(clip, tokenizer, data, **kwargs):
+        seen.update(data)
+        return real(clip, tokenizer, data, **kwargs)
+
+    monkeypatch.setattr(zoo_module, "pretrain_clip", spy)
+    folder = build_zoo(MICRO, cache_dir=tmp_path, progress=False)
+    train = datasets.load_dataset(
+        "parquet", data_files=str(folder / "data" / "digits" / "data" / "train-00000-of-00001.parquet")
+    )["train"]
+    images = [row["image"].convert("RGB") for row in train]
+    processor = zoo_module._image_processor(MICRO)
+    styled = processor(images=restyle(images, "negative"), return_tensors="pt")["pixel_values"]
+    native = processor(images=images, return_tensors="pt")["pixel_values"]
+    assert torch.allclose(seen["digits"].train_pixels, styled)
+    assert not torch.allclose(seen["digits"].train_pixels, native)  # the experts' look is never seen
+    assert seen["digits"].train_labels.tolist() == train["label"]
+
+
 def test_cached_zoo_is_reused_and_force_rebuilds_identically(micro_zoo, monkeypatch):
     from safetensors.torch import load_file
 
