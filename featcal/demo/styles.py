@@ -5,6 +5,7 @@ eight TA8 tasks, so its zero-shot accuracy there is weak while its features are 
 is pretrained the same way: on the benchmark's task families, but with every pretraining image
 re-drawn in a *pretraining style* that the test images (and the experts' training images) never have.
 Each style keeps every label of every task recognisable to a model that adapts to it.
+``"negative"`` is the one ``ZooConfig.mini8()`` uses; benchmarks/mini8.md measures the others.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def _negative(image: Image.Image) -> Image.Image:
 
 
 def _swapped(image: Image.Image) -> Image.Image:
+    """The colour channels rotated: red shows as green, green as blue, blue as red."""
     r, g, b = image.split()
     return Image.merge("RGB", (b, r, g))
 
@@ -55,7 +57,6 @@ def _negative_zoomed_out(image: Image.Image) -> Image.Image:
 PRETRAIN_STYLES: dict[str, Style] = {
     "native": _native,
     "negative": _negative,
-    "swapped": _swapped,
     "negative-swapped": _negative_swapped,
     "zoomed-out": _zoomed_out,
     "negative-zoomed-out": _negative_zoomed_out,

@@ -218,9 +218,13 @@ def _build_into(folder: Path, config: ZooConfig, *, progress: bool) -> None:
             _write_parquet(folder / "data" / task.name / "data", split, images, labels, task.classnames)
             splits += [processor(images=images, return_tensors="pt")["pixel_values"], torch.tensor(labels)]
             if split == "train":
-                styled = processor(images=restyle(images, config.pretrain_style), return_tensors="pt")
+                styled = (
+                    splits[0]
+                    if config.pretrain_style == "native"
+                    else processor(images=restyle(images, config.pretrain_style), return_tensors="pt")["pixel_values"]
+                )
         tensors[task.name] = TaskTensors(*splits, classnames=task.classnames, templates=task.templates)
-        pretraining[task.name] = replace(tensors[task.name], train_pixels=styled["pixel_values"])
+        pretraining[task.name] = replace(tensors[task.name], train_pixels=styled)
 
     corpus = [template.format(name) for task in tasks for template in task.templates for name in task.classnames]
     tokenizer = build_tokenizer(corpus)
