@@ -18,6 +18,7 @@ import torch
 from featcal.demo import ZOO_VERSION, ZooConfig, build_zoo, default_cache_dir, zoo_path
 from featcal.demo import zoo as zoo_module
 from featcal.demo.images import MINI8_TASKS
+from featcal.demo.styles import PRETRAIN_STYLES, restyle
 from featcal.demo.tokenizer import build_tokenizer
 from featcal.errors import FeatcalError
 
@@ -65,6 +66,16 @@ def test_renderers_are_deterministic_and_vary(task):
         assert draw(3, label).std() > 5  # something is drawn
 
 
+@pytest.mark.parametrize("style", sorted(PRETRAIN_STYLES))
+def test_pretraining_styles_keep_the_image_and_change_its_look(style):
+    images = [task.sample(np.random.default_rng(5), 1, 32) for task in MINI8_TASKS]
+    styled = restyle(images, style)
+    assert [(s.mode, s.size) for s in styled] == [("RGB", (32, 32))] * len(images)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(styled, restyle(images, style)))
+    changed = [not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(images, styled)]
+    assert all(changed) if style != "native" else not any(changed)
+
+
 def test_tokenizer_round_trips_and_separates_class_names(tmp_path):
     from transformers import AutoTokenizer
 
@@ -93,7 +104,14 @@ def test_cache_keys():
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(tasks=("digits", "nope")), dict(tasks=("digits",)), dict(patch_size=5), dict(expert_steps=0)]
+    "bad",
+    [
+        dict(tasks=("digits", "nope")),
+        dict(tasks=("digits",)),
+        dict(patch_size=5),
+        dict(expert_steps=0),
+        dict(pretrain_style="sepia"),
+    ],
 )
 def test_config_rejects_bad_fields(bad):
     with pytest.raises(FeatcalError):
@@ -175,6 +193,31 @@ def test_experts_keep_the_frozen_parts_of_the_base(micro_zoo):
     assert all(torch.equal(expert[k], base[k]) for k in frozen)
     trained = [k for k in expert if k.startswith("encoder.") and k.endswith("weight")]
     assert any(not torch.equal(expert[k], base[k]) for k in trained)
+
+
+def test_base_is_pretrained_on_the_train_images_in_the_pretraining_style(monkeypatch, tmp_path):
+    import datasets
+
+    assert ZooConfig.mini8().pretrain_style == "negative" and MICRO.pretrain_style == "negative"
+    seen = {}
+    real = zoo_module.pretrain_clip
+
+    def spy(clip, tokenizer, data, **kwargs):
+        seen.update(data)
+        return real(clip, tokenizer, data, **kwargs)
+
+    monkeypatch.setattr(zoo_module, "pretrain_clip", spy)
+    folder = build_zoo(MICRO, cache_dir=tmp_path, progress=False)
+    train = datasets.load_dataset(
+        "parquet", data_files=str(folder / "data" / "digits" / "data" / "train-00000-of-00001.parquet")
+    )["train"]
+    images = [row["image"].convert("RGB") for row in train]
+    processor = zoo_module._image_processor(MICRO)
+    styled = processor(images=restyle(images, "negative"), return_tensors="pt")["pixel_values"]
+    native = processor(images=images, return_tensors="pt")["pixel_values"]
+    assert torch.allclose(seen["digits"].train_pixels, styled)
+    assert not torch.allclose(seen["digits"].train_pixels, native)  # the experts' look is never seen
+    assert seen["digits"].train_labels.tolist() == train["label"]
 
 
 def test_cached_zoo_is_reused_and_force_rebuilds_identically(micro_zoo, monkeypatch):

@@ -1,6 +1,7 @@
 """Training the benchmark's models: contrastive CLIP pretraining and per-task experts.
 
-The base is a real ``transformers.CLIPModel`` pretrained on image-caption pairs of all tasks; an
+The base is a real ``transformers.CLIPModel`` pretrained on image-caption pairs of all tasks (the zoo
+draws the pretraining images in another look than the test images, see ``featcal.demo.styles``); an
 expert is its vision tower fine-tuned on one task through the frozen zero-shot head (the base's
 text tower, templates and visual projection), the way the task-vector experts of the TA8 run were.
 """

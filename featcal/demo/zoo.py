@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import torch
 
 from featcal.demo.config import IMAGE_DRAW, ZOO_VERSION, ZooConfig
 from featcal.demo.images import MINI8_TASKS, ImageTask
+from featcal.demo.styles import restyle
 from featcal.demo.tokenizer import build_tokenizer
 from featcal.demo.training import TaskTensors, accuracy, finetune_expert, pretrain_clip, zero_shot_head
 from featcal.errors import FeatcalError
@@ -204,6 +206,7 @@ def _build_into(folder: Path, config: ZooConfig, *, progress: bool) -> None:
     tasks = _select_tasks(config.tasks)
     processor = _image_processor(config)
     tensors: dict[str, TaskTensors] = {}
+    pretraining: dict[str, TaskTensors] = {}  # the train images in the pretraining style
     for index, task in enumerate(
         Progress(tasks, desc=f"{config.name}: drawing datasets", unit="tasks", enabled=progress)
     ):
@@ -214,7 +217,14 @@ def _build_into(folder: Path, config: ZooConfig, *, progress: bool) -> None:
             images, labels = _draw_split(task, index, split_index, count, config)
             _write_parquet(folder / "data" / task.name / "data", split, images, labels, task.classnames)
             splits += [processor(images=images, return_tensors="pt")["pixel_values"], torch.tensor(labels)]
+            if split == "train":
+                styled = (
+                    splits[0]
+                    if config.pretrain_style == "native"
+                    else processor(images=restyle(images, config.pretrain_style), return_tensors="pt")["pixel_values"]
+                )
         tensors[task.name] = TaskTensors(*splits, classnames=task.classnames, templates=task.templates)
+        pretraining[task.name] = replace(tensors[task.name], train_pixels=styled)
 
     corpus = [template.format(name) for task in tasks for template in task.templates for name in task.classnames]
     tokenizer = build_tokenizer(corpus)
@@ -223,7 +233,7 @@ def _build_into(folder: Path, config: ZooConfig, *, progress: bool) -> None:
     pretrain_clip(
         clip,
         tokenizer,
-        tensors,
+        pretraining,
         steps=config.pretrain_steps,
         batch_size=config.pretrain_batch_size,
         lr=config.pretrain_lr,
@@ -277,7 +287,8 @@ def _write_tables(
 
     table = {
         "about": f"The {config.name} benchmark zoo (featcal, version {ZOO_VERSION}, seed {config.seed}): "
-        "procedural image tasks, a small CLIP pretrained on their captions, one expert per task. "
+        "procedural image tasks, a small CLIP pretrained on their captions with the images in the "
+        f"{config.pretrain_style!r} style, one expert per task. "
         "Paths are relative to this file. reference_accuracy holds the accuracies measured while "
         "building (fractions of the test split).",
         "base_model": "base",
