@@ -1,16 +1,23 @@
-"""Peak memory of a run, per stage and for the whole process.
+"""Peak memory of a run, per stage and for the whole process, and giving freed memory back.
 
-Host memory is the kernel's resident-set high-water mark (``VmHWM``). On Linux it can be reset
-(``/proc/self/clear_refs``), so each stage's peak is its own; where it cannot, a stage's figure is the
-process's peak up to the end of that stage. On CUDA the allocator's peak
-(``torch.cuda.max_memory_allocated``) is reset and read the same way.
+Host memory is the resident set. The process's peak is the kernel's high-water mark (``VmHWM``),
+never reset (so ``/usr/bin/time`` and ``wait4`` still see the whole process's peak). A stage that
+raises the high-water mark gets it as its peak, exactly; any other stage gets the largest resident
+set sampled every :data:`SAMPLE_INTERVAL_S` during it (a spike shorter than that can be missed, but
+it stayed below an earlier stage's peak). On CUDA the allocator's peak
+(``torch.cuda.max_memory_allocated``) is reset at each stage and read at its end.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import logging
+import os
 import resource
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,12 +27,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
+SAMPLE_INTERVAL_S = 0.02
 _STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
+_STATM = Path("/proc/self/statm")
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def host_peak_bytes() -> int:
-    """The process's resident-set high-water mark since start (or since the last reset), in bytes."""
+    """The process's resident-set high-water mark since it started, in bytes."""
     try:
         for line in _STATUS.read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -36,13 +45,56 @@ def host_peak_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def _reset_host_peak() -> bool:
-    """Restart the high-water mark at the current RSS; False where the kernel does not allow it."""
+def host_rss_bytes() -> int | None:
+    """The process's resident set now, in bytes (None where ``/proc`` is not available)."""
     try:
-        _CLEAR_REFS.write_text("5")
-    except OSError:
-        return False
-    return True
+        return int(_STATM.read_text().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the system (glibc's ``malloc_trim``).
+
+    Without it, memory freed after a stage (an evaluation's batches, a dropped model) can stay in
+    the process's heap and count in its resident set through the next stage.
+    """
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError):  # not glibc (e.g. musl has no malloc_trim)
+        return None
+    return libc
+
+
+_LIBC = _glibc()
+
+
+class _Sampler(threading.Thread):
+    """The largest resident set seen, polled every ``interval`` seconds until :meth:`stop`."""
+
+    def __init__(self, interval: float) -> None:
+        super().__init__(name="featcal-memory-sampler", daemon=True)
+        self.interval = interval
+        self.peak = host_rss_bytes() or 0
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(self.interval):
+            self.peak = max(self.peak, host_rss_bytes() or 0)
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        return max(self.peak, host_rss_bytes() or 0)
 
 
 class MemoryMeter:
@@ -52,45 +104,44 @@ class MemoryMeter:
         device: The run's device; on CUDA the allocator's peaks are recorded too.
         first_stage: The name under which the peak before the first stage (imports, loading, checks)
             is recorded.
+        interval: Seconds between two samples of the resident set during a stage.
     """
 
-    def __init__(self, device: torch.device, first_stage: str = "start-up") -> None:
+    def __init__(
+        self, device: torch.device, first_stage: str = "start-up", interval: float = SAMPLE_INTERVAL_S
+    ) -> None:
         self.cuda = device if device.type == "cuda" else None
-        self.stages: dict[str, dict[str, float]] = {first_stage: self._read()}
-        self.overall = dict(self.stages[first_stage])
-        self.per_stage = True
-
-    def _read(self) -> dict[str, float]:
-        peaks = {"host_rss_gib": host_peak_bytes() / GIB}
+        self.interval = interval
+        self.stages: dict[str, dict[str, float]] = {first_stage: {"host_rss_gib": host_peak_bytes() / GIB}}
         if self.cuda is not None:
-            peaks["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated(self.cuda) / GIB
-        return peaks
-
-    def _fold(self, peaks: dict[str, float]) -> None:
-        for key, value in peaks.items():
-            self.overall[key] = max(self.overall.get(key, 0.0), value)
-
-    def _reset(self) -> None:
-        self._fold(self._read())
-        self.per_stage = _reset_host_peak() and self.per_stage
-        if self.cuda is not None:
-            torch.cuda.reset_peak_memory_stats(self.cuda)
+            self.stages[first_stage]["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated(self.cuda) / GIB
+        self._cuda_peak = self.stages[first_stage].get("cuda_max_allocated_gib", 0.0)
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         """Measure the body's peak as stage ``name`` (a repeated name keeps the larger peak)."""
-        self._reset()
+        record_before = host_peak_bytes()
+        sampler = _Sampler(self.interval)
+        sampler.start()
+        if self.cuda is not None:
+            torch.cuda.reset_peak_memory_stats(self.cuda)
         try:
             yield
         finally:
-            peaks = self._read()
-            self._fold(peaks)
+            sampled = sampler.stop()
+            record_after = host_peak_bytes()
+            peaks = {"host_rss_gib": (record_after if record_after > record_before else sampled) / GIB}
+            if self.cuda is not None:
+                peaks["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated(self.cuda) / GIB
+                self._cuda_peak = max(self._cuda_peak, peaks["cuda_max_allocated_gib"])
             old = self.stages.get(name, {})
             self.stages[name] = {k: max(v, old.get(k, 0.0)) for k, v in peaks.items()}
 
     def report(self) -> dict[str, object]:
-        """``{"host_rss_gib": …, ["cuda_max_allocated_gib": …,] "stages": {name: {…}}, "per_stage": bool}``:
-        the process's peaks so far and each stage's (``per_stage`` False: a stage's figure is the
-        process's peak up to its end)."""
-        self._fold(self._read())
-        return {**self.overall, "stages": {k: dict(v) for k, v in self.stages.items()}, "per_stage": self.per_stage}
+        """``{"host_rss_gib": …, ["cuda_max_allocated_gib": …,] "stages": {name: {…}}}``: the process's
+        peaks so far and each stage's."""
+        report: dict[str, object] = {"host_rss_gib": host_peak_bytes() / GIB}
+        if self.cuda is not None:
+            report["cuda_max_allocated_gib"] = self._cuda_peak
+        report["stages"] = {k: dict(v) for k, v in self.stages.items()}
+        return report

@@ -38,7 +38,7 @@ from featcal.inputs import (
     validate_datasets,
 )
 from featcal.io import config_hash, fault_point, read_json, save_vision_model
-from featcal.memory import MemoryMeter
+from featcal.memory import MemoryMeter, release_free_memory
 from featcal.merging import get_method
 from featcal.precision import fixed_precision
 from featcal.runfolder import (
@@ -318,7 +318,9 @@ class _Run:
 
     @contextmanager
     def _stage(self, key: str, timed: bool = True) -> Iterator[None]:
-        """Measure the body as stage ``key``: its peak memory, and with ``timed`` its seconds as ``<key>_s``."""
+        """Measure the body as stage ``key``: its peak memory, and with ``timed`` its seconds as ``<key>_s``.
+        What earlier stages freed is handed back to the system first, so it does not count here."""
+        release_free_memory()
         start = time.perf_counter()
         with self.memory.stage(key):
             yield
@@ -413,6 +415,7 @@ class _Run:
             if self._fresh("calibrate"):
                 logger.info("FeatCal: %s/ is up to date (same inputs); skipped", calibrated_name)
             else:
+                release_free_memory()
                 with self.memory.stage("calibrate"):
                     start = time.perf_counter()
                     # In place: the merged weights are not read again, so only one model is in memory.
