@@ -99,3 +99,35 @@ def test_threads_default_to_one_for_small_towers_and_restore():
     with torch_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def test_the_calibration_runs_without_the_test_images_read_in_process(world, tmp_path, monkeypatch):
+    import weakref
+
+    import featcal.pipeline as pipeline
+    from featcal.cli import main
+
+    loaded: list[weakref.ref] = []
+    alive_during_calibration: list[bool] = []
+    test_images, calibrate = ZeroShotClassifier.test_images, pipeline.calibrate
+
+    def tracked_test_images(self, *args, **kwargs):
+        images = test_images(self, *args, **kwargs)
+        loaded.append(weakref.ref(images))
+        return images
+
+    def checked_calibrate(*args, **kwargs):
+        alive_during_calibration.extend(ref() is not None for ref in loaded)
+        return calibrate(*args, **kwargs)
+
+    monkeypatch.setattr(ZeroShotClassifier, "test_images", tracked_test_images)
+    monkeypatch.setattr(pipeline, "calibrate", checked_calibrate)
+    args = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(tmp_path / "run")]
+    args += ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
+    args += ["--max-eval-samples", "4", "--device", "cpu", "--no-export"]
+    assert main(args) == 0
+    assert alive_during_calibration == [False]  # the merged model's evaluation loaded them; released
+    assert len(loaded) == 2  # opened again for the calibrated model's evaluation
+    tasks = json.loads(world["tasks_file"].read_text())["tasks"]
+    metrics = json.loads((tmp_path / "run" / "featcal-ta" / "metrics.json").read_text())
+    assert [metrics[task]["num_samples"] for task in tasks] == [4] * len(tasks)
