@@ -288,6 +288,7 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
     stages = plan_stages(spec, inputs, data)
     created = not out.exists()
     classifier = ZeroShotClassifier(clip, tokenizer, device, world=world)
+    del clip, tokenizer  # the classifier's alone, so that keep_heads_only frees the tokenizer
     try:
         with RunLock(out) if world.is_main else nullcontext(), fixed_precision(spec.precision), torch_threads(threads):
             run = _Run(spec, out, inputs, stages, device, classifier, processor, world)
