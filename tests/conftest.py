@@ -23,6 +23,10 @@ def available_devices() -> list[str]:
 
 
 def pytest_generate_tests(metafunc):
-    """Parametrise every test that asks for ``device`` over :func:`available_devices`."""
+    """Parametrise every test that asks for ``device``, itself or through a fixture, over :func:`available_devices`.
+
+    The parameter has module scope, so a module-scoped fixture (a run folder several tests read) can
+    take ``device`` too and is built once per device.
+    """
     if "device" in metafunc.fixturenames:
-        metafunc.parametrize("device", available_devices())
+        metafunc.parametrize("device", available_devices(), scope="module")
