@@ -1,3 +1,25 @@
+"""Shared fixtures, and the devices the tests run on.
+
+A test that runs a model (a forward pass, a merge, a calibration, an evaluation, the export of a run)
+on a device it names takes the ``device`` argument, itself or through a fixture, and so runs on the
+CPU and, where torch sees a GPU, on CUDA too; a comparison that is bit for bit on the CPU allows the
+GPU's rounding on CUDA where its two sides need not round alike there (computed on different devices,
+or batched otherwise). (A command run without
+``--device`` uses ``auto``, CUDA where torch sees a GPU; a library call without ``device`` the CPU.)
+These name the CPU on purpose: the golden run (``test_pipeline.py``: its recorded SHA-256 values are
+the CPU's); the multi-process runs (``test_distributed.py``: gloo, and CUDA would need a GPU per
+process); the Hub rehearsals over HTTP (``test_hub_rehearsal.py``, ``test_suite_rehearsal.py``,
+``faults/test_hub_faults.py``), which run the command the rehearsal prescribes, ``featcal run
+--device cpu …`` (``tests/support/hub_world.SMALL``), and serve its release with ``featcal space
+--device cpu``; what is the CPU's by definition (``test_devices.py``'s reference run and its memory
+record, ``test_sweep.py``'s bit-identity on the CPU, ``test_memory.py``'s meter of host memory, the
+refusal of a GPU by a method that computes on the CPU only); the faults refused before any model runs
+(in ``faults/``, ``test_cli_pipeline_commands.py``, ``test_diagnostics.py`` and ``test_sweep.py``);
+and the closed-form solves and statistics checked on synthetic float64 tensors
+(``test_calibration_solves.py``, ``test_calibration_statistics.py``), whose device path the
+calibration tests cover.
+"""
+
 import os
 
 import pytest
@@ -23,6 +45,10 @@ def available_devices() -> list[str]:
 
 
 def pytest_generate_tests(metafunc):
-    """Parametrise every test that asks for ``device`` over :func:`available_devices`."""
+    """Parametrise every test that asks for ``device``, itself or through a fixture, over :func:`available_devices`.
+
+    The parameter has module scope, so a module-scoped fixture (a run folder several tests read) can
+    take ``device`` too and is built once per device.
+    """
     if "device" in metafunc.fixturenames:
-        metafunc.parametrize("device", available_devices())
+        metafunc.parametrize("device", available_devices(), scope="module")

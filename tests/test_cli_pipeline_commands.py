@@ -23,15 +23,15 @@ FAST = [
     "0",
     "--eval-batch-size",
     "4",
-    "--device",
-    "cpu",
 ]
+CPU = ["--device", "cpu"]  # for the refusals, which come before any model runs
 
 
 @pytest.fixture(scope="module")
-def run_dir(world, tmp_path_factory):
+def run_dir(world, tmp_path_factory, device):
     out = tmp_path_factory.mktemp("run") / "out"
-    code = main(["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST])
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST]
+    code = main([*argv, "--device", device])
     assert code == 0
     return out
 
@@ -91,8 +91,8 @@ def test_featcal_weights_are_finite_differ_from_ta_and_lower_drift(run_dir, worl
     assert feature_drift(cal_model, world) < 0.9 * feature_drift(ta_model, world)
 
 
-def test_single_stages_match_run(run_dir, world, tmp_path):
-    common = ["--tasks-file", str(world["tasks_file"])]
+def test_single_stages_match_run(run_dir, world, tmp_path, device):
+    common = ["--tasks-file", str(world["tasks_file"]), "--device", device]
     assert main(["-q", "merge", "--output", str(tmp_path / "m"), *common]) == 0
     merged = load_file(str(tmp_path / "m" / "model.safetensors"))
     ta = load_file(str(run_dir / "ta" / "model.safetensors"))
@@ -111,8 +111,6 @@ def test_single_stages_match_run(run_dir, world, tmp_path):
                 "8",
                 "--calibration-batch-size",
                 "4",
-                "--device",
-                "cpu",
             ]
         )
         == 0
@@ -126,7 +124,7 @@ def test_single_stages_match_run(run_dir, world, tmp_path):
     assert metrics["average"]["accuracy"] == pytest.approx(expected["average"]["accuracy"])
 
 
-def test_skip_ta_starts_from_a_merged_folder(run_dir, world, tmp_path):
+def test_skip_ta_starts_from_a_merged_folder(run_dir, world, tmp_path, device):
     out = tmp_path / "resumed"
     assert (
         main(
@@ -138,6 +136,8 @@ def test_skip_ta_starts_from_a_merged_folder(run_dir, world, tmp_path):
                 "--output-dir",
                 str(out),
                 *FAST,
+                "--device",
+                device,
                 "--skip-ta",
                 "--ta-model-path",
                 str(run_dir / "ta"),
@@ -170,6 +170,7 @@ def test_unknown_task(world, tmp_path, capsys):
             "--output-dir",
             str(tmp_path / "o"),
             *FAST,
+            *CPU,
         ],
     )
     assert code == 2 and "Unknown task(s) ['nope']" in err
@@ -198,7 +199,7 @@ def test_expert_with_other_shapes(world, tmp_path, capsys):
     state[key] = torch.zeros(5, 5)
     save_file(state, str(path), metadata={"format": "pt"})
     code, err = run_error(
-        capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST]
+        capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST, *CPU]
     )
     assert code == 2 and "task1" in err and "encoder.layers.0.mlp.fc1.weight" in err and "shape" in err
     assert not (tmp_path / "o").exists()
@@ -211,7 +212,7 @@ def test_non_finite_expert(world, tmp_path, capsys):
     state[next(k for k in state if k.endswith("post_layernorm.weight"))][0] = float("nan")
     save_file(state, str(path), metadata={"format": "pt"})
     code, err = run_error(
-        capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST]
+        capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST, *CPU]
     )
     assert code == 2 and "post_layernorm.weight" in err and "'task0'" in err and "not finite" in err
     assert not (tmp_path / "o").exists()
@@ -223,7 +224,7 @@ def test_dataset_without_named_column(world, tmp_path, capsys):
     table["tasks"]["task1"]["dataset"]["label_column"] = "fine_label"
     (root / "tasks.json").write_text(json.dumps(table))
     code, err = run_error(
-        capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST]
+        capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST, *CPU]
     )
     assert code == 2 and "'task1'" in err and "['fine_label']" in err
     assert not (tmp_path / "o").exists()
@@ -235,7 +236,7 @@ def test_pickle_only_expert_is_refused(world, tmp_path, capsys):
     (folder / "model.safetensors").unlink()
     (folder / "pytorch_model.bin").write_bytes(b"not loaded")
     code, err = run_error(
-        capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST]
+        capsys, ["run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(tmp_path / "o"), *FAST, *CPU]
     )
     assert code == 2 and "never loads pickles" in err
     assert not (tmp_path / "o").exists()

@@ -252,7 +252,7 @@ def tiny_zoo(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_demo_command_prints_the_table(tiny_zoo, tmp_path, capsys):
+def test_demo_command_prints_the_table(tiny_zoo, tmp_path, capsys, device):
     from featcal.cli.demo import cmd_demo
 
     args = argparse.Namespace(
@@ -261,7 +261,7 @@ def test_demo_command_prints_the_table(tiny_zoo, tmp_path, capsys):
         tiny=True,
         rebuild=False,
         cache_dir=str(tiny_zoo.parent.parent),
-        device="cpu",
+        device=device,
         threads=None,
         ta_scaling_factor=0.3,
         no_export=False,

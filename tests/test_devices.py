@@ -103,15 +103,15 @@ def test_a_whole_model_method_without_a_device_refuses_a_gpu() -> None:
         registry.get("first")(base, [{"w": torch.ones(2)}], device="cuda")
 
 
-def test_evaluating_a_model_moves_it_to_the_classifiers_device() -> None:
+def test_evaluating_a_model_moves_it_to_the_classifiers_device(device) -> None:
     """`--eval-experts` built each expert on the CPU and sent only the pixels to the device."""
     clip, tokenizer, processor = load_base_clip(FIXTURE / "base")
     task = next(iter(load_task_file(FIXTURE / "tasks.json").tasks.values()))
-    classifier = ZeroShotClassifier(clip, tokenizer, "cpu")
+    classifier = ZeroShotClassifier(clip, tokenizer, device)
     model = clip.vision_model
     with mock.patch.object(model, "to", wraps=model.to) as moved:
         classifier.evaluate_task(model, task, processor, batch_size=4, max_samples=4, progress=False)
-    moved.assert_any_call(torch.device("cpu"))
+    moved.assert_any_call(torch.device(device))
 
 
 def test_a_cuda_index_beyond_the_gpus_is_a_clear_error(monkeypatch) -> None:
@@ -138,9 +138,9 @@ def test_the_precision_is_fixed_during_a_run_and_restored_after() -> None:
         matmul.fp32_precision, conv.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = before
 
 
-def test_precision_and_image_processor_are_recorded(world, tmp_path, capsys) -> None:
+def test_precision_and_image_processor_are_recorded(world, tmp_path, capsys, device) -> None:
     out = tmp_path / "run"
-    assert run(world, out, "--device", "cpu", "--skip-featcal", "--precision", "tf32") == 0
+    assert run(world, out, "--device", device, "--skip-featcal", "--precision", "tf32") == 0
     config = json.loads((out / "run_config.json").read_text())
     assert config["precision"] == "tf32" and config["evaluation"]["image_processor"] == IMAGE_PROCESSOR
     assert main(["run", "--tasks-file", str(world["tasks_file"]), "--precision", "bf16"]) == 2
@@ -151,7 +151,7 @@ def test_the_pil_image_processor_is_used_with_or_without_torchvision() -> None:
     assert type(load_image_processor(FIXTURE / "base")).__name__ == IMAGE_PROCESSOR
 
 
-def test_a_float16_base_is_loaded_in_float32(world, tmp_path) -> None:
+def test_a_float16_base_is_loaded_in_float32(world, tmp_path, device) -> None:
     root = tmp_path / "w"
     shutil.copytree(world["root"], root)
     weights = root / "base" / "model.safetensors"
@@ -159,7 +159,7 @@ def test_a_float16_base_is_loaded_in_float32(world, tmp_path) -> None:
     config = json.loads((root / "base" / "config.json").read_text())
     (root / "base" / "config.json").write_text(json.dumps({**config, "dtype": "float16", "torch_dtype": "float16"}))
     out = tmp_path / "run"
-    argv = ["-q", "run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(out), *FAST, "--device", "cpu"]
+    argv = ["-q", "run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(out), *FAST, "--device", device]
     assert main(argv) == 0
     assert load_file(str(out / "featcal-ta" / "model.safetensors"))["pre_layrnorm.weight"].dtype == torch.float32
 

@@ -27,15 +27,17 @@ TASKS = ("t0", "t1", "t2")
 RUN = [
     "--tasks-file", str(FIXTURE / "tasks.json"), "--base-model-id", str(FIXTURE / "base"),
     "--num-calibration-examples", "8", "--calibration-batch-size", "4", "--eval-num-workers", "0",
-    "--eval-batch-size", "4", "--device", "cpu",
+    "--eval-batch-size", "4",
 ]  # fmt: skip
+CPU = ["--device", "cpu"]  # for the refusals, which come before any model runs
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def run_dir(tmp_path_factory, device):
     """`featcal run --diagnose` on the fixture, measured on the run's calibration images, exported."""
     out = tmp_path_factory.mktemp("diagnose") / "run"
-    assert main(["-q", "run", *RUN, "--diagnose", "--diagnose-split", "calibration", "--output-dir", str(out)]) == 0
+    argv = ["-q", "run", *RUN, "--device", device, "--diagnose", "--diagnose-split", "calibration"]
+    assert main([*argv, "--output-dir", str(out)]) == 0
     return out
 
 
@@ -79,10 +81,10 @@ def test_drift_of_a_merge_is_positive_and_equals_the_definition(run_dir, experts
         assert all(v > 0 for v in drift.drift[MERGED][task])
 
 
-def test_the_models_are_left_where_and_as_they_were(run_dir, experts):
+def test_the_models_are_left_where_and_as_they_were(run_dir, experts, device):
     merged = CLIPVisionModel.from_pretrained(str(run_dir / "ta")).eval()
     before = {k: v.clone() for k, v in merged.state_dict().items()}
-    measure_drift({MERGED: merged}, {"t0": experts["t0"]}, calibration_images, progress=False)
+    measure_drift({MERGED: merged}, {"t0": experts["t0"]}, calibration_images, device=device, progress=False)
     assert all(torch.equal(before[k], v) for k, v in merged.state_dict().items())
 
 
@@ -164,24 +166,25 @@ def test_the_card_shows_the_summary_and_the_release_ships_the_plot(run_dir):
     assert DIAGNOSTICS_PLOT in {f.path_in_repo for f in check_release(release).files}
 
 
-def test_a_second_run_skips_the_stage(run_dir, caplog):
+def test_a_second_run_skips_the_stage(run_dir, caplog, device):
     before = (run_dir / DIAGNOSTICS).stat().st_mtime_ns
+    argv = ["run", *RUN, "--device", device, "--diagnose", "--diagnose-split", "calibration"]
     with caplog.at_level("INFO", logger="featcal"):
-        assert main(["run", *RUN, "--diagnose", "--diagnose-split", "calibration", "--output-dir", str(run_dir)]) == 0
+        assert main([*argv, "--output-dir", str(run_dir)]) == 0
     assert "Feature drift: diagnostics.json is up to date" in caplog.text
     assert (run_dir / DIAGNOSTICS).stat().st_mtime_ns == before
     assert "diagnose" in json.loads((run_dir / "stages.json").read_text())
 
 
-def test_other_diagnostics_options_redo_the_stage_and_the_card(run_dir, tmp_path):
+def test_other_diagnostics_options_redo_the_stage_and_the_card(run_dir, tmp_path, device):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
-    argv = ["-q", "run", *RUN, "--diagnose", "--diagnose-images", "4", "--output-dir", str(run)]
+    argv = ["-q", "run", *RUN, "--device", device, "--diagnose", "--diagnose-images", "4", "--output-dir", str(run)]
     assert main(argv) == 0
     report = json.loads((run / DIAGNOSTICS).read_text())
     assert report["split"] == "test" and report["images_per_task"] == dict.fromkeys(TASKS, 4)
     assert report["summary"] in (run / "release" / "README.md").read_text()
-    assert main(["-q", "run", *RUN, "--force", "--skip-featcal", "--output-dir", str(run)]) == 0
+    assert main(["-q", "run", *RUN, "--device", device, "--force", "--skip-featcal", "--output-dir", str(run)]) == 0
     assert not (run / DIAGNOSTICS).exists() and not (run / DIAGNOSTICS_PLOT).exists()
     assert DIAGNOSTICS_PLOT not in {p.name for p in (run / "release").iterdir()}
 
@@ -189,11 +192,11 @@ def test_other_diagnostics_options_redo_the_stage_and_the_card(run_dir, tmp_path
 # --- featcal diagnose RUN --------------------------------------------------------------------------
 
 
-def test_diagnose_command_measures_a_run_folder(run_dir, tmp_path, capsys):
+def test_diagnose_command_measures_a_run_folder(run_dir, tmp_path, capsys, device):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
     (run / DIAGNOSTICS).unlink()
-    assert main(["-q", "diagnose", str(run), "--split", "test", "--num-images", "5", "--device", "cpu"]) == 0
+    assert main(["-q", "diagnose", str(run), "--split", "test", "--num-images", "5", "--device", device]) == 0
     out = capsys.readouterr().out
     report = json.loads((run / DIAGNOSTICS).read_text())
     assert report["split"] == "test" and report["images_per_task"] == dict.fromkeys(TASKS, 5)
@@ -202,14 +205,14 @@ def test_diagnose_command_measures_a_run_folder(run_dir, tmp_path, capsys):
     assert read_run(run).calibrated is not None  # the run folder is still a valid run
 
 
-def test_diagnose_a_merged_only_run(tmp_path, capsys):
+def test_diagnose_a_merged_only_run(tmp_path, capsys, device):
     out = tmp_path / "run"
-    assert main(["-q", "run", *RUN, "--skip-featcal", "--no-export", "--output-dir", str(out)]) == 0
-    assert main(["-q", "diagnose", str(out), "--num-images", "4", "--device", "cpu"]) == 0
+    assert main(["-q", "run", *RUN, "--device", device, "--skip-featcal", "--no-export", "--output-dir", str(out)]) == 0
+    assert main(["-q", "diagnose", str(out), "--num-images", "4", "--device", device]) == 0
     report = json.loads((out / DIAGNOSTICS).read_text())
     assert set(report["models"]) == {MERGED}
     assert "Feature drift of Task Arithmetic from the experts" in report["summary"]
-    code = main(["-q", "diagnose", str(out), "--split", "calibration", "--device", "cpu"])
+    code = main(["-q", "diagnose", str(out), "--split", "calibration", *CPU])
     assert code == 2
     assert "--split 'calibration' is invalid" in capsys.readouterr().err
 
@@ -225,7 +228,7 @@ def test_a_folder_without_models_is_refused_and_left_untouched(run_dir, tmp_path
     run = tmp_path / "run"
     run.mkdir()
     shutil.copy(run_dir / RUN_CONFIG, run / RUN_CONFIG)
-    err = error_of(capsys, ["-q", "diagnose", str(run), "--device", "cpu"])
+    err = error_of(capsys, ["-q", "diagnose", str(run), *CPU])
     assert "has neither ta/ nor featcal-ta/" in err
     assert sorted(p.name for p in run.iterdir()) == [RUN_CONFIG]
 
@@ -235,7 +238,7 @@ def test_bad_inputs_exit_2(tmp_path, capsys):
     assert "--num-images '0' is invalid" in error_of(capsys, ["diagnose", str(tmp_path), "--num-images", "0"])
     assert "--split 'train' is invalid" in error_of(capsys, ["diagnose", str(tmp_path), "--split", "train"])
     flags = ["--skip-featcal", "--diagnose", "--diagnose-split", "calibration", "--output-dir", str(tmp_path / "o")]
-    err = error_of(capsys, ["run", *RUN, *flags])
+    err = error_of(capsys, ["run", *RUN, *CPU, *flags])
     assert "--diagnose-split 'calibration' is invalid" in err
     assert not (tmp_path / "o").exists()
 
@@ -246,10 +249,11 @@ def test_a_damaged_report_is_an_error(run_dir, tmp_path):
         read_report(tmp_path, "x")
 
 
-def test_a_run_from_a_given_merged_model_measures_that_model_not_its_calibration(run_dir, tmp_path):
+def test_a_run_from_a_given_merged_model_measures_that_model_not_its_calibration(run_dir, tmp_path, device):
     # FeatCal calibrates the merged model in place; the stage must read the merged weights back.
     out = tmp_path / "skip-ta"
-    args = ["-q", "run", *RUN, "--diagnose", "--diagnose-split", "calibration", "--output-dir", str(out)]
+    args = ["-q", "run", *RUN, "--device", device, "--diagnose", "--diagnose-split", "calibration"]
+    args += ["--output-dir", str(out)]
     assert main([*args, "--skip-ta", "--ta-model-path", str(run_dir / "ta"), "--no-export"]) == 0
     ours, theirs = (json.loads((folder / DIAGNOSTICS).read_text())["models"] for folder in (out, run_dir))
     for name in (MERGED, CALIBRATED):

@@ -49,14 +49,14 @@ def test_a_stage_below_the_record_is_sampled():
     assert below > 100 * MIB and below < host_peak_bytes()
 
 
-def test_a_run_records_per_stage_peaks_and_its_threads(world, tmp_path):
+def test_a_run_records_per_stage_peaks_and_its_threads(world, tmp_path, device):
     from featcal.cli import main
 
     threads = torch.get_num_threads()
     out = tmp_path / "run"
     args = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out)]
     args += ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
-    args += ["--max-eval-samples", "4", "--eval-zero-shot", "--eval-experts", "--device", "cpu"]
+    args += ["--max-eval-samples", "4", "--eval-zero-shot", "--eval-experts", "--device", device]
     assert main(args) == 0
     timings = json.loads((out / "timings.json").read_text())
     memory = timings["peak_memory"]
@@ -64,6 +64,9 @@ def test_a_run_records_per_stage_peaks_and_its_threads(world, tmp_path):
     assert expected | {"export"} == set(memory["stages"])
     peaks = [stage["host_rss_gib"] for stage in memory["stages"].values()]
     assert all(0.05 < peak <= memory["host_rss_gib"] for peak in peaks)
+    # the allocator's peaks on CUDA, per stage and for the run; none on the CPU
+    on_gpu = ["cuda_max_allocated_gib" in stage for stage in (memory, *memory["stages"].values())]
+    assert on_gpu == [device == "cuda"] * len(on_gpu)
     assert timings["settings"]["torch_threads"] == 1  # the fixture's tower is small
     assert {"merge_s", "calibrate_s", "eval_experts_s", "eval_zero-shot_s"} <= set(timings)
 

@@ -218,7 +218,7 @@ def test_check_release_refuses_a_card_with_broken_metadata(release_copy):
         check_release(release_copy)
 
 
-def test_export_of_a_real_featcal_run(tmp_path):
+def test_export_of_a_real_featcal_run(tmp_path, device):
     """The release stage reads what `featcal run` writes (layout drift between the two fails here)."""
     out = tmp_path / "run"
     code = main(
@@ -240,7 +240,7 @@ def test_export_of_a_real_featcal_run(tmp_path):
             "--eval-batch-size",
             "4",
             "--device",
-            "cpu",
+            device,
             "--eval-zero-shot",
         ]
     )

@@ -141,7 +141,7 @@ def test_the_app_starts_from_a_copy_of_the_pushed_files(staged, tmp_path):
         model_id=str(MODEL),
         base_model_id=str(FIXTURE / "base"),
         tasks_file=str(copy / "tasks.json"),
-        device="cpu",
+        device="auto",  # the app's: a Space picks its device itself, CUDA where torch sees a GPU
         heads_cache=str(tmp_path / "cache"),
     )
     from PIL import Image
@@ -259,7 +259,7 @@ def test_cli_refuses_a_local_model_for_the_space(monkeypatch, capsys):
         push_space("demo", dry_run=True)
 
 
-def test_cli_launch_options_reach_the_app(monkeypatch, tmp_path):
+def test_cli_launch_options_reach_the_app(monkeypatch, tmp_path, device):
     seen = {}
     monkeypatch.setenv("FEATCAL_CACHE", str(tmp_path))
 
@@ -280,12 +280,13 @@ def test_cli_launch_options_reach_the_app(monkeypatch, tmp_path):
             "--port",
             "7999",
             "--device",
-            "cpu",
+            device,
         ],
         monkeypatch,
     )
     assert code == 0 and seen["port"] == 7999 and seen["host"] == "127.0.0.1" and seen["share"] is False
     assert seen["space"].model.settings.model_id == str(MODEL)
+    assert next(seen["space"].model.vision.parameters()).device.type == device
     seen["space"].close()
 
 

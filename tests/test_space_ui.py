@@ -35,7 +35,7 @@ pytestmark = [
 ]
 
 
-def test_upload_pick_a_task_and_read_the_result(tmp_path):
+def test_upload_pick_a_task_and_read_the_result(tmp_path, device):
     playwright = pytest.importorskip(
         "playwright.sync_api", reason="needs the playwright package (pip install playwright)"
     )
@@ -43,7 +43,7 @@ def test_upload_pick_a_task_and_read_the_result(tmp_path):
         model_id=str(FIXTURE / "experts" / "t0"),
         base_model_id=str(FIXTURE / "base"),
         tasks_file=str(FIXTURE / "tasks.json"),
-        device="cpu",
+        device=device,
         heads_cache=str(tmp_path / "heads"),
     )
     space = create_space(settings, progress=False)

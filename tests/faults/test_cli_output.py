@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).parents[2]
 FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
-FAST += ["--device", "cpu", "--max-eval-samples", "4"]
+FAST += ["--max-eval-samples", "4"]
 # Whatever an earlier in-process `main(["-q", ...])` or the caller's shell set must not do the CLI's work for it.
 CLEARED = {
     "PYTHONPATH",
@@ -26,7 +26,7 @@ CLEARED = {
 CURSOR_CODES = ("\r", "\x1b[")
 
 
-def featcal_run(world, tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+def featcal_run(world, tmp_path: Path, device: str, *flags: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in CLEARED}
     env.update(
         PYTHONPATH=str(REPO),
@@ -35,9 +35,8 @@ def featcal_run(world, tmp_path: Path, *flags: str) -> subprocess.CompletedProce
         OMP_NUM_THREADS="1",
     )
     argv = [sys.executable, "-m", "featcal", *flags, "run", "--tasks-file", str(world["tasks_file"])]
-    result = subprocess.run(
-        [*argv, "--output-dir", "run", *FAST], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    argv += ["--output-dir", "run", *FAST, "--device", device]
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return result
 
@@ -47,8 +46,8 @@ def logged(stderr: str, level: str) -> list[tuple[str, str]]:
     return re.findall(rf"^{level} (\S+): (.*)$", stderr, re.MULTILINE)
 
 
-def test_a_log_file_gets_plain_progress_lines_and_absolute_paths(world, tmp_path) -> None:
-    result = featcal_run(world, tmp_path)
+def test_a_log_file_gets_plain_progress_lines_and_absolute_paths(world, tmp_path, device) -> None:
+    result = featcal_run(world, tmp_path, device)
     assert not [code for code in CURSOR_CODES if code in result.stderr], result.stderr
     progress = [message for name, message in logged(result.stderr, "INFO") if name == "featcal.progress"]
     assert any(re.fullmatch(r"Evaluating task0: 4/4 images \(100%, \d+\.\d s\)", line) for line in progress)
@@ -60,8 +59,8 @@ def test_a_log_file_gets_plain_progress_lines_and_absolute_paths(world, tmp_path
     assert f"Run folder: {run}\n" in result.stdout and f"Release folder: {run / 'release'}\n" in result.stdout
 
 
-def test_verbose_is_featcal_debug_logging_only(world, tmp_path) -> None:
-    result = featcal_run(world, tmp_path, "-v")
+def test_verbose_is_featcal_debug_logging_only(world, tmp_path, device) -> None:
+    result = featcal_run(world, tmp_path, device, "-v")
     assert not [code for code in CURSOR_CODES if code in result.stderr]
     debug = logged(result.stderr, "DEBUG")
     assert ("featcal.calibration.driver", "FeatCal: layer 0 calibrated") in debug
@@ -70,8 +69,8 @@ def test_verbose_is_featcal_debug_logging_only(world, tmp_path) -> None:
     assert "PIL" not in result.stderr and "STREAM b'IHDR'" not in result.stderr
 
 
-def test_quiet_shows_no_progress(world, tmp_path) -> None:
-    result = featcal_run(world, tmp_path, "-q")
+def test_quiet_shows_no_progress(world, tmp_path, device) -> None:
+    result = featcal_run(world, tmp_path, device, "-q")
     assert not [code for code in CURSOR_CODES if code in result.stderr]
     assert "featcal.progress" not in result.stderr and not logged(result.stderr, "INFO"), result.stderr
     assert "Run folder: " in result.stdout

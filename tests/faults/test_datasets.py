@@ -10,7 +10,7 @@ import pytest
 from featcal.cli import main
 
 FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
-FAST += ["--device", "cpu", "--max-eval-samples", "2"]
+FAST += ["--max-eval-samples", "2"]
 
 
 @pytest.fixture
@@ -29,8 +29,9 @@ def rewrite_labels(parquet, change) -> None:
     pq.write_table(table.replace_schema_metadata(None), parquet)  # written by pyarrow directly
 
 
-def run(capsys, root, out, *extra):
-    code = main(["-q", "run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(out), *FAST, *extra])
+def run(capsys, root, out, device, *extra):
+    argv = ["-q", "run", "--tasks-file", str(root / "tasks.json"), "--output-dir", str(out), *FAST, *extra]
+    code = main([*argv, "--device", device])
     return code, capsys.readouterr().err.strip()
 
 
@@ -40,16 +41,16 @@ def test_a_label_outside_the_classes_is_refused_up_front(world_copy, tmp_path, c
     parquet = next((world_copy / "data" / "task1" / "data").glob(f"{split}-*.parquet"))
     rewrite_labels(parquet, lambda labels: [*labels[:-1], bad])
     out = tmp_path / "out"
-    code, err = run(capsys, world_copy, out)
+    code, err = run(capsys, world_copy, out, "cpu")  # refused before any model runs
     assert code == 2 and len(err.splitlines()) == 1
     assert f"'task1': the {split} split" in err and f"has label {bad}" in err and "class names" in err
     assert not out.exists()
 
 
-def test_parquet_written_by_pyarrow_directly_is_read(world_copy, tmp_path, capsys) -> None:
+def test_parquet_written_by_pyarrow_directly_is_read(world_copy, tmp_path, capsys, device) -> None:
     for parquet in (world_copy / "data").rglob("*.parquet"):
         rewrite_labels(parquet, lambda labels: labels)
-    assert run(capsys, world_copy, tmp_path / "out", "--skip-featcal")[0] == 0
+    assert run(capsys, world_copy, tmp_path / "out", device, "--skip-featcal")[0] == 0
 
 
 def test_a_missing_split_is_refused_before_writing(world_copy, tmp_path, capsys) -> None:
@@ -57,14 +58,14 @@ def test_a_missing_split_is_refused_before_writing(world_copy, tmp_path, capsys)
     table["tasks"]["task0"]["dataset"]["test_split"] = "validation"
     (world_copy / "tasks.json").write_text(json.dumps(table))
     out = tmp_path / "out"
-    code, err = run(capsys, world_copy, out)
+    code, err = run(capsys, world_copy, out, "cpu")  # refused before any model runs
     assert code == 2 and "'task0'" in err and "validation" in err
     assert not out.exists()
 
 
-def test_fewer_calibration_images_need_the_explicit_option_and_are_recorded(world, tmp_path, capsys) -> None:
+def test_fewer_calibration_images_need_the_explicit_option_and_are_recorded(world, tmp_path, capsys, device) -> None:
     out = tmp_path / "out"
-    argv = ["run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST]
+    argv = ["run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--device", device]
     assert main(["-q", *argv, "--num-calibration-examples", "50"]) == 2
     err = capsys.readouterr().err.strip()
     assert "has 12 images, fewer than the 50 calibration images asked for" in err

@@ -9,16 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from featcal.cli import main
 
-FAST = [
-    "--num-calibration-examples",
-    "4",
-    "--calibration-batch-size",
-    "4",
-    "--eval-num-workers",
-    "0",
-    "--device",
-    "cpu",
-]
+FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
+# The faults are refused before any model runs, so on the CPU alone.
+CPU = ["--device", "cpu"]
 
 
 @pytest.fixture
@@ -45,7 +38,7 @@ def poison(path, key_suffix: str, value=float("nan")) -> str:
 def test_evaluate_refuses_a_model_with_nan_weights(world_copy, capsys) -> None:
     model = world_copy / "experts" / "task0"
     poison(model / "model.safetensors", "encoder.layers.1.mlp.fc2.weight")
-    argv = ["evaluate", "--model", str(model), "--tasks-file", str(world_copy / "tasks.json"), "--device", "cpu"]
+    argv = ["evaluate", "--model", str(model), "--tasks-file", str(world_copy / "tasks.json"), *CPU]
     code, err = run(capsys, argv)
     assert code == 2 and len(err.splitlines()) == 1
     assert "encoder.layers.1.mlp.fc2.weight" in err and "model.safetensors" in err and "not finite" in err
@@ -55,7 +48,8 @@ def test_evaluate_refuses_a_model_with_nan_weights(world_copy, capsys) -> None:
 def test_a_nan_base_is_refused_before_anything_is_written(world_copy, tmp_path, capsys) -> None:
     poison(world_copy / "base" / "model.safetensors", "vision_model.pre_layrnorm.bias", float("inf"))
     out = tmp_path / "out"
-    code, err = run(capsys, ["run", "--tasks-file", str(world_copy / "tasks.json"), "--output-dir", str(out), *FAST])
+    argv = ["run", "--tasks-file", str(world_copy / "tasks.json"), "--output-dir", str(out), *FAST, *CPU]
+    code, err = run(capsys, argv)
     assert code == 2 and "base model" in err and "pre_layrnorm.bias" in err and "not finite" in err
     assert not out.exists()
 
@@ -64,7 +58,7 @@ def test_a_vision_only_base_is_not_a_clip_model(world_copy, tmp_path, capsys) ->
     vision_only = world_copy / "experts" / "task1"  # a CLIPVisionModel folder
     out = tmp_path / "out"
     argv = ["run", "--tasks-file", str(world_copy / "tasks.json"), "--base-model-id", str(vision_only)]
-    code, err = run(capsys, [*argv, "--output-dir", str(out), *FAST])
+    code, err = run(capsys, [*argv, "--output-dir", str(out), *FAST, *CPU])
     assert code == 2 and "'clip_vision_model' model, not a CLIPModel with a text tower" in err
     assert not out.exists()
 
@@ -74,7 +68,8 @@ def test_a_base_without_its_text_weights_is_refused(world_copy, tmp_path, capsys
     state = {k: v for k, v in load_file(str(weights)).items() if not k.startswith("text_model.encoder.layers.1.")}
     save_file(state, str(weights), metadata={"format": "pt"})
     out = tmp_path / "out"
-    code, err = run(capsys, ["run", "--tasks-file", str(world_copy / "tasks.json"), "--output-dir", str(out), *FAST])
+    argv = ["run", "--tasks-file", str(world_copy / "tasks.json"), "--output-dir", str(out), *FAST, *CPU]
+    code, err = run(capsys, argv)
     assert code == 2 and "is not a complete CLIPModel" in err and "text_model.encoder.layers.1" in err
     assert not out.exists()
 
@@ -88,16 +83,16 @@ def test_a_merged_input_of_another_architecture_is_refused(world_copy, tmp_path,
     CLIPVisionModel(config).save_pretrained(other)
     out = tmp_path / "out"
     argv = ["run", "--tasks-file", str(world_copy / "tasks.json"), "--skip-ta", "--ta-model-path", str(other)]
-    code, err = run(capsys, [*argv, "--output-dir", str(out), *FAST])
+    code, err = run(capsys, [*argv, "--output-dir", str(out), *FAST, *CPU])
     assert code == 2 and str(other) in err and "does not match the base model's vision tower" in err
     assert not out.exists()
-    argv = ["evaluate", "--model", str(other), "--tasks-file", str(world_copy / "tasks.json"), "--device", "cpu"]
+    argv = ["evaluate", "--model", str(other), "--tasks-file", str(world_copy / "tasks.json"), *CPU]
     code, err = run(capsys, argv)
     assert code == 2 and "does not match the base model's vision tower" in err
     assert not (other / "metrics.json").exists()
 
 
-def test_metrics_are_strict_json(world, tmp_path) -> None:
+def test_metrics_are_strict_json(world, tmp_path, device) -> None:
     from featcal.io import atomic_write_json
 
     with pytest.raises(ValueError):
@@ -105,7 +100,7 @@ def test_metrics_are_strict_json(world, tmp_path) -> None:
     assert not (tmp_path / "m.json").exists() and not list(tmp_path.iterdir())
     out = tmp_path / "out"
     assert main(["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out),
-                 "--skip-featcal", *FAST]) == 0  # fmt: skip
+                 "--skip-featcal", *FAST, "--device", device]) == 0  # fmt: skip
 
     def refuse(constant: str) -> None:
         pytest.fail(f"a JSON file holds {constant}")

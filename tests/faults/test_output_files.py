@@ -8,15 +8,16 @@ import pytest
 from featcal.cli import main
 
 FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
-FAST += ["--device", "cpu", "--max-eval-samples", "3"]
+FAST += ["--max-eval-samples", "3"]
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
-def test_files_and_folders_follow_the_umask(world, tmp_path, umask: int) -> None:
+def test_files_and_folders_follow_the_umask(world, tmp_path, umask: int, device) -> None:
     out = tmp_path / "run"
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--device", device]
     previous = os.umask(umask)
     try:
-        assert main(["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST]) == 0
+        assert main(argv) == 0
     finally:
         os.umask(previous)
     paths = [out, *out.rglob("*")]

@@ -1,7 +1,8 @@
 """Runs resume and lock: a killed run, run again, ends with the outputs of an uninterrupted run.
 
 Kills are real SIGKILLs of a `featcal run` subprocess at named points (``FEATCAL_KILL_AT``, see
-``featcal.io.fault_point``), the way a rented machine's loss would stop it.
+``featcal.io.fault_point``), the way a rented machine's loss would stop it. On each device the
+outputs are compared bit for bit with those of an uninterrupted run on that same device.
 """
 
 import hashlib
@@ -18,18 +19,19 @@ import pytest
 from featcal.cli import main
 
 FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
-FAST += ["--device", "cpu", "--max-eval-samples", "3", "--eval-zero-shot"]
+FAST += ["--max-eval-samples", "3", "--eval-zero-shot"]
 # Files whose bytes depend on wall time, not on the inputs: the timings, the card's timing table, and
 # the release manifest that records the card's hash.
 TIMED = {"timings.json", "release/README.md", "release/release_manifest.json"}
 
 
-def featcal(world, out: Path, *extra: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+def featcal(world, out: Path, device: str, *extra: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "FEATCAL_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
     env.pop("FEATCAL_KILL_AT", None)
     if kill_at:
         env["FEATCAL_KILL_AT"] = kill_at
     argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, *extra]
+    argv += ["--device", device]
     return subprocess.run(
         [sys.executable, "-m", "featcal", *argv], capture_output=True, text=True, env=env, timeout=300
     )
@@ -45,9 +47,9 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def reference(world, tmp_path_factory) -> dict[str, str]:
+def reference(world, tmp_path_factory, device) -> dict[str, str]:
     out = tmp_path_factory.mktemp("reference") / "run"
-    result = featcal(world, out)
+    result = featcal(world, out, device)
     assert result.returncode == 0, result.stderr
     return snapshot(out)
 
@@ -61,11 +63,11 @@ def comparable(files: dict[str, str]) -> dict[str, str]:
     ["after:run_config", "replace:ta", "after:merge", "replace:featcal-ta", "after:evaluate:featcal-ta",
      "replace:release"],
 )  # fmt: skip
-def test_a_killed_run_resumes_to_the_uninterrupted_outputs(world, tmp_path, reference, point: str) -> None:
+def test_a_killed_run_resumes_to_the_uninterrupted_outputs(world, tmp_path, reference, point: str, device) -> None:
     out = tmp_path / "run"
-    killed = featcal(world, out, kill_at=point)
+    killed = featcal(world, out, device, kill_at=point)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed = featcal(world, out)
+    resumed = featcal(world, out, device)
     assert resumed.returncode == 0, resumed.stderr
     files = snapshot(out)
     assert comparable(files) == comparable(reference)
@@ -73,13 +75,13 @@ def test_a_killed_run_resumes_to_the_uninterrupted_outputs(world, tmp_path, refe
     assert not [p for p in out.rglob(".*")]
 
 
-def test_a_rerun_skips_finished_stages_and_says_so(world, tmp_path) -> None:
+def test_a_rerun_skips_finished_stages_and_says_so(world, tmp_path, device) -> None:
     out = tmp_path / "run"
-    assert featcal(world, out).returncode == 0
+    assert featcal(world, out, device).returncode == 0
     before = snapshot(out)
     again = subprocess.run(
         [sys.executable, "-m", "featcal", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out),
-         *FAST],
+         *FAST, "--device", device],
         capture_output=True, text=True, timeout=300, env={**os.environ, "FEATCAL_NO_PROGRESS": "1"},
     )  # fmt: skip
     assert again.returncode == 0, again.stderr
@@ -88,9 +90,9 @@ def test_a_rerun_skips_finished_stages_and_says_so(world, tmp_path) -> None:
     assert comparable(snapshot(out)) == comparable(before)
 
 
-def test_changed_inputs_redo_that_stage_and_everything_after(world, tmp_path, capsys) -> None:
+def test_changed_inputs_redo_that_stage_and_everything_after(world, tmp_path, capsys, device) -> None:
     out = tmp_path / "run"
-    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST]
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--device", device]
     assert main(argv) == 0
     first = snapshot(out)
     assert main([*argv, "--lambda-ratio", "0.5"]) == 0
@@ -109,18 +111,20 @@ def test_changed_inputs_redo_that_stage_and_everything_after(world, tmp_path, ca
     assert not (out / "featcal-ta").exists() and not (out / "release").exists()
 
 
-def test_force_redoes_everything(world, tmp_path, caplog) -> None:
+def test_force_redoes_everything(world, tmp_path, caplog, device) -> None:
     out = tmp_path / "run"
     argv = ["run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--no-export"]
+    argv += ["--device", device]
     assert main(["-q", *argv]) == 0
     stamp = (out / "ta" / "model.safetensors").stat().st_mtime_ns
     assert main(["-q", *argv, "--force"]) == 0
     assert (out / "ta" / "model.safetensors").stat().st_mtime_ns != stamp
 
 
-def test_another_run_in_the_folder_is_refused_unless_forced(world, tmp_path, capsys) -> None:
+def test_another_run_in_the_folder_is_refused_unless_forced(world, tmp_path, capsys, device) -> None:
     out = tmp_path / "run"
     argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--no-export"]
+    argv += ["--device", device]
     assert main(argv) == 0
     before = snapshot(out)
     capsys.readouterr()
@@ -140,14 +144,15 @@ def test_an_output_path_that_is_not_a_run_folder_is_refused(world, tmp_path, cap
     else:
         out.mkdir()
         (out / "notes.txt").write_text("mine")
-    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST]
+    # refused before any model runs: on the CPU alone
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--device", "cpu"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("featcal: error: --output-dir") and len(err.splitlines()) == 1
     assert (out.read_text() == "mine") if kind == "file" else sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
-def test_a_second_run_on_a_locked_folder_fails_at_once_naming_the_holder(world, tmp_path, capsys) -> None:
+def test_a_second_run_on_a_locked_folder_fails_at_once_naming_the_holder(world, tmp_path, capsys, device) -> None:
     out = tmp_path / "run"
     holder = subprocess.Popen(
         [sys.executable, "-c",
@@ -159,6 +164,7 @@ def test_a_second_run_on_a_locked_folder_fails_at_once_naming_the_holder(world, 
         assert holder.stdout.readline().strip() == "locked"
         start = time.perf_counter()
         argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST]
+        argv += ["--device", device]
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert f"is being written by process {holder.pid}" in err and len(err.splitlines()) == 1
@@ -173,17 +179,18 @@ def test_a_second_run_on_a_locked_folder_fails_at_once_naming_the_holder(world, 
 
 def test_a_validation_error_leaves_no_folder(world, tmp_path, capsys) -> None:
     out = tmp_path / "run"
-    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST]
+    # refused before any model runs: on the CPU alone
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--device", "cpu"]
     assert main([*argv, "--num-calibration-examples", "1000"]) == 2
     err = capsys.readouterr().err
     assert "fewer than the 1000 calibration images" in err and "--allow-fewer-calibration-examples" in err
     assert not out.exists()
 
 
-def test_a_run_folder_without_a_ledger_is_redone_whole(world, tmp_path) -> None:
+def test_a_run_folder_without_a_ledger_is_redone_whole(world, tmp_path, device) -> None:
     """A folder written before stages.json existed (or whose ledger was lost) holds outputs of unknown inputs."""
     out = tmp_path / "run"
-    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST]
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--device", device]
     assert main(argv) == 0
     (out / "stages.json").unlink()
     (out / "featcal-ta" / "stale.txt").write_text("left by an older run")
