@@ -104,7 +104,7 @@ def test_threads_default_to_one_for_small_towers_and_restore():
     assert torch.get_num_threads() == before
 
 
-def test_the_calibration_runs_without_the_test_images_read_in_process(world, tmp_path, monkeypatch):
+def test_the_calibration_runs_without_the_test_images_read_in_process(world, tmp_path, monkeypatch, device):
     import weakref
 
     import featcal.pipeline as pipeline
@@ -127,7 +127,7 @@ def test_the_calibration_runs_without_the_test_images_read_in_process(world, tmp
     monkeypatch.setattr(pipeline, "calibrate", checked_calibrate)
     args = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(tmp_path / "run")]
     args += ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
-    args += ["--max-eval-samples", "4", "--device", "cpu", "--no-export"]
+    args += ["--max-eval-samples", "4", "--device", device, "--no-export"]
     assert main(args) == 0
     assert alive_during_calibration == [False]  # the merged model's evaluation loaded them; released
     assert len(loaded) == 2  # opened again for the calibrated model's evaluation
