@@ -6,8 +6,8 @@ CPU and, where torch sees a GPU, on CUDA too; a comparison that is bit for bit o
 GPU's rounding on CUDA where its two sides need not round alike there (computed on different devices,
 or batched otherwise). (A command run without
 ``--device`` uses ``auto``, CUDA where torch sees a GPU; a library call without ``device`` the CPU.)
-These name the CPU on purpose: the golden run (``test_pipeline.py``: its recorded SHA-256 values are
-the CPU's); the multi-process runs (``test_distributed.py``: gloo, and CUDA would need a GPU per
+These name the CPU on purpose: the golden run (``test_pipeline.py``: its recorded weights and losses
+are the CPU's); the multi-process runs (``test_distributed.py``: gloo, and CUDA would need a GPU per
 process); the Hub rehearsals over HTTP (``test_hub_rehearsal.py``, ``test_suite_rehearsal.py``,
 ``faults/test_hub_faults.py``), which run the command the rehearsal prescribes, ``featcal run
 --device cpu …`` (``tests/support/hub_world.SMALL``), and serve its release with ``featcal space
