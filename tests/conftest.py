@@ -15,9 +15,10 @@ process); the Hub rehearsals over HTTP (``test_hub_rehearsal.py``, ``test_suite_
 record, ``test_sweep.py``'s bit-identity on the CPU, ``test_memory.py``'s meter of host memory, the
 refusal of a GPU by a method that computes on the CPU only); the faults refused before any model runs
 (in ``faults/``, ``test_cli_pipeline_commands.py``, ``test_diagnostics.py`` and ``test_sweep.py``);
-and the closed-form solves and statistics checked on synthetic float64 tensors
-(``test_calibration_solves.py``, ``test_calibration_statistics.py``), whose device path the
-calibration tests cover.
+and the closed-form solves and merging kernels checked against analytic answers on small synthetic
+tensors (``test_calibration_solves.py``, the solve checks of ``test_calibration_statistics.py``, the
+method properties of ``test_merging.py``), whose device paths the calibration and merging tests
+cover. Inputs a test only prepares (a merge feeding a calibration test) are made on the CPU.
 """
 
 import os

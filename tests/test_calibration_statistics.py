@@ -31,14 +31,15 @@ def test_triangle_blocks_cover_the_rows(dim):
     assert (len(blocks) > 1) == (dim >= 768)
 
 
-def test_gram_accumulator_equals_full_products_with_weights_and_flushes():
+def test_gram_accumulator_equals_full_products_with_weights_and_flushes(device):
     dim, cross, seq = 800, 96, 10  # 800: two row blocks, so the mirrored lower triangle is exercised
-    a, b = torch.randn(60, dim, dtype=torch.float64), torch.randn(60, cross, dtype=torch.float64)
-    w = torch.rand(seq, dtype=torch.float64).repeat(6)
+    f64 = dict(dtype=torch.float64, device=device)
+    a, b = torch.randn(60, dim, **f64), torch.randn(60, cross, **f64)
+    w = torch.rand(seq, **f64).repeat(6)
     root = w.sqrt()
     joint = torch.cat([a, b], 1) * root[:, None]
-    moments = ProjectedLinearMoments.zeros(dim, cross)
-    gram = GramAccumulator(dim, cross, device="cpu", dtype=torch.float64)
+    moments = ProjectedLinearMoments.zeros(dim, cross, device=device)
+    gram = GramAccumulator(dim, cross, device=device, dtype=torch.float64)
     for rows in (slice(0, 20), slice(20, 60)):  # two chunks, a flush after each
         gram.add(joint[rows], root[rows], float(w[rows].sum()), group=seq)
         gram.flush(moments)
@@ -117,7 +118,7 @@ def test_solve_spd_falls_back_when_not_positive_definite():
     )
 
 
-def test_chunk_and_flush_sizes_do_not_change_the_result(monkeypatch):
+def test_chunk_and_flush_sizes_do_not_change_the_result(monkeypatch, device):
     """Tiny statistics chunks (several products per task) and a flush after every chunk match one
     chunk per task to float32 rounding; so does another forward batch size."""
     base = Checkpoint(FIXTURE / "base")
@@ -128,7 +129,8 @@ def test_chunk_and_flush_sizes_do_not_change_the_result(monkeypatch):
 
     def run(batch: int) -> dict[str, torch.Tensor]:
         params = FeatCalParams(num_calibration_examples=10, calibration_batch_size=batch)
-        return featcal_calibrate(merged, base, experts, pixels.__getitem__, params, progress=False).state_dict()
+        calibrated = featcal_calibrate(merged, base, experts, pixels.__getitem__, params, device=device, progress=False)
+        return {k: v.cpu() for k, v in calibrated.state_dict().items()}
 
     whole = run(10)
     monkeypatch.setattr(driver, "STATISTICS_CHUNK_TOKENS", 40)
@@ -140,7 +142,7 @@ def test_chunk_and_flush_sizes_do_not_change_the_result(monkeypatch):
         assert (chunked[key] - value).norm() <= 1e-4 * update + 1e-7, key
 
 
-def test_tasks_with_different_image_counts_match_the_plain_implementation():
+def test_tasks_with_different_image_counts_match_the_plain_implementation(device):
     """A task with fewer images than the forward batch first, a larger one after: the buffers fit both."""
     import copy
 
@@ -152,7 +154,8 @@ def test_tasks_with_different_image_counts_match_the_plain_implementation():
     gen = torch.Generator().manual_seed(1)
     pixels = {"t0": torch.randn(3, 3, 32, 32, generator=gen), "t1": torch.randn(11, 3, 32, 32, generator=gen)}
     params = FeatCalParams(num_calibration_examples=11, calibration_batch_size=4)
-    fast = featcal_calibrate(merged, base, experts, pixels.__getitem__, params, progress=False).state_dict()
+    calibrated = featcal_calibrate(merged, base, experts, pixels.__getitem__, params, device=device, progress=False)
+    fast = {k: v.cpu() for k, v in calibrated.state_dict().items()}
     models = []
     for ckpt in (base, *experts.values()):
         model = copy.deepcopy(merged)

@@ -59,10 +59,15 @@ def calibration_images(task: str, n: int = 8) -> torch.Tensor:
 # --- the measurement -------------------------------------------------------------------------------
 
 
-def test_an_expert_against_itself_drifts_exactly_zero(experts):
-    drift = measure_drift({"self": expert_model("t1")}, {"t1": experts["t1"]}, calibration_images, progress=False)
+def test_an_expert_against_itself_drifts_exactly_zero(experts, device):
+    drift = measure_drift(
+        {"self": expert_model("t1")}, {"t1": experts["t1"]}, calibration_images, device=device, progress=False
+    )
     assert drift.points == ("layer 0", "layer 1", POOLED)
-    assert drift.drift["self"]["t1"] == (0.0, 0.0, 0.0)
+    if device == "cpu":
+        assert drift.drift["self"]["t1"] == (0.0, 0.0, 0.0)
+    else:  # a GPU's library may pick other kernels for the two streams
+        assert drift.drift["self"]["t1"] == pytest.approx((0.0, 0.0, 0.0), abs=1e-6)
     assert drift.num_images == {"t1": 8}
 
 
@@ -108,23 +113,25 @@ class CountingAdapter(CLIPVisionAdapter):
         self.most = max(self.most, len({t.untyped_storage().data_ptr() for t in streams}))
 
 
-def test_memory_holds_one_layer_of_features_per_stream(run_dir, experts):
+def test_memory_holds_one_layer_of_features_per_stream(run_dir, experts, device):
     """Two models and one expert: three streams at any time, whatever the number of layers and tasks."""
     models = {
         MERGED: CLIPVisionModel.from_pretrained(str(run_dir / "ta")).eval(),
         CALIBRATED: CLIPVisionModel.from_pretrained(str(run_dir / "featcal-ta")).eval(),
     }
     adapter = CountingAdapter(num_images=8)
-    measure_drift(models, experts, calibration_images, adapter=adapter, batch_size=3, progress=False)
+    measure_drift(models, experts, calibration_images, adapter=adapter, batch_size=3, device=device, progress=False)
     assert adapter.most == 3
 
 
-def test_batch_size_does_not_change_the_drift(run_dir, experts):
+def test_batch_size_does_not_change_the_drift(run_dir, experts, device):
     merged = CLIPVisionModel.from_pretrained(str(run_dir / "ta")).eval()
-    small = measure_drift({MERGED: merged}, experts, calibration_images, batch_size=1, progress=False)
-    large = measure_drift({MERGED: merged}, experts, calibration_images, batch_size=64, progress=False)
+    small = measure_drift({MERGED: merged}, experts, calibration_images, batch_size=1, device=device, progress=False)
+    large = measure_drift({MERGED: merged}, experts, calibration_images, batch_size=64, device=device, progress=False)
     for task in TASKS:
-        assert small.drift[MERGED][task] == pytest.approx(large.drift[MERGED][task], rel=1e-5)
+        assert small.drift[MERGED][task] == pytest.approx(
+            large.drift[MERGED][task], rel=1e-5 if device == "cpu" else 1e-3
+        )
 
 
 def test_a_task_without_images_is_an_error(experts):

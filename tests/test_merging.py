@@ -71,24 +71,29 @@ def test_all_methods_registered() -> None:
         ("ties", "fusionbench_ties", {"scaling_factor": 0.3, "top_k": 20, "merge_func": "sum"}),
     ],
 )
-def test_matches_fusionbench_to_float32_rounding(fixture_models, method: str, expected: str, params: dict) -> None:
+def test_matches_fusionbench_to_float32_rounding(
+    fixture_models, method: str, expected: str, params: dict, device
+) -> None:
     base, experts = fixture_models
-    merged = get_method(method)(base, experts, **params)
+    merged = get_method(method)(base, experts, device=device, **params)
     reference = load_file(F / "expected" / f"{expected}.safetensors")
     assert set(merged) == set(reference)
+    tolerance = dict(rtol=1e-6, atol=1e-7) if device == "cpu" else dict(rtol=1e-5, atol=1e-6)  # GPU rounding
     for key, want in reference.items():
-        torch.testing.assert_close(merged[key], want, rtol=1e-6, atol=1e-7, msg=key)
+        torch.testing.assert_close(merged[key], want, **tolerance, msg=key)
 
 
-def test_wudi_matches_fusionbench(fixture_models, one_thread) -> None:
-    """400 Adam steps; one step fewer is 1e-3 away on this measure, so 1e-5 pins the trajectory."""
+def test_wudi_matches_fusionbench(fixture_models, one_thread, device) -> None:
+    """400 Adam steps; one step fewer is 1e-3 away on this measure, so 1e-5 pins the trajectory (1e-4
+    on a GPU, whose rounding differs from the CPU's where FusionBench's result was computed)."""
     base, experts = fixture_models
-    merged = get_method("wudi")(base, experts)
+    merged = get_method("wudi")(base, experts, device=device)
     reference = load_file(F / "expected" / "fusionbench_wudi.safetensors")
     assert set(merged) == set(reference)
+    tolerance = 1e-5 if device == "cpu" else 1e-4
     for key, want in reference.items():
         update = (want - base[key]).norm()
-        assert (merged[key] - want).norm() <= 1e-5 * update, key
+        assert (merged[key] - want).norm() <= tolerance * update, key
 
 
 # --- Properties shared by all methods ---------------------------------------------------------------
