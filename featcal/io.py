@@ -105,16 +105,35 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 
 def save_vision_model(state: Mapping[str, torch.Tensor], vision_config, folder: str | Path) -> Path:
-    """Save a vision-tower state dict as a `transformers.CLIPVisionModel` folder, atomically."""
+    """Save a vision-tower state dict as a `transformers.CLIPVisionModel` folder, atomically.
+
+    The model that writes the folder is built on the meta device and saves ``state`` itself: no second
+    copy of the weights in memory and no random initialisation. Tensors are written in the model's
+    parameter dtype, as loading them into a materialised model would.
+
+    Raises:
+        ValueError: when ``state`` lacks a tensor of the model, has one it does not know, or one of
+            another shape.
+    """
+    import torch
     from transformers import CLIPVisionModel
 
     folder = Path(folder)
+    with torch.device("meta"):
+        model = CLIPVisionModel(vision_config)
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"Not the state of this CLIPVisionModel: missing {missing[:3]}, unexpected {unexpected[:3]}, "
+            f"other shapes {wrong[:3]}."
+        )
+    tensors = {k: v.detach().to(device="cpu", dtype=expected[k].dtype) for k, v in state.items()}
     folder.parent.mkdir(parents=True, exist_ok=True)
-    model = CLIPVisionModel(vision_config)
-    model.load_state_dict(dict(state), strict=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=tensors)
         as_if_created_tree(tmp)
         replace_dir(tmp, folder)
     except BaseException:
