@@ -10,8 +10,6 @@ it stayed below an earlier stage's peak). On CUDA the allocator's peak
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -23,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from featcal.allocator import glibc
 
 logger = logging.getLogger(__name__)
 
@@ -60,22 +60,9 @@ def release_free_memory() -> None:
     the process's heap and count in its resident set through the next stage.
     """
     gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _glibc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    except (OSError, AttributeError):  # not glibc (e.g. musl has no malloc_trim)
-        return None
-    return libc
-
-
-_LIBC = _glibc()
+    libc = glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 class _Sampler(threading.Thread):

@@ -1,11 +1,13 @@
 """Peak memory per stage (featcal.memory) and the lean run: what a run keeps in memory between stages."""
 
 import json
+import os
 import time
 
 import pytest
 import torch
 
+from featcal.allocator import glibc, keep_freed_memory_for_reuse
 from featcal.errors import FeatcalError
 from featcal.evaluation import ZeroShotClassifier, load_base_clip
 from featcal.memory import MemoryMeter, host_peak_bytes
@@ -76,14 +78,14 @@ def test_a_run_records_per_stage_peaks_and_its_threads(world, tmp_path, device):
     assert torch.get_num_threads() == threads  # each run restored the process's count
 
 
-def test_keep_heads_only_releases_the_base_towers_and_keeps_the_heads():
+def test_keep_heads_only_releases_the_base_towers_and_keeps_the_heads(device):
     table = load_task_file(FIXTURE / "tasks.json")
     tasks = list(table.tasks.values())
     clip, tokenizer, _ = load_base_clip(FIXTURE / "base")
-    reference = ZeroShotClassifier(clip, tokenizer)
+    reference = ZeroShotClassifier(clip.to(device), tokenizer, device=device)
     heads = {t.name: reference.head(t).clone() for t in tasks}
     clip, tokenizer, _ = load_base_clip(FIXTURE / "base")
-    classifier = ZeroShotClassifier(clip, tokenizer)
+    classifier = ZeroShotClassifier(clip.to(device), tokenizer, device=device)
     classifier.keep_heads_only(tasks[:2])
     assert clip.text_model is None and clip.vision_model is None
     for task in tasks[:2]:
@@ -134,3 +136,99 @@ def test_the_calibration_runs_without_the_test_images_read_in_process(world, tmp
     tasks = json.loads(world["tasks_file"].read_text())["tasks"]
     metrics = json.loads((tmp_path / "run" / "featcal-ta" / "metrics.json").read_text())
     assert [metrics[task]["num_samples"] for task in tasks] == [4] * len(tasks)
+
+
+def _fixture_state_and_config():
+    from transformers import CLIPVisionModel
+
+    expert = CLIPVisionModel.from_pretrained(str(FIXTURE / "experts" / "t0"))
+    return {k: v.clone() for k, v in expert.state_dict().items()}, expert.config
+
+
+def test_saving_a_model_writes_what_a_materialised_model_writes(tmp_path):
+    """The same files, byte for byte, as loading the state into a real model and saving that."""
+    from transformers import CLIPVisionModel
+
+    from featcal.io import save_vision_model
+
+    state, config = _fixture_state_and_config()
+    save_vision_model(state, config, tmp_path / "lean")
+    model = CLIPVisionModel(config)
+    model.load_state_dict(state, strict=True)
+    model.save_pretrained(tmp_path / "materialised")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "lean" / name).read_bytes() == (tmp_path / "materialised" / name).read_bytes(), name
+
+
+def test_saving_a_model_makes_no_second_copy_of_its_weights(tmp_path, monkeypatch):
+    """The model that writes the folder holds no weights of its own (meta device)."""
+    from transformers import CLIPVisionModel
+
+    from featcal.io import save_vision_model
+
+    devices = []
+    original = CLIPVisionModel.save_pretrained
+
+    def spy(self, *args, **kwargs):
+        devices.extend({p.device.type for p in self.parameters()})
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CLIPVisionModel, "save_pretrained", spy)
+    state, config = _fixture_state_and_config()
+    save_vision_model(state, config, tmp_path / "lean")
+    assert devices == ["meta"]
+
+
+def test_saving_a_state_of_another_model_is_refused_and_writes_nothing(tmp_path):
+    from featcal.io import save_vision_model
+
+    state, config = _fixture_state_and_config()
+    del state["encoder.layers.0.mlp.fc1.weight"]
+    state["encoder.layers.0.mlp.fc1.bias"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="missing.*fc1.weight.*other shapes.*fc1.bias"):
+        save_vision_model(state, config, tmp_path / "bad")
+    assert list(tmp_path.iterdir()) == []
+
+
+_FAULTS_SCRIPT = """
+import resource, sys, torch
+from featcal.allocator import keep_freed_memory_for_reuse
+applied = keep_freed_memory_for_reuse() if sys.argv[1] == "tuned" else False
+w1, w2, x = torch.randn(3072, 768), torch.randn(768, 3072), torch.randn(16, 50, 768)
+def mlp():  # a ViT-B/32 MLP on a calibration batch of 16 images
+    h = torch.nn.functional.linear(x, w1)
+    return torch.nn.functional.linear(h * torch.sigmoid(1.702 * h), w2)
+mlp()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    mlp()
+print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(glibc() is None, reason="glibc's allocator settings apply to glibc only")
+def test_freed_tensor_memory_is_reused_instead_of_faulted_in_again():
+    """With glibc's defaults the activations of each batch are largely fresh pages (a minor fault per
+    4 KiB page on first touch); tuned, freed blocks are reused (measured: 37.5 k faults in 20 batches
+    against 12 k)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env["OMP_NUM_THREADS"] = "1"
+    faults = {}
+    for mode in ("default", "tuned"):
+        out = subprocess.run(
+            [sys.executable, "-c", _FAULTS_SCRIPT, mode], capture_output=True, text=True, check=True, env=env
+        ).stdout.split()
+        assert out[0] == str(mode == "tuned")
+        faults[mode] = int(out[1])
+    assert faults["tuned"] < faults["default"] / 2, faults
+
+
+def test_the_user_s_own_allocator_settings_win(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert keep_freed_memory_for_reuse() is False
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")
+    assert keep_freed_memory_for_reuse() is False

@@ -11,6 +11,7 @@ import traceback
 from collections.abc import Sequence
 
 from featcal import __version__, progress
+from featcal.allocator import keep_freed_memory_for_reuse
 from featcal.cli import processes
 from featcal.distributed import launched as launched_world
 from featcal.errors import DistributedError, FeatcalError
@@ -108,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         processes.silence()
     quiet = args.quiet or rank != 0
     _configure_output(quiet, args.verbose)
+    keep_freed_memory_for_reuse()
     try:
         if size > 1 and args.command not in processes.DISTRIBUTED_COMMANDS:
             raise FeatcalError(

@@ -1,0 +1,63 @@
+"""glibc's allocator, set for the large, short-lived tensors of featcal's loops.
+
+By default glibc maps every allocation above its (adaptive) mmap threshold afresh and hands the top of
+the heap back to the system as soon as it is freed, so each forward batch's activations are new pages
+whose first touch is a page fault the kernel serves by zeroing them. Measured on `featcal calibrate`
+at 2 × 64 ViT-B/32-shaped images (benchmarks/README.md): 2.1 M minor faults and 6.2 s of system time
+with the defaults, 1.1 M and 3.6 s with the settings below, 8 % less wall time, the same peak RSS.
+
+Imports nothing heavy: the CLI calls :func:`keep_freed_memory_for_reuse` before any command runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+from functools import cache
+
+logger = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 1 << 30  # below 1 GiB, from the heap: freed blocks are reused, not unmapped
+TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # the heap's top stays until release_free_memory() trims it
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+
+@cache
+def glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (it has ``mallopt`` and ``malloc_trim``), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    except (OSError, AttributeError):  # not glibc (e.g. musl has neither)
+        return None
+    return libc
+
+
+def keep_freed_memory_for_reuse() -> bool:
+    """Have glibc serve allocations below 1 GiB from its heap and keep freed memory for the next ones.
+
+    Left as it is when the environment already sets glibc's malloc options (``MALLOC_*_`` variables
+    or ``glibc.malloc`` tunables): the user's choice wins. Memory freed between a run's stages is
+    still handed back by :func:`featcal.memory.release_free_memory`.
+
+    Returns:
+        Whether the settings were applied (False off glibc or when the user set their own).
+    """
+    libc = glibc()
+    if libc is None or any(name in os.environ for name in _USER_SETTINGS):
+        return False
+    if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    applied = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
+    logger.debug("glibc malloc: mmap threshold 1 GiB, trim threshold 2 GiB (%s)", "set" if applied else "refused")
+    return applied
