@@ -22,7 +22,10 @@ logger = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 1 << 30  # below 1 GiB, from the heap: freed blocks are reused, not unmapped
+# Up to 32 MiB (the ceiling glibc's adaptive threshold reaches on its own), from the heap: freed blocks
+# are reused, not unmapped. Larger blocks (an evaluation batch's activations) stay mapped afresh: served
+# from the heap, their fragments kept 0.3-0.8 GB more resident in an evaluation of 256-image batches.
+MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # the heap's top stays until release_free_memory() trims it
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
@@ -42,7 +45,7 @@ def glibc() -> ctypes.CDLL | None:
 
 
 def keep_freed_memory_for_reuse() -> bool:
-    """Have glibc serve allocations below 1 GiB from its heap and keep freed memory for the next ones.
+    """Have glibc serve allocations up to 32 MiB from its heap and keep freed memory for the next ones.
 
     Left as it is when the environment already sets glibc's malloc options (``MALLOC_*_`` variables
     or ``glibc.malloc`` tunables): the user's choice wins. Memory freed between a run's stages is
@@ -59,5 +62,5 @@ def keep_freed_memory_for_reuse() -> bool:
     applied = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     )
-    logger.debug("glibc malloc: mmap threshold 1 GiB, trim threshold 2 GiB (%s)", "set" if applied else "refused")
+    logger.debug("glibc malloc: mmap threshold 32 MiB, trim threshold 2 GiB (%s)", "set" if applied else "refused")
     return applied
