@@ -103,6 +103,12 @@ def run_point(
         from featcal.calibration import FeatCalParams, featcal_calibrate
         from featcal.checkpoint import Checkpoint
 
+        try:  # as every featcal command does; an older tree (--baseline-root) has no such module
+            from featcal.allocator import keep_freed_memory_for_reuse
+
+            keep_freed_memory_for_reuse()
+        except ImportError:
+            pass
         params = FeatCalParams(num_calibration_examples=images, calibration_batch_size=batch_size)
         base = Checkpoint(workdir / "base")
         experts = {n: Checkpoint(workdir / "experts" / n) for n in names}

@@ -205,6 +205,7 @@ def run_featcal(workdir: Path, tasks: int, images: int, batch_size: int, out: Pa
 
     if REPO not in Path(featcal.__file__).resolve().parents:
         raise SystemExit(f"imported featcal from {featcal.__file__}, not from {REPO}")
+    from featcal.allocator import keep_freed_memory_for_reuse
     from featcal.calibration import FeatCalParams, featcal_calibrate
     from featcal.checkpoint import Checkpoint, check_compatible
     from featcal.inputs import load_vision_folder
@@ -212,6 +213,7 @@ def run_featcal(workdir: Path, tasks: int, images: int, batch_size: int, out: Pa
     from featcal.merging import get_method
     from featcal.pipeline import check_finite
 
+    keep_freed_memory_for_reuse()  # as every featcal command does
     names = _task_names(tasks)
     device = torch.device("cpu")
     size = CLIPVisionConfig.from_pretrained(str(workdir / "base")).image_size
