@@ -623,6 +623,7 @@ def main() -> None:
             "peak_rss_bytes": alone["ru_maxrss_bytes"],
             "peak_rss_GiB": alone["ru_maxrss_bytes"] / GIB,
             "run_peak_over_calibrate_peak": peak / alone["ru_maxrss_bytes"],
+            "rss_timeline": timeline(alone["samples"]),
         },
         "calibration": calibration_detail(result["stderr"], calibrate["start_s"])
         | {"seconds_per_task_image": timings["calibrate_s"] / (len(tasks) * args.images_per_task)},
