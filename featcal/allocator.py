@@ -28,6 +28,7 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # the heap's top stays until release_free_memory() trims it
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+OPT_OUT = "FEATCAL_ALLOCATOR"  # "glibc": leave glibc's own (adaptive) settings alone
 
 
 @cache
@@ -47,15 +48,16 @@ def glibc() -> ctypes.CDLL | None:
 def keep_freed_memory_for_reuse() -> bool:
     """Have glibc serve allocations up to 32 MiB from its heap and keep freed memory for the next ones.
 
-    Left as it is when the environment already sets glibc's malloc options (``MALLOC_*_`` variables
-    or ``glibc.malloc`` tunables): the user's choice wins. Memory freed between a run's stages is
-    still handed back by :func:`featcal.memory.release_free_memory`.
+    Left as it is when ``FEATCAL_ALLOCATOR=glibc`` asks for glibc's own adaptive settings, or when the
+    environment sets glibc's malloc options itself (``MALLOC_*_`` variables or ``glibc.malloc``
+    tunables): the user's choice wins. Memory freed between a run's stages is still handed back by
+    :func:`featcal.memory.release_free_memory`.
 
     Returns:
         Whether the settings were applied (False off glibc or when the user set their own).
     """
     libc = glibc()
-    if libc is None or any(name in os.environ for name in _USER_SETTINGS):
+    if libc is None or os.environ.get(OPT_OUT) == "glibc" or any(name in os.environ for name in _USER_SETTINGS):
         return False
     if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False

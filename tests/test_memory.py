@@ -214,6 +214,7 @@ def test_freed_activation_memory_is_kept_for_the_next_batch():
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env.pop("FEATCAL_ALLOCATOR", None)
     result = {}
     for mode in ("default", "tuned"):
         out = subprocess.run(
@@ -230,4 +231,7 @@ def test_the_user_s_own_allocator_settings_win(monkeypatch):
     assert keep_freed_memory_for_reuse() is False
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")
+    assert keep_freed_memory_for_reuse() is False
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv("FEATCAL_ALLOCATOR", "glibc")
     assert keep_freed_memory_for_reuse() is False
