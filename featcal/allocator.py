@@ -3,8 +3,9 @@
 By default glibc maps every allocation above its (adaptive) mmap threshold afresh and hands the top of
 the heap back to the system as soon as it is freed, so each forward batch's activations are new pages
 whose first touch is a page fault the kernel serves by zeroing them. Measured on `featcal calibrate`
-at 2 × 64 ViT-B/32-shaped images (benchmarks/README.md): 2.1 M minor faults and 6.2 s of system time
-with the defaults, 1.1 M and 3.6 s with the settings below, 8 % less wall time, the same peak RSS.
+at 2 × 64 ViT-B/32-shaped images (benchmarks/allocator_speed.py): 2.2–2.9 M minor faults and 6.2–7.7 s
+of system time with the defaults, 1.1 M and 3.5–3.8 s with the settings below, 13–14 % less wall time,
+the same peak RSS.
 
 Imports nothing heavy: the CLI calls :func:`keep_freed_memory_for_reuse` before any command runs.
 """
