@@ -33,9 +33,17 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", default=available_methods())
     parser.add_argument("--ta-grid", nargs="+", type=float, default=[], metavar="K", help="Task Arithmetic κ grid")
     parser.add_argument("--tiny", action="store_true", help="the test suite's reduced zoo")
+    parser.add_argument("--zoo-seed", type=int, default=0)
+    parser.add_argument(
+        "--zoo-field", action="append", default=[], metavar="NAME=VALUE", help="a zoo variant (ZooConfig field)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
-    zoo = build_zoo(ZooConfig.tiny() if args.tiny else ZooConfig.mini8())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    preset = ZooConfig.tiny(args.zoo_seed) if args.tiny else ZooConfig.mini8(args.zoo_seed)
+    zoo = build_zoo(preset.with_assignments(args.zoo_field))
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, method in enumerate(args.methods):

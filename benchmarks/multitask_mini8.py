@@ -49,11 +49,16 @@ def main() -> None:
     parser.add_argument("--per-task", type=int, default=16, help="training images of each task per step")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--zoo-field", action="append", default=[], metavar="NAME=VALUE", help="a zoo variant (ZooConfig field)"
+    )
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = ZooConfig.tiny(args.zoo_seed) if args.tiny else ZooConfig.mini8(args.zoo_seed)
+    config = (ZooConfig.tiny(args.zoo_seed) if args.tiny else ZooConfig.mini8(args.zoo_seed)).with_assignments(
+        args.zoo_field
+    )
     zoo = build_zoo(config)
     clip, tokenizer, processor = load_base_clip(zoo / "base")
     table = load_task_file(zoo / "tasks.json")

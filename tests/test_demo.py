@@ -20,6 +20,7 @@ from featcal.demo import zoo as zoo_module
 from featcal.demo.images import MINI8_TASKS
 from featcal.demo.styles import PRETRAIN_STYLES, restyle
 from featcal.demo.tokenizer import build_tokenizer
+from featcal.demo.vocabulary import pretraining_classnames
 from featcal.errors import FeatcalError
 
 # A zoo small enough to build in seconds: it checks formats, not accuracies.
@@ -111,11 +112,32 @@ def test_cache_keys():
         dict(patch_size=5),
         dict(expert_steps=0),
         dict(pretrain_style="sepia"),
+        dict(pretrain_vocabulary="klingon"),
     ],
 )
 def test_config_rejects_bad_fields(bad):
     with pytest.raises(FeatcalError):
         ZooConfig(**bad)
+
+
+def test_assignments_make_a_variant_and_reject_bad_items():
+    variant = ZooConfig.mini8().with_assignments(
+        ["vision_hidden=128", "pretrain_vocabulary=held-out", "expert_lr=1e-4", "tasks=digits,colors"]
+    )
+    assert (variant.vision_hidden, variant.pretrain_vocabulary, variant.expert_lr) == (128, "held-out", 1e-4)
+    assert variant.tasks == ("digits", "colors") and variant.cache_key() != ZooConfig.mini8().cache_key()
+    for bad in ("vision_hidden", "nope=1", "vision_hidden=wide", "pretrain_vocabulary=klingon"):
+        with pytest.raises(FeatcalError):
+            ZooConfig.mini8().with_assignments([bad])
+
+
+def test_held_out_vocabulary_names_every_class_with_words_the_benchmark_never_uses():
+    benchmark_words = {w for task in MINI8_TASKS for name in task.classnames for w in name.lower().split()}
+    held_out = [pretraining_classnames(t.name, t.classnames, "held-out") for t in MINI8_TASKS]
+    words = [w for names in held_out for name in names for w in name.split()]
+    assert not benchmark_words & set(words) and len(words) == len(set(words))
+    assert [len(n) for n in held_out] == [len(t.classnames) for t in MINI8_TASKS]
+    assert pretraining_classnames("digits", MINI8_TASKS[0].classnames, "benchmark") == MINI8_TASKS[0].classnames
 
 
 def test_cache_dir_precedence(monkeypatch, tmp_path):
@@ -218,6 +240,27 @@ def test_base_is_pretrained_on_the_train_images_in_the_pretraining_style(monkeyp
     assert torch.allclose(seen["digits"].train_pixels, styled)
     assert not torch.allclose(seen["digits"].train_pixels, native)  # the experts' look is never seen
     assert seen["digits"].train_labels.tolist() == train["label"]
+
+
+def test_held_out_vocabulary_pretrains_on_other_names_and_tokenizes_both(monkeypatch, tmp_path):
+    seen = {}
+    real = zoo_module.pretrain_clip
+
+    def spy(clip, tokenizer, data, **kwargs):
+        seen.update(data, tokenizer=tokenizer)
+        return real(clip, tokenizer, data, **kwargs)
+
+    monkeypatch.setattr(zoo_module, "pretrain_clip", spy)
+    config = replace(MICRO, tasks=("digits", "colors"), pretrain_vocabulary="held-out")
+    folder = build_zoo(config, cache_dir=tmp_path, progress=False)
+    table = json.loads((folder / "tasks.json").read_text())["tasks"]
+    tokenizer = seen["tokenizer"]
+    for task in MINI8_TASKS[:1] + MINI8_TASKS[3:4]:
+        assert tuple(seen[task.name].classnames) == pretraining_classnames(task.name, task.classnames, "held-out")
+        assert table[task.name]["classnames"] == list(task.classnames)  # the benchmark keeps its own names
+        for name in (*task.classnames, *seen[task.name].classnames):
+            (piece, _), *_ = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(name.split()[-1])
+            assert piece + "</w>" in tokenizer.get_vocab()  # the whole word is a token of the vocabulary
 
 
 def test_cached_zoo_is_reused_and_force_rebuilds_identically(micro_zoo, monkeypatch):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from featcal.demo.images import MINI8_TASKS
 from featcal.demo.styles import PRETRAIN_STYLES
+from featcal.demo.vocabulary import PRETRAIN_VOCABULARIES
 from featcal.errors import FeatcalError
 
 ZOO_VERSION = 4  # bump whenever images, training or file layout change: it keys the cache
@@ -48,6 +50,9 @@ class ZooConfig:
     # the look of the pretraining images (a key of featcal.demo.styles.PRETRAIN_STYLES): the base
     # never sees the benchmark's own look, as CLIP never saw the TA8 test sets
     pretrain_style: str = "negative"
+    # the words the pretraining captions name the classes with (featcal.demo.vocabulary):
+    # "benchmark" uses the tasks' own class names, "held-out" words the benchmark never uses
+    pretrain_vocabulary: str = "benchmark"
     # expert fine-tuning (vision tower only, zero-shot head frozen)
     expert_steps: int = 400
     expert_batch_size: int = 128
@@ -64,6 +69,11 @@ class ZooConfig:
         if self.pretrain_style not in PRETRAIN_STYLES:
             raise FeatcalError(
                 f"ZooConfig.pretrain_style must be one of {sorted(PRETRAIN_STYLES)}; got {self.pretrain_style!r}."
+            )
+        if self.pretrain_vocabulary not in PRETRAIN_VOCABULARIES:
+            raise FeatcalError(
+                f"ZooConfig.pretrain_vocabulary must be one of {list(PRETRAIN_VOCABULARIES)}; "
+                f"got {self.pretrain_vocabulary!r}."
             )
         if self.image_size % self.patch_size:
             raise FeatcalError(
@@ -96,6 +106,32 @@ class ZooConfig:
             # 1.4 points over Task Arithmetic, the native look 5.0
             pretrain_style="native",
         )
+
+    def with_assignments(self, assignments: Sequence[str]) -> ZooConfig:
+        """A copy with fields set from ``name=value`` strings, for benchmark variants.
+
+        Args:
+            assignments: Items such as ``"vision_hidden=128"`` or ``"pretrain_vocabulary=held-out"``;
+                tuple fields take comma-separated values.
+
+        Returns:
+            The changed config (validated as any other).
+
+        Raises:
+            FeatcalError: An item is not ``name=value``, names no field, or its value does not parse.
+        """
+        types = {f.name: type(getattr(self, f.name)) for f in fields(self)}
+        changes: dict[str, Any] = {}
+        for item in assignments:
+            name, sep, value = item.partition("=")
+            if not sep or name not in types:
+                raise FeatcalError(f"zoo field {item!r}: expected NAME=VALUE with NAME one of {sorted(types)}.")
+            kind = types[name]
+            try:
+                changes[name] = tuple(v for v in value.split(",") if v) if kind is tuple else kind(value)
+            except ValueError as exc:
+                raise FeatcalError(f"zoo field {item!r}: {value!r} is not a {kind.__name__}.") from exc
+        return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageFilter, ImageOps
 
 Style = Callable[[Image.Image], Image.Image]
 
@@ -50,6 +50,11 @@ def _zoomed_out(image: Image.Image) -> Image.Image:
     return canvas
 
 
+def _edges(image: Image.Image) -> Image.Image:
+    """A sketch: the picture's edges (after a light smoothing), bright on black, contrast stretched."""
+    return ImageOps.autocontrast(image.filter(ImageFilter.SMOOTH).filter(ImageFilter.FIND_EDGES), cutoff=1)
+
+
 def _negative_zoomed_out(image: Image.Image) -> Image.Image:
     return _negative(_zoomed_out(image))
 
@@ -60,6 +65,7 @@ PRETRAIN_STYLES: dict[str, Style] = {
     "negative-swapped": _negative_swapped,
     "zoomed-out": _zoomed_out,
     "negative-zoomed-out": _negative_zoomed_out,
+    "edges": _edges,
 }
 
 

@@ -35,6 +35,7 @@ from featcal.demo.images import MINI8_TASKS, ImageTask
 from featcal.demo.styles import restyle
 from featcal.demo.tokenizer import build_tokenizer
 from featcal.demo.training import TaskTensors, accuracy, finetune_expert, pretrain_clip, zero_shot_head
+from featcal.demo.vocabulary import pretraining_classnames
 from featcal.errors import FeatcalError
 from featcal.progress import Progress
 
@@ -224,9 +225,19 @@ def _build_into(folder: Path, config: ZooConfig, *, progress: bool) -> None:
                     else processor(images=restyle(images, config.pretrain_style), return_tensors="pt")["pixel_values"]
                 )
         tensors[task.name] = TaskTensors(*splits, classnames=task.classnames, templates=task.templates)
-        pretraining[task.name] = replace(tensors[task.name], train_pixels=styled)
+        pretraining[task.name] = replace(
+            tensors[task.name],
+            train_pixels=styled,
+            classnames=pretraining_classnames(task.name, task.classnames, config.pretrain_vocabulary),
+        )
 
-    corpus = [template.format(name) for task in tasks for template in task.templates for name in task.classnames]
+    # the benchmark's prompts and the pretraining captions: every word of either is one token chain
+    corpus = [
+        template.format(name)
+        for data in (*tensors.values(), *pretraining.values())
+        for template in data.templates
+        for name in data.classnames
+    ]
     tokenizer = build_tokenizer(corpus)
     torch.manual_seed(config.seed)
     clip = CLIPModel(_clip_config(config, tokenizer))
