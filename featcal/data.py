@@ -303,6 +303,7 @@ class TestImages:
         sizes = [len(part) for part in parts]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.sizes = dict(zip(self.index, sizes))
+        self.batch_size = batch_size
         self._batches = _TaskBatches(offsets, sizes, batch_size, world)
         workers = num_workers if sum(sizes) >= MIN_IMAGES_FOR_WORKERS else 0
         self.loader = DataLoader(

@@ -25,7 +25,7 @@ from featcal.data import TestImages, calibration_pixels
 from featcal.diagnostics.report import CALIBRATED, MERGED
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError, FeatcalError
-from featcal.evaluation import IMAGE_PROCESSOR, ZeroShotClassifier, load_base_clip
+from featcal.evaluation import IMAGE_PROCESSOR, ZeroShotClassifier, default_eval_batch_size, load_base_clip
 from featcal.fingerprints import digest, folder_fingerprint
 from featcal.inputs import (
     DatasetFacts,
@@ -496,7 +496,7 @@ class _Run:
             report = diagnose_models(
                 {name: model() for name, model in models.items()}, self.inputs.experts, load,
                 method=spec.merge_method, split=spec.diagnose_split, run_id=self.run_id, device=self.device,
-                batch_size=spec.eval_batch_size, progress=spec.progress,
+                batch_size=spec.eval_batch_size or default_eval_batch_size(self.device), progress=spec.progress,
             )  # fmt: skip
             if self.writes:  # every process computed the drift (it is not shared out); rank 0 writes it
                 write_diagnostics(self.out, report)

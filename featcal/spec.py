@@ -324,7 +324,9 @@ class RunSpec:
         False, help="use every train image of a task whose train split is smaller than the number asked for "
         "(recorded in run_config.json, metrics and card); else that is an error", group="FeatCal",
     )  # fmt: skip
-    eval_batch_size: int = option(256, help="test images per batch", group=EVALUATION, metavar="B", ge=1)
+    eval_batch_size: int | None = option(
+        None, help="test images per batch (default 256 on CUDA, 16 on the CPU)", group=EVALUATION, metavar="B", ge=1
+    )
     eval_num_workers: int = option(
         default_factory=default_eval_workers, help="data-loading workers (default: min(8, CPUs))",
         group=EVALUATION, metavar="W", ge=0,

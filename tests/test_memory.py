@@ -9,8 +9,9 @@ import torch
 
 from featcal.allocator import glibc, keep_freed_memory_for_reuse
 from featcal.errors import FeatcalError
-from featcal.evaluation import ZeroShotClassifier, load_base_clip
+from featcal.evaluation import ZeroShotClassifier, default_eval_batch_size, load_base_clip
 from featcal.memory import MemoryMeter, host_peak_bytes
+from featcal.spec import RunSpec
 from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
 
@@ -235,3 +236,17 @@ def test_the_user_s_own_allocator_settings_win(monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES")
     monkeypatch.setenv("FEATCAL_ALLOCATOR", "glibc")
     assert keep_freed_memory_for_reuse() is False
+
+
+def test_evaluation_batches_default_to_the_device_s_size_and_a_given_size_wins(device):
+    table = load_task_file(FIXTURE / "tasks.json")
+    task = next(iter(table.tasks.values()))
+    clip, tokenizer, processor = load_base_clip(FIXTURE / "base")
+    classifier = ZeroShotClassifier(clip.to(device), tokenizer, device=device)
+    expected = 16 if torch.device(device).type == "cpu" else 256
+    assert default_eval_batch_size(device) == expected
+    assert (default_eval_batch_size("cpu"), default_eval_batch_size("cuda")) == (16, 256)
+    assert classifier.test_images([task], processor).batch_size == expected
+    given = classifier.test_images([task], processor, batch_size=3)
+    assert given.batch_size == 3 and next(given.batches(task))[0].shape[0] == 3
+    assert RunSpec().eval_batch_size is None and RunSpec(eval_batch_size=5).eval_batch_size == 5

@@ -33,6 +33,7 @@ def drift_table(report: DriftReport, *, column: int = 16) -> str:
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from featcal.diagnostics.run import diagnose_run
+    from featcal.evaluation import default_eval_batch_size
     from featcal.inputs import resolve_device
     from featcal.precision import fixed_precision
     from featcal.runfolder import RELEASE_DIR
@@ -46,7 +47,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
                 split=spec.diagnose_split,
                 num_images=spec.diagnose_images,
                 device=device,
-                batch_size=spec.eval_batch_size,
+                batch_size=spec.eval_batch_size or default_eval_batch_size(device),
                 progress=spec.progress,
             )
     except InvalidParameterError as exc:

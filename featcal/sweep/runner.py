@@ -97,7 +97,7 @@ def run_sweep(
     parameter: SweptParameter | None = None,
     device: str = "auto",
     precision: str = "float32",
-    eval_batch_size: int = 256,
+    eval_batch_size: int | None = None,
     eval_num_workers: int = 0,
     cache_dir: str | None = None,
     threads: int | None = None,
@@ -117,7 +117,8 @@ def run_sweep(
         parameter: The FeatCal parameter to sweep and its values (:func:`~featcal.sweep.request.parse_parameter`).
         device: auto, cpu, cuda or cuda:N.
         precision: CUDA arithmetic, ``float32`` or ``tf32``.
-        eval_batch_size: Test images per batch.
+        eval_batch_size: Test images per batch (default: the device's, see
+            :func:`featcal.evaluation.default_eval_batch_size`).
         eval_num_workers: Data-loading workers for the test images.
         cache_dir: The Hub cache folder, for models and datasets named by Hub id.
         threads: torch CPU threads (default: 1 for vision towers narrower than 256, else torch's).

@@ -1,0 +1,92 @@
+"""Evaluation batch size on the CPU: `featcal evaluate` on the ViT-B/32 shape at several batch sizes,
+each run a fresh process, the sizes alternating.
+
+Inputs are ``ta8_rehearsal.py``'s (random ViT-B/32-shaped CLIP, experts, 224 px parquet datasets),
+built in ``--workdir`` if missing; the model evaluated is Task Arithmetic κ 0.3 (``featcal merge``).
+Per run: wall time, user and system CPU time and peak RSS (``wait4``). The result sets the CPU
+default of ``--eval-batch-size`` (``featcal.evaluation.EVAL_BATCH_SIZE``).
+
+    .venv/bin/python benchmarks/eval_batch_speed.py --workdir /tmp/featcal-eval-batch
+
+Writes ``benchmarks/results/eval_batch_speed.json`` (``--out``) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from allocator_speed import REPO, RESULTS, _cpu, run
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/featcal-eval-batch"))
+    parser.add_argument("--tasks", nargs="+", default=["eurosat", "gtsrb", "mnist", "svhn"])
+    parser.add_argument("--test-images", type=int, default=256, help="test images per task (default 256)")
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[16, 64, 256])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "eval_batch_speed.json")
+    args = parser.parse_args()
+    work = args.workdir.resolve()
+    build = [sys.executable, str(HERE / "ta8_rehearsal.py"), "--build-only", str(work), "--tasks", *args.tasks]
+    build += ["--images-per-task", "16", "--test-images", str(args.test_images)]
+    subprocess.run(build, check=True, stdout=subprocess.DEVNULL)
+    env = os.environ | {
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": str(args.threads),
+        "HF_HOME": str(work / "hf-home"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    featcal = [sys.executable, "-m", "featcal", "-q"]
+    inputs = ["--tasks-file", str(work / "tasks.json"), "--base-model-id", str(work / "base"), "--device", "cpu"]
+    merged = work / "ta"
+    if not merged.is_dir():
+        merge = [*featcal, "merge", *inputs, "--tasks", *args.tasks, "--output", str(merged)]
+        subprocess.run(merge, env=env, check=True, stdout=subprocess.DEVNULL)
+    runs = []
+    for repeat in range(args.repeats):
+        for size in args.batch_sizes:
+            cmd = [
+                *featcal, "evaluate", *inputs, "--tasks", *args.tasks, "--model", str(merged),
+                "--eval-batch-size", str(size), "--eval-num-workers", "0", "--threads", str(args.threads),
+                "--output", str(work / f"metrics-{size}.json"),
+            ]  # fmt: skip
+            load = os.getloadavg()
+            result = run(cmd, env) | {"batch_size": size, "repeat": repeat}
+            runs.append(result | {"load_average_before": [round(x, 2) for x in load]})
+            print(json.dumps(runs[-1]), flush=True)
+    accuracies = {
+        size: json.loads((work / f"metrics-{size}.json").read_text())["average"]["accuracy"]
+        for size in args.batch_sizes
+    }
+    report = {
+        "about": __doc__.splitlines()[0],
+        "command": " ".join(["python", *sys.argv]),
+        "images": {"tasks": args.tasks, "per_task": args.test_images},
+        "threads": args.threads,
+        "cpu": _cpu(),
+        "average_accuracy_by_batch_size": accuracies,
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print("| batch | repeat | wall (s) | user (s) | system (s) | peak RSS (GiB) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in runs:
+        print(
+            f"| {r['batch_size']} | {r['repeat']} | {r['wall_s']:.1f} | {r['user_s']:.1f} | {r['system_s']:.1f} | "
+            f"{r['peak_rss_GiB']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
