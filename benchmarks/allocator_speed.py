@@ -32,6 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
+FEATCAL = [sys.executable, "-m", "featcal", "-q"]
 SETTINGS = {
     "glibc defaults": {"FEATCAL_ALLOCATOR": "glibc"},
     "featcal": {},
@@ -69,32 +70,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "allocator_speed.json")
     args = parser.parse_args()
     work = args.workdir.resolve()
-    tasks = sorted(set(args.calibrate_tasks) | set(args.evaluate_tasks))
-    build = [sys.executable, str(HERE / "ta8_rehearsal.py"), "--build-only", str(work), "--tasks", *tasks]
-    build += ["--images-per-task", str(args.images), "--test-images", str(args.test_images)]
-    subprocess.run(build, check=True, stdout=subprocess.DEVNULL)
     drop = ("GLIBC_TUNABLES", "FEATCAL_ALLOCATOR")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in drop} | {
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": str(args.threads),
-        "HF_HOME": str(work / "hf-home"),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-    }
-    featcal = [sys.executable, "-m", "featcal", "-q"]
-    inputs = ["--tasks-file", str(work / "tasks.json"), "--base-model-id", str(work / "base"), "--device", "cpu"]
-    merged = work / "ta"
-    if not merged.is_dir():
-        merge = [*featcal, "merge", *inputs, "--tasks", *args.calibrate_tasks, "--output", str(merged)]
-        subprocess.run(merge, env=env, check=True, stdout=subprocess.DEVNULL)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in drop}
+    env, inputs, merged = prepare_inputs(
+        work,
+        sorted(set(args.calibrate_tasks) | set(args.evaluate_tasks)),
+        merge_tasks=args.calibrate_tasks,
+        images=args.images,
+        test_images=args.test_images,
+        threads=args.threads,
+        environ=environ,
+    )
     commands = {
         "calibrate": [
-            *featcal, "calibrate", *inputs, "--tasks", *args.calibrate_tasks, "--merged", str(merged),
+            *FEATCAL, "calibrate", *inputs, "--tasks", *args.calibrate_tasks, "--merged", str(merged),
             "--num-calibration-examples", str(args.images), "--calibration-batch-size", "16",
             "--output", str(work / "calibrated"),
         ],
         "evaluate": [
-            *featcal, "evaluate", *inputs, "--tasks", *args.evaluate_tasks, "--model", str(merged),
+            *FEATCAL, "evaluate", *inputs, "--tasks", *args.evaluate_tasks, "--model", str(merged),
             "--eval-batch-size", "256", "--eval-num-workers", "0", "--output", str(work / "metrics.json"),
         ],
     }  # fmt: skip
@@ -112,7 +106,7 @@ def main() -> None:
         "commands": {k: " ".join(v[1:]).replace(str(work), "$WORKDIR") for k, v in commands.items()},
         "settings": SETTINGS,
         "threads": args.threads,
-        "cpu": _cpu(),
+        "cpu": cpu_name(),
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +120,40 @@ def main() -> None:
         )
 
 
-def _cpu() -> str:
+def prepare_inputs(
+    work: Path,
+    tasks: list[str],
+    *,
+    merge_tasks: list[str],
+    images: int,
+    test_images: int,
+    threads: int,
+    environ: dict[str, str],
+) -> tuple[dict[str, str], list[str], Path]:
+    """``ta8_rehearsal.py``'s inputs in ``work`` and their Task Arithmetic merge (κ 0.3) of ``merge_tasks``.
+
+    Returns the environment of the measured commands (``environ`` plus the repository, the thread count
+    and an offline Hub home in ``work``), the input flags every command takes, and the merged folder.
+    """
+    build = [sys.executable, str(HERE / "ta8_rehearsal.py"), "--build-only", str(work), "--tasks", *tasks]
+    build += ["--images-per-task", str(images), "--test-images", str(test_images)]
+    subprocess.run(build, check=True, stdout=subprocess.DEVNULL)
+    env = environ | {
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": str(threads),
+        "HF_HOME": str(work / "hf-home"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    inputs = ["--tasks-file", str(work / "tasks.json"), "--base-model-id", str(work / "base"), "--device", "cpu"]
+    merged = work / "ta"
+    if not merged.is_dir():
+        merge = [*FEATCAL, "merge", *inputs, "--tasks", *merge_tasks, "--output", str(merged)]
+        subprocess.run(merge, env=env, check=True, stdout=subprocess.DEVNULL)
+    return env, inputs, merged
+
+
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

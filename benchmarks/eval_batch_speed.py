@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from allocator_speed import REPO, RESULTS, _cpu, run
-
-HERE = Path(__file__).resolve().parent
+from allocator_speed import FEATCAL, RESULTS, cpu_name, prepare_inputs, run
 
 
 def main() -> None:
@@ -36,27 +33,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "eval_batch_speed.json")
     args = parser.parse_args()
     work = args.workdir.resolve()
-    build = [sys.executable, str(HERE / "ta8_rehearsal.py"), "--build-only", str(work), "--tasks", *args.tasks]
-    build += ["--images-per-task", "16", "--test-images", str(args.test_images)]
-    subprocess.run(build, check=True, stdout=subprocess.DEVNULL)
-    env = os.environ | {
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": str(args.threads),
-        "HF_HOME": str(work / "hf-home"),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-    }
-    featcal = [sys.executable, "-m", "featcal", "-q"]
-    inputs = ["--tasks-file", str(work / "tasks.json"), "--base-model-id", str(work / "base"), "--device", "cpu"]
-    merged = work / "ta"
-    if not merged.is_dir():
-        merge = [*featcal, "merge", *inputs, "--tasks", *args.tasks, "--output", str(merged)]
-        subprocess.run(merge, env=env, check=True, stdout=subprocess.DEVNULL)
+    env, inputs, merged = prepare_inputs(
+        work,
+        args.tasks,
+        merge_tasks=args.tasks,
+        images=16,
+        test_images=args.test_images,
+        threads=args.threads,
+        environ=dict(os.environ),
+    )
     runs = []
     for repeat in range(args.repeats):
         for size in args.batch_sizes:
             cmd = [
-                *featcal, "evaluate", *inputs, "--tasks", *args.tasks, "--model", str(merged),
+                *FEATCAL, "evaluate", *inputs, "--tasks", *args.tasks, "--model", str(merged),
                 "--eval-batch-size", str(size), "--eval-num-workers", "0", "--threads", str(args.threads),
                 "--output", str(work / f"metrics-{size}.json"),
             ]  # fmt: skip
@@ -73,7 +63,7 @@ def main() -> None:
         "command": " ".join(["python", *sys.argv]),
         "images": {"tasks": args.tasks, "per_task": args.test_images},
         "threads": args.threads,
-        "cpu": _cpu(),
+        "cpu": cpu_name(),
         "average_accuracy_by_batch_size": accuracies,
         "runs": runs,
     }

@@ -303,7 +303,6 @@ class TestImages:
         sizes = [len(part) for part in parts]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.sizes = dict(zip(self.index, sizes))
-        self.batch_size = batch_size
         self._batches = _TaskBatches(offsets, sizes, batch_size, world)
         workers = num_workers if sum(sizes) >= MIN_IMAGES_FOR_WORKERS else 0
         self.loader = DataLoader(
@@ -314,6 +313,11 @@ class TestImages:
             pin_memory=pin_memory,
             persistent_workers=workers > 0,
         )
+
+    @property
+    def batch_size(self) -> int:
+        """Test images per batch."""
+        return self._batches.batch_size
 
     def local_size(self, task: Task) -> int:
         """How many of ``task``'s test images this process evaluates (all of them for one process)."""

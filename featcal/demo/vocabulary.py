@@ -10,8 +10,8 @@ learns the mapping. ``"benchmark"`` keeps the benchmark's names; benchmarks/mini
 
 from __future__ import annotations
 
-# German words (lower case, as the tokenizer sees them) chosen so that no word is a class name of any
-# benchmark task or of another task's pretraining vocabulary
+# German words and the NATO alphabet (lower case, as the tokenizer sees them), chosen so that no word
+# is a class name of any benchmark task or of another task's pretraining vocabulary
 HELD_OUT: dict[str, tuple[str, ...]] = {
     "digits": ("null", "eins", "zwei", "drei", "vier", "fünf", "sechs", "sieben", "acht", "neun"),
     "letters": ("alfa", "charlie", "echo", "foxtrot", "hotel", "kilo", "mike", "romeo", "tango", "xray"),
