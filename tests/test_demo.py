@@ -126,8 +126,13 @@ def test_assignments_make_a_variant_and_reject_bad_items():
     )
     assert (variant.vision_hidden, variant.pretrain_vocabulary, variant.expert_lr) == (128, "held-out", 1e-4)
     assert variant.tasks == ("digits", "colors") and variant.cache_key() != ZooConfig.mini8().cache_key()
-    for bad in ("vision_hidden", "nope=1", "vision_hidden=wide", "pretrain_vocabulary=klingon"):
-        with pytest.raises(FeatcalError):
+    for bad, message in (
+        ("vision_hidden", "expected NAME=VALUE"),
+        ("nope=1", "expected NAME=VALUE"),
+        ("vision_hidden=wide", "'wide' is not a int"),
+        ("pretrain_vocabulary=klingon", "pretrain_vocabulary must be one of"),
+    ):
+        with pytest.raises(FeatcalError, match=message):
             ZooConfig.mini8().with_assignments([bad])
 
 
