@@ -1,7 +1,9 @@
 """Peak memory per stage (featcal.memory) and the lean run: what a run keeps in memory between stages."""
 
+import gc
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -93,6 +95,27 @@ def test_keep_heads_only_releases_the_base_towers_and_keeps_the_heads(device):
         assert torch.equal(classifier.head(task), heads[task.name])
     with pytest.raises(FeatcalError, match="text tower was already released"):
         classifier.head(tasks[2])
+
+
+def _mapped(path) -> bool:
+    return any(line.rstrip().endswith(str(path)) for line in open("/proc/self/maps", encoding="utf-8"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's maps from /proc")
+def test_keep_heads_only_closes_the_map_of_the_base_s_weights_file(tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(FIXTURE / "base", base)
+    table = load_task_file(FIXTURE / "tasks.json")
+    clip, tokenizer, _ = load_base_clip(base)
+    classifier = ZeroShotClassifier(clip, tokenizer)
+    assert _mapped(base / "model.safetensors")  # transformers reads the weights through a map of the file
+    scale, projection = clip.logit_scale.clone(), clip.visual_projection.weight.clone()
+    classifier.keep_heads_only(list(table.tasks.values()))
+    del clip
+    gc.collect()
+    assert not _mapped(base / "model.safetensors")  # no kept tensor holds the map (and the pages it read)
+    assert torch.equal(classifier.clip.logit_scale, scale)
+    assert torch.equal(classifier.clip.visual_projection.weight, projection)
 
 
 def test_threads_default_to_one_for_small_towers_and_restore():
