@@ -18,6 +18,7 @@ import torch
 from featcal.demo import ZOO_VERSION, ZooConfig, build_zoo, default_cache_dir, zoo_path
 from featcal.demo import zoo as zoo_module
 from featcal.demo.images import MINI8_TASKS
+from featcal.demo.looks import DUOTONES, in_task_look
 from featcal.demo.styles import PRETRAIN_STYLES, restyle
 from featcal.demo.tokenizer import build_tokenizer
 from featcal.demo.vocabulary import pretraining_classnames
@@ -77,6 +78,28 @@ def test_pretraining_styles_keep_the_image_and_change_its_look(style):
     assert all(changed) if style != "native" else not any(changed)
 
 
+@pytest.mark.parametrize("task", MINI8_TASKS, ids=lambda t: t.name)
+def test_distinct_task_looks_draw_each_form_task_in_its_own_palette(task):
+    image = task.sample(np.random.default_rng(7), 2, 32)
+    assert in_task_look(image, task.name, "shared") is image
+    looked = in_task_look(image, task.name, "distinct")
+    if task.name not in DUOTONES:  # colors and scenes: the colour is the label
+        assert looked is image
+        return
+    dark, light = (np.array(c, np.float64) for c in DUOTONES[task.name])
+    pixels = np.asarray(looked, np.float64).reshape(-1, 3)
+    along = np.clip((pixels - dark) @ (light - dark) / ((light - dark) @ (light - dark)), 0, 1)
+    off_palette = np.linalg.norm(pixels - (dark + along[:, None] * (light - dark)), axis=1)
+    assert off_palette.max() < 1.5  # every pixel lies on the segment from the dark end to the light one
+    brightness = np.asarray(image.convert("L"), np.float64).ravel()
+    assert np.corrcoef(brightness, along)[0, 1] > 0.99  # the picture survives as brightness along it
+
+
+def test_task_palettes_differ_from_task_to_task():
+    ends = [np.array(dark + light, np.float64) for dark, light in DUOTONES.values()]
+    assert min(np.linalg.norm(a - b) for i, a in enumerate(ends) for b in ends[i + 1 :]) > 60
+
+
 def test_tokenizer_round_trips_and_separates_class_names(tmp_path):
     from transformers import AutoTokenizer
 
@@ -113,6 +136,7 @@ def test_cache_keys():
         dict(expert_steps=0),
         dict(pretrain_style="sepia"),
         dict(pretrain_vocabulary="klingon"),
+        dict(task_looks="plaid"),
     ],
 )
 def test_config_rejects_bad_fields(bad):
@@ -266,6 +290,22 @@ def test_held_out_vocabulary_pretrains_on_other_names_and_tokenizes_both(monkeyp
         for name in (*task.classnames, *seen[task.name].classnames):
             (piece, _), *_ = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(name.split()[-1])
             assert piece + "</w>" in tokenizer.get_vocab()  # the whole word is a token of the vocabulary
+
+
+def test_distinct_task_looks_reach_every_split_of_the_zoo(tmp_path):
+    import datasets
+
+    config = replace(MICRO, tasks=("digits", "colors"), task_looks="distinct")
+    folder = build_zoo(config, cache_dir=tmp_path, progress=False)
+    for split in ("train", "test"):
+        for task, grey in (("digits", True), ("colors", False)):
+            path = folder / "data" / task / "data" / f"{split}-00000-of-00001.parquet"
+            images = [
+                np.asarray(row["image"].convert("RGB"), np.int16)
+                for row in datasets.load_dataset("parquet", data_files=str(path))["train"]
+            ]
+            spread = max(int(np.abs(np.diff(image, axis=-1)).max()) for image in images)
+            assert (spread <= 1) == grey  # digits in black-to-white, colors in their own hues
 
 
 def test_cached_zoo_is_reused_and_force_rebuilds_identically(micro_zoo, monkeypatch):

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from featcal.demo.images import MINI8_TASKS
+from featcal.demo.looks import TASK_LOOKS
 from featcal.demo.styles import PRETRAIN_STYLES
 from featcal.demo.vocabulary import PRETRAIN_VOCABULARIES
 from featcal.errors import FeatcalError
@@ -53,6 +54,9 @@ class ZooConfig:
     # the words the pretraining captions name the classes with (featcal.demo.vocabulary):
     # "benchmark" uses the tasks' own class names, "held-out" words the benchmark never uses
     pretrain_vocabulary: str = "benchmark"
+    # whether the tasks share one look ("shared": random colours everywhere) or each form task has a
+    # palette of its own ("distinct", featcal.demo.looks), as real benchmark tasks differ in look
+    task_looks: str = "shared"
     # expert fine-tuning (vision tower only, zero-shot head frozen)
     expert_steps: int = 400
     expert_batch_size: int = 128
@@ -75,6 +79,8 @@ class ZooConfig:
                 f"ZooConfig.pretrain_vocabulary must be one of {list(PRETRAIN_VOCABULARIES)}; "
                 f"got {self.pretrain_vocabulary!r}."
             )
+        if self.task_looks not in TASK_LOOKS:
+            raise FeatcalError(f"ZooConfig.task_looks must be one of {list(TASK_LOOKS)}; got {self.task_looks!r}.")
         if self.image_size % self.patch_size:
             raise FeatcalError(
                 f"ZooConfig: image_size {self.image_size} is not a multiple of patch_size {self.patch_size}."

@@ -32,6 +32,7 @@ import torch
 
 from featcal.demo.config import IMAGE_DRAW, ZOO_VERSION, ZooConfig
 from featcal.demo.images import MINI8_TASKS, ImageTask
+from featcal.demo.looks import in_task_look
 from featcal.demo.styles import restyle
 from featcal.demo.tokenizer import build_tokenizer
 from featcal.demo.training import TaskTensors, accuracy, finetune_expert, pretrain_clip, zero_shot_head
@@ -154,7 +155,8 @@ def _draw_split(task: ImageTask, index: int, split: int, count: int, config: Zoo
     """``count`` images of one split with balanced labels, from a seed fixed by (seed, task, split)."""
     rng = np.random.default_rng([config.seed, IMAGE_DRAW, index, split])
     labels = rng.permutation(np.arange(count) % len(task.classnames))
-    return [task.sample(rng, int(label), config.image_size) for label in labels], labels.tolist()
+    images = [task.sample(rng, int(label), config.image_size) for label in labels]
+    return [in_task_look(image, task.name, config.task_looks) for image in images], labels.tolist()
 
 
 def _write_parquet(folder: Path, split: str, images: list, labels: list[int], classnames: Sequence[str]) -> None:
