@@ -301,7 +301,7 @@ def _write_tables(
     table = {
         "about": f"The {config.name} benchmark zoo (featcal, version {ZOO_VERSION}, seed {config.seed}): "
         "procedural image tasks, a small CLIP pretrained on their captions with the images in the "
-        f"{config.pretrain_style!r} style, one expert per task. "
+        f"{config.pretrain_style!r} style, one expert per task; task looks {config.task_looks!r}. "
         "Paths are relative to this file. reference_accuracy holds the accuracies measured while "
         "building (fractions of the test split).",
         "base_model": "base",
