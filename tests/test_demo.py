@@ -96,6 +96,7 @@ def test_distinct_task_looks_draw_each_form_task_in_its_own_palette(task):
 
 
 def test_task_palettes_differ_from_task_to_task():
+    assert set(DUOTONES) == {t.name for t in MINI8_TASKS} - {"colors", "scenes"}  # every form task has one
     ends = [np.array(dark + light, np.float64) for dark, light in DUOTONES.values()]
     assert min(np.linalg.norm(a - b) for i, a in enumerate(ends) for b in ends[i + 1 :]) > 60
 
@@ -295,6 +296,7 @@ def test_held_out_vocabulary_pretrains_on_other_names_and_tokenizes_both(monkeyp
 def test_distinct_task_looks_reach_every_split_of_the_zoo(tmp_path):
     import datasets
 
+    assert ZooConfig.mini8().task_looks == "distinct" and ZooConfig.tiny().task_looks == "shared"
     config = replace(MICRO, tasks=("digits", "colors"), task_looks="distinct")
     folder = build_zoo(config, cache_dir=tmp_path, progress=False)
     for split in ("train", "test"):

@@ -121,7 +121,7 @@ class ZooConfig:
         """A copy with fields set from ``name=value`` strings, for benchmark variants.
 
         Args:
-            assignments: Items such as ``"vision_hidden=128"`` or ``"pretrain_vocabulary=held-out"``;
+            assignments: Items such as ``"vision_hidden=96"`` or ``"pretrain_vocabulary=held-out"``;
                 tuple fields take comma-separated values.
 
         Returns:
