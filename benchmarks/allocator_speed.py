@@ -100,17 +100,14 @@ def main() -> None:
                 result = run(cmd, env | extra) | {"command": command, "setting": setting, "repeat": repeat}
                 runs.append(result | {"load_average_before": [round(x, 2) for x in load]})
                 print(json.dumps(runs[-1]), flush=True)
-    report = {
-        "about": __doc__.splitlines()[0],
-        "command": " ".join(["python", *sys.argv]),
-        "commands": {k: " ".join(v[1:]).replace(str(work), "$WORKDIR") for k, v in commands.items()},
-        "settings": SETTINGS,
-        "threads": args.threads,
-        "cpu": cpu_name(),
-        "runs": runs,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(
+        args.out,
+        __doc__,
+        commands={k: " ".join(v[1:]).replace(str(work), "$WORKDIR") for k, v in commands.items()},
+        settings=SETTINGS,
+        threads=args.threads,
+        runs=runs,
+    )
     print("| command | setting | wall (s) | system (s) | minor faults | peak RSS (GiB) |")
     print("|---|---|---:|---:|---:|---:|")
     for r in runs:
@@ -151,6 +148,13 @@ def prepare_inputs(
         merge = [*FEATCAL, "merge", *inputs, "--tasks", *merge_tasks, "--output", str(merged)]
         subprocess.run(merge, env=env, check=True, stdout=subprocess.DEVNULL)
     return env, inputs, merged
+
+
+def write_report(out: Path, doc: str, **fields) -> None:
+    """Write a benchmark's JSON: its docstring's first line, the command that ran it, ``fields``, the CPU."""
+    report = {"about": doc.splitlines()[0], "command": " ".join(["python", *sys.argv]), **fields, "cpu": cpu_name()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def cpu_name() -> str:

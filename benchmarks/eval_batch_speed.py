@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-from allocator_speed import FEATCAL, RESULTS, cpu_name, prepare_inputs, run
+from allocator_speed import FEATCAL, RESULTS, prepare_inputs, run, write_report
 
 
 def main() -> None:
@@ -58,17 +57,14 @@ def main() -> None:
         size: json.loads((work / f"metrics-{size}.json").read_text())["average"]["accuracy"]
         for size in args.batch_sizes
     }
-    report = {
-        "about": __doc__.splitlines()[0],
-        "command": " ".join(["python", *sys.argv]),
-        "images": {"tasks": args.tasks, "per_task": args.test_images},
-        "threads": args.threads,
-        "cpu": cpu_name(),
-        "average_accuracy_by_batch_size": accuracies,
-        "runs": runs,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(
+        args.out,
+        __doc__,
+        images={"tasks": args.tasks, "per_task": args.test_images},
+        threads=args.threads,
+        average_accuracy_by_batch_size=accuracies,
+        runs=runs,
+    )
     print("| batch | repeat | wall (s) | user (s) | system (s) | peak RSS (GiB) |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in runs:
