@@ -156,6 +156,7 @@ def test_assignments_make_a_variant_and_reject_bad_items():
         ("nope=1", "expected NAME=VALUE"),
         ("vision_hidden=wide", "'wide' is not a int"),
         ("pretrain_vocabulary=klingon", "pretrain_vocabulary must be one of"),
+        ("task_looks=plaid", "task_looks must be one of"),
     ):
         with pytest.raises(FeatcalError, match=message):
             ZooConfig.mini8().with_assignments([bad])
