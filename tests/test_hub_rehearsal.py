@@ -19,6 +19,7 @@ tests/faults/test_hub_faults.py.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -202,6 +203,8 @@ def test_space_push_then_featcal_space_serves_the_published_model(pushed, hub, h
     port = _free_port()
     args = ["space", "--model", RELEASE_REPO, "--device", "cpu", "--port", str(port)]
     env = user_env(hub.url, tmp_path / "visitor")
+    env["TMPDIR"] = str(tmp_path / "visitor-tmp")
+    (tmp_path / "visitor-tmp").mkdir()
     log = (tmp_path / "space.log").open("w")
     start = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "featcal", *args], cwd=space, env=env, stdout=log, stderr=log)
@@ -223,6 +226,8 @@ def test_space_push_then_featcal_space_serves_the_published_model(pushed, hub, h
         server.wait(timeout=30)
         log.close()
     assert reply["error"] is None and list(reply["results"]) == tasks
+    assert server.returncode == 128 + signal.SIGTERM, "a stop request ends `featcal space` through its clean-up"
+    assert not list((tmp_path / "visitor-tmp").glob("featcal-space-*")), "the temporary example folder is removed"
     # The numbers are those of the released weights beside the stand-in base, computed here from folders.
     from PIL import Image
 

@@ -280,3 +280,12 @@ def test_the_space_model_runs_on_each_device(settings, device):
     assert next(on_device.vision.parameters()).device.type == device
     for name, probs in on_cpu.probabilities(image, ["t0", "t2"]).items():
         torch.testing.assert_close(on_device.probabilities(image, ["t0", "t2"])[name], probs, rtol=1e-4, atol=1e-5)
+
+
+def test_close_removes_the_temporary_example_folder(settings):
+    """Examples taken from the test splits live in a temporary folder that closing the Space removes."""
+    space = create_space(settings, progress=False)
+    scratch = space.scratch
+    assert scratch is not None and sorted(p.name for p in scratch.iterdir()) == ["t0.png", "t1.png", "t2.png"]
+    space.close()
+    assert not scratch.exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 
 from featcal.cli.common import path_line, show_progress
@@ -24,8 +25,20 @@ def cmd_space(args: argparse.Namespace) -> int:
         app_dir=Path.cwd(),
         device=args.device,
     )
-    create_space(settings, progress=show_progress(args)).launch(host=args.host, port=args.port, share=args.share)
+    space = create_space(settings, progress=show_progress(args))
+    # A stop request (SIGTERM, as from `docker stop` or a Space restart) ends the launch like Ctrl-C,
+    # so the server is closed and the temporary example folder removed.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        space.launch(host=args.host, port=args.port, share=args.share)
+    finally:
+        space.close()
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_on_sigterm(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def cmd_push(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -121,11 +122,13 @@ def build_demo(model: SpaceModel, examples: Mapping[str, Path]):
 
 @dataclass
 class Space:
-    """A built Space: its page, its model, and the folders its example images live in."""
+    """A built Space: its page, its model, the folders its example images live in, and the temporary
+    folder of gathered examples (removed by :meth:`close`)."""
 
     demo: Any
     model: SpaceModel
     example_folders: list[Path]
+    scratch: Path | None = None
 
     def launch(
         self,
@@ -155,7 +158,10 @@ class Space:
         )
 
     def close(self) -> None:
+        """Stop serving and remove the temporary folder of gathered example images."""
         self.demo.close()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def create_space(settings: SpaceSettings, *, progress: bool = True) -> Space:
@@ -164,4 +170,4 @@ def create_space(settings: SpaceSettings, *, progress: bool = True) -> Space:
     shipped = settings.path(settings.examples_dir)
     cache = Path(tempfile.mkdtemp(prefix="featcal-space-examples-"))
     examples = collect_examples(list(model.tasks.values()), cache, shipped=shipped, progress=progress)
-    return Space(build_demo(model, examples), model, [shipped, cache])
+    return Space(build_demo(model, examples), model, [shipped, cache], scratch=cache)
