@@ -17,6 +17,7 @@ from featcal.calibration.statistics import (
     column_sums,
     triangle_blocks,
 )
+from featcal.calibration.workspace import Workspace
 from featcal.checkpoint import Checkpoint
 from tests.support.builders import FIXTURE
 
@@ -166,3 +167,49 @@ def test_tasks_with_different_image_counts_match_the_plain_implementation(device
     for key in plain:
         if key.startswith("encoder.layers."):
             assert (fast[key] - plain[key]).norm() <= 1e-4 * (plain[key] - start[key]).norm(), key
+
+
+def _system(lhs: torch.Tensor, rhs: torch.Tensor) -> LinearSystem:
+    system = LinearSystem.empty(rhs.shape[1], lhs.shape[0], False, device="cpu")
+    system.lhs.copy_(lhs)
+    system.rhs.copy_(rhs)
+    return system
+
+
+def test_linear_solve_reuses_its_workspace_and_matches_a_plain_solve():
+    """Two systems of one shape share one factor buffer; each solve equals torch.linalg.solve."""
+    workspace = Workspace()
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(40, 9, generator=g, dtype=torch.float64)
+        rhs, anchor_w = torch.randn(9, 4, generator=g, dtype=torch.float64), torch.randn(4, 9, dtype=torch.float64)
+        weight, _ = _system(x.T @ x, rhs).solve(anchor_w, None, lam=0.05, eps=1e-8, workspace=workspace)
+        expected = torch.linalg.solve(
+            x.T @ x + (0.05 + 1e-8) * torch.eye(9, dtype=torch.float64), rhs + 0.05 * anchor_w.T
+        )
+        torch.testing.assert_close(weight, expected.T, rtol=1e-10, atol=1e-12)
+        factor = workspace.get("factor", (9, 9), torch.float64, torch.device("cpu"))
+        if seed == 0:
+            first = factor.data_ptr()
+    assert factor.data_ptr() == first
+
+
+def test_linear_solve_falls_back_when_the_system_is_not_positive_definite():
+    """An indefinite system (λ = ε = 0) fails Cholesky in the workspace and is solved by LU instead."""
+    lhs = torch.diag(torch.tensor([2.0, -1.0, 3.0], dtype=torch.float64))
+    weight, _ = _system(lhs, torch.ones(3, 1, dtype=torch.float64)).solve(
+        torch.zeros(1, 3, dtype=torch.float64), None, lam=0.0, eps=0.0, workspace=Workspace()
+    )
+    torch.testing.assert_close(weight, torch.tensor([[0.5, -1.0, 1 / 3]], dtype=torch.float64))
+
+
+def test_projected_fold_through_a_workspace_equals_the_fold_without():
+    """fc2's C_ss·W_tᵀ product casts C_ss to the weight's float32 in a reused buffer: same result."""
+    moments = ProjectedLinearMoments.zeros(10, 4)
+    moments.add(torch.randn(3, 7, 10), torch.randn(3, 7, 4))
+    w_t = torch.randn(4, 10)
+    workspace = Workspace()
+    expected = moments.teacher_rhs(0.25, w_t)
+    torch.testing.assert_close(moments.teacher_rhs(0.25, w_t, workspace), expected, rtol=0, atol=0)
+    assert torch.equal(workspace.get("gram", (10, 10), torch.float32, torch.device("cpu")), moments.sum_ss.float())
+    torch.testing.assert_close(moments.teacher_rhs(0.25, w_t, workspace), expected, rtol=0, atol=0)

@@ -196,7 +196,9 @@ class FeatCalibrator:
                 system.add_task(moments, module.weight, module.bias)
             else:
                 weight, bias = _cat_params(modules_e, group.names)
-                system.add_task(moments, weight, bias, alpha=p.teacher_interp_alpha, eps=p.covariance_eps)
+                system.add_task(
+                    moments, weight, bias, alpha=p.teacher_interp_alpha, eps=p.covariance_eps, workspace=state.workspace
+                )
 
     # -- the layer loop --------------------------------------------------------------------
     @torch.no_grad()
@@ -270,7 +272,8 @@ class FeatCalibrator:
                         ]
                     )
                     a_b = anchor(merged_b.to(dtype), base_b.to(self.device, dtype), p.anchor_blend_rho)
-                weight, bias = state.systems[i].solve(a_w, a_b, lam=p.lambda_ratio, eps=p.covariance_eps)
+                reuse = {} if group.kind == "layernorm" else {"workspace": state.workspace}
+                weight, bias = state.systems[i].solve(a_w, a_b, lam=p.lambda_ratio, eps=p.covariance_eps, **reuse)
                 sizes = [modules[n].weight.shape[0] for n in group.names]
                 biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
                 for name, w, b in zip(group.names, weight.split(sizes), biases):

@@ -18,6 +18,7 @@ from torch import nn
 from featcal.calibration.adapters import TokenWeighting
 from featcal.calibration.solves import LayerNormSystem, LinearSystem
 from featcal.calibration.statistics import GramAccumulator, LayerNormMoments, LinearMoments, ProjectedLinearMoments
+from featcal.calibration.workspace import Workspace
 from featcal.errors import FeatcalError
 
 FLUSH_TOKENS = 1 << 15  # float32 product sums are flushed into the float64 moments this often
@@ -140,6 +141,7 @@ class LayerState:
     weights: dict[int, torch.Tensor | None] = field(default_factory=dict)
     roots: dict[int, torch.Tensor | None] = field(default_factory=dict)
     scratch: torch.Tensor | None = None
+    workspace: Workspace = field(default_factory=Workspace)  # the solves' and task folds' large temporaries
     filled: int = 0
     flushed: set[int] = field(default_factory=set)  # groups whose moments hold this task's first flush
 

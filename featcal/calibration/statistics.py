@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from featcal.calibration.workspace import Workspace
+
 
 def product_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of statistics products for inputs of ``dtype``: float32 at least."""
@@ -102,8 +104,9 @@ class LinearMoments(Sums):
         cross = self.sum_ss * ((1 - alpha) / self.sum_w)
         return cross.addcmul_(self.sum_se, alpha / self.sum_w)
 
-    def teacher_rhs(self, alpha: float, weight: torch.Tensor) -> torch.Tensor:
-        """C_sτ·W_tᵀ ([d_in, d_out]) for the expert weight W_t, as a product in W_t's dtype (float32 at least)."""
+    def teacher_rhs(self, alpha: float, weight: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
+        """C_sτ·W_tᵀ ([d_in, d_out]) for the expert weight W_t, as a product in W_t's dtype (float32 at least).
+        ``workspace`` is not needed: C_sτ is d_in × d_in, as small as the result."""
         dtype = product_dtype(weight.dtype)
         return (self.cross_teacher(alpha).to(dtype) @ weight.to(dtype).T).to(self.sum_ss.dtype)
 
@@ -144,10 +147,19 @@ class ProjectedLinearMoments(Sums):
     def cov_student(self) -> torch.Tensor:
         return self.sum_ss / self.sum_w
 
-    def teacher_rhs(self, alpha: float, weight: torch.Tensor) -> torch.Tensor:
+    def teacher_rhs(self, alpha: float, weight: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
+        """C_sτ·W_tᵀ = α·E_w[x_s y_eᵀ] + (1−α)·C_ss·W_tᵀ; the product in W_t's dtype (float32 at least),
+        its cast of C_ss in a ``workspace`` buffer when one is given."""
         dtype = product_dtype(weight.dtype)
-        projected = (self.sum_ss.to(dtype) @ weight.to(dtype).T).to(self.sum_ss.dtype)
-        return (alpha * self.sum_sy + (1 - alpha) * projected) / self.sum_w
+        gram = self.sum_ss
+        if dtype != gram.dtype:
+            gram = (
+                gram.to(dtype)
+                if workspace is None
+                else workspace.get("gram", gram.shape, dtype, gram.device).copy_(gram)
+            )
+        projected = (gram @ weight.to(dtype).T).to(self.sum_ss.dtype)
+        return projected.mul_((1 - alpha) / self.sum_w).addcmul_(self.sum_sy, alpha / self.sum_w)
 
     def teacher_output_mean(self, alpha: float, weight: torch.Tensor) -> torch.Tensor:
         return (alpha * self.sum_ye + (1 - alpha) * (weight.to(self.sum_xs.dtype) @ self.sum_xs)) / self.sum_w

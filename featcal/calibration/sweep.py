@@ -239,7 +239,9 @@ def _fold_task(setting: _Setting, modules_e: Mapping[str, nn.Module]) -> None:
             system.add_task(moments, module.weight, module.bias)
         else:
             weight, bias = _cat_params(modules_e, group.names)
-            system.add_task(moments, weight, bias, alpha=p.teacher_interp_alpha, eps=p.covariance_eps)
+            system.add_task(
+                moments, weight, bias, alpha=p.teacher_interp_alpha, eps=p.covariance_eps, workspace=state.workspace
+            )
 
 
 def setting_groups(settings: Sequence[FeatCalParams], together: int | None) -> Iterator[list[int]]:
