@@ -40,7 +40,7 @@ from featcal.inputs import (
 from featcal.io import config_hash, fault_point, read_json, save_vision_model
 from featcal.memory import MemoryMeter, release_free_memory
 from featcal.merging import get_method
-from featcal.precision import fixed_precision
+from featcal.precision import fixed_precision, forward_dtype
 from featcal.runfolder import (
     DIAGNOSTICS,
     DIAGNOSTICS_PLOT,
@@ -161,10 +161,11 @@ def calibrate(
     progress: bool = True,
     in_place: bool = False,
     world: World = SINGLE,
+    precision: str = "float32",
 ):
     """The FeatCal-calibrated copy of ``merged_model`` (``merged_model`` itself with ``in_place``); under
     torchrun each of ``world``'s processes reads its part of every task's calibration images, and all
-    end with the same weights."""
+    end with the same weights. ``precision`` ``bf16`` runs the layer forwards under bfloat16 autocast."""
     by_name = {t.name: t for t in inputs.tasks}
     model = featcal_calibrate(
         merged_model,
@@ -176,6 +177,7 @@ def calibrate(
         progress=progress,
         in_place=in_place,
         world=world,
+        forward_dtype=forward_dtype(precision),
     )
     check_finite(model.state_dict(), "FeatCal")
     return model
@@ -216,9 +218,11 @@ def plan_stages(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> dict[st
         ]
     else:
         calibrate_from = digest("from", folder_fingerprint(spec.ta_model_path))
+    # bf16 forwards change the calibrated weights; float32 and tf32 runs keep their earlier identity.
+    forwards = ["forwards", spec.precision] if spec.precision == "bf16" else []
     calibrate_id = digest(
         "calibrate", __version__, calibrate_from, spec.featcal.to_dict(), spec.seed, base, experts, trains,
-        data.calibration_counts,
+        data.calibration_counts, *forwards,
     )  # fmt: skip
     stages += [
         Stage("calibrate", calibrate_id, [calibrated]),
@@ -436,6 +440,7 @@ class _Run:
                     calibrated_model = calibrate(
                         inputs, merged(), spec.featcal, seed=spec.seed, device=self.device,
                         processor=self.processor, progress=spec.progress, in_place=True, world=self.world,
+                        precision=spec.precision,
                     )  # fmt: skip
                     merged_model = None
                     self.timings["calibrate_s"] = time.perf_counter() - start

@@ -1,20 +1,41 @@
-"""The float32 arithmetic of a run on CUDA: exact float32 unless the user opts into TF32.
+"""The float32 arithmetic of a run on CUDA: exact float32 unless the user opts into TF32 or bf16 forwards.
 
 PyTorch lets cuDNN convolutions (the patch embedding) run in TF32 on Ampere and newer GPUs by
 default, and a user's global ``torch.set_float32_matmul_precision("high")`` would make every matmul
 TF32, statistics included. featcal fixes both for the length of a run and restores them after:
 ``float32`` (the default) is IEEE float32 everywhere; ``tf32`` allows TF32 in CUDA matmuls and
 convolutions. CPU arithmetic (oneDNN) is IEEE float32 either way.
+
+``bf16`` runs the calibration's forward passes (the student's and experts' layers) under bfloat16
+autocast, on any device, and everything else as ``float32``: the statistics, task folds and solves
+never run under autocast, and evaluations stay in float32.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
-PRECISIONS = ("float32", "tf32")
+from featcal.spec import PRECISIONS
+
+
+def forward_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of the calibration's forwards for ``precision``: bfloat16 for ``bf16``, else None."""
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+def autocast_forwards(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager:
+    """``torch.autocast`` to ``dtype`` on ``device``'s type; nothing when ``dtype`` is None.
+
+    Args:
+        device: Where the forwards run.
+        dtype: The autocast dtype (``torch.bfloat16``), or None for plain float32.
+    """
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 @contextmanager
@@ -22,7 +43,8 @@ def fixed_precision(precision: str) -> Iterator[None]:
     """Run the body with CUDA matmuls and convolutions in ``precision``, then restore the settings.
 
     Args:
-        precision: ``"float32"`` (IEEE) or ``"tf32"``.
+        precision: ``"float32"`` (IEEE), ``"tf32"``, or ``"bf16"`` (IEEE float32 outside the
+            calibration's autocast forwards, see :func:`autocast_forwards`).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")

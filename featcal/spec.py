@@ -27,6 +27,8 @@ from typing import Any
 from featcal.errors import FeatcalError, InputError, InvalidParameterError, UnknownNameError
 from featcal.suites import BACKBONE_NAMES, DEFAULT_BACKBONE, DEFAULT_SUITE, SUITE_NAMES
 
+PRECISIONS = ("float32", "tf32", "bf16")  # --precision; featcal.precision applies them
+
 OUTPUT_DIR_PATTERN = "outputs/clip-vit-{backbone}-{suite}"  # outputs/clip-vit-b32-ta8 by default
 TRUE_WORDS = frozenset({"true", "yes", "on"})
 FALSE_WORDS = frozenset({"false", "no", "off"})
@@ -337,8 +339,10 @@ class RunSpec:
     )  # fmt: skip
     device: str = option("auto", help="auto, cpu, cuda or cuda:N (merging, calibration and evaluation)", group=RUNTIME)
     precision: str = option(
-        "float32", help="CUDA arithmetic: float32 (IEEE, also for cuDNN), or tf32 (faster on Ampere and newer)",
-        group=RUNTIME, choices=("float32", "tf32"),
+        "float32", help="CUDA arithmetic: float32 (IEEE, also for cuDNN), tf32 (faster on Ampere and newer), or "
+        "bf16 (the calibration's layer forwards under bfloat16 autocast; statistics, solves and evaluations "
+        "stay float32)",
+        group=RUNTIME, choices=PRECISIONS,
     )  # fmt: skip
     threads: int | None = option(
         None, help="torch CPU threads (default: 1 for vision towers narrower than 256, else one per core)",

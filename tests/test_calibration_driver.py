@@ -117,3 +117,49 @@ def test_in_place_calibration_gives_the_copy_s_weights_in_the_model_itself(fixtu
             assert torch.equal(result.state_dict()[key], value), key
         else:  # a GPU's library may pick other kernels from one call to the next
             torch.testing.assert_close(result.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_bf16_forwards_autocast_the_layers_alone(fixture_run, device, monkeypatch):
+    """With forward_dtype=bfloat16 every layer forward runs under autocast, and the statistics products,
+    task folds and solves never do; the weights move by a few percent of the update at most."""
+    from featcal.calibration import driver
+    from featcal.calibration.adapters import CLIPVisionAdapter
+    from featcal.calibration.layer_state import LayerState
+    from featcal.calibration.solves import LinearSystem
+
+    base, experts, merged, pixels = fixture_run
+    device_type = torch.device(device).type
+    seen: dict[str, set[bool]] = {"forwards": set(), "statistics, folds, solves": set()}
+
+    def spy(owner, name, kind):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            seen[kind].add(torch.is_autocast_enabled(device_type))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapped)
+
+    spy(CLIPVisionAdapter, "run_layer", "forwards")
+    spy(CLIPVisionAdapter, "run_stem", "forwards")
+    for owner, name in ((LayerState, "multiply"), (LinearSystem, "add_task"), (LinearSystem, "solve")):
+        spy(owner, name, "statistics, folds, solves")
+    params = FeatCalParams(num_calibration_examples=12, calibration_batch_size=4)
+    calibrate = driver.featcal_calibrate
+    ours = cpu_state(
+        calibrate(
+            merged,
+            base,
+            experts,
+            pixels.__getitem__,
+            params,
+            device=device,
+            progress=False,
+            forward_dtype=torch.bfloat16,
+        )
+    )
+    assert seen == {"forwards": {True}, "statistics, folds, solves": {False}}
+    monkeypatch.undo()
+    reference = cpu_state(calibrate(merged, base, experts, pixels.__getitem__, params, device=device, progress=False))
+    errors = relative_update_errors(ours, reference, merged.state_dict())
+    assert 10 * PUBLISHED_NOISE < max(errors.values()) < 0.1, max(errors.values())  # measured 0.042 on the CPU

@@ -143,8 +143,26 @@ def test_precision_and_image_processor_are_recorded(world, tmp_path, capsys, dev
     assert run(world, out, "--device", device, "--skip-featcal", "--precision", "tf32") == 0
     config = json.loads((out / "run_config.json").read_text())
     assert config["precision"] == "tf32" and config["evaluation"]["image_processor"] == IMAGE_PROCESSOR
-    assert main(["run", "--tasks-file", str(world["tasks_file"]), "--precision", "bf16"]) == 2
-    assert "--precision 'bf16' is invalid: it must be one of float32, tf32" in capsys.readouterr().err
+    assert main(["run", "--tasks-file", str(world["tasks_file"]), "--precision", "fp16"]) == 2
+    assert "--precision 'fp16' is invalid: it must be one of float32, tf32, bf16" in capsys.readouterr().err
+
+
+def test_bf16_forwards_redo_the_calibration_and_nothing_before_it(world, tmp_path, cpu_run, device) -> None:
+    """The same run folder with --precision bf16: the merge and its evaluation are kept, the calibration
+    (whose forwards change) is redone, and its weights stay close to the float32 ones."""
+    out = tmp_path / "run"
+    shutil.copytree(cpu_run, out)
+    before = json.loads((out / "stages.json").read_text())
+    assert run(world, out, "--device", device, "--precision", "bf16") == 0
+    after = json.loads((out / "stages.json").read_text())
+    assert after["merge"] == before["merge"] and after["evaluate:ta"] == before["evaluate:ta"]
+    assert after["calibrate"]["identity"] != before["calibrate"]["identity"]
+    assert json.loads((out / "run_config.json").read_text())["precision"] == "bf16"
+    merged = load_file(str(out / "ta" / "model.safetensors"))
+    ours, reference = (load_file(str(o / "featcal-ta" / "model.safetensors")) for o in (out, cpu_run))
+    changed = [k for k in reference if k.startswith("encoder.layers.")]
+    gaps = [float((ours[k] - reference[k]).norm() / (reference[k] - merged[k]).norm()) for k in changed]
+    assert 0 < max(gaps) < 0.1, max(gaps)  # bf16 rounding moves the update by a few percent at most
 
 
 def test_the_pil_image_processor_is_used_with_or_without_torchvision() -> None:

@@ -41,19 +41,22 @@ def cpu_state(model) -> dict:
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
-def separate_run(fixture_run, params, device):
+def separate_run(fixture_run, params, device, forward_dtype=None):
     base, experts, merged, _, table, processor = fixture_run
     n = params.num_calibration_examples
     pixels = {t: calibration_pixels(table.tasks[t], processor, n, 42) for t in table.tasks}
-    model = featcal_calibrate(merged, base, experts, pixels.__getitem__, params, device=device, progress=False)
+    model = featcal_calibrate(
+        merged, base, experts, pixels.__getitem__, params, device=device, progress=False, forward_dtype=forward_dtype
+    )
     return cpu_state(model)
 
 
-def swept(fixture_run, settings, device, together=None):
+def swept(fixture_run, settings, device, together=None, forward_dtype=None):
     base, experts, merged, pixels, _, _ = fixture_run
     runs = featcal_calibrate_many(
-        merged, base, experts, pixels.__getitem__, settings, together=together, device=device, progress=False
-    )
+        merged, base, experts, pixels.__getitem__, settings, together=together, device=device, progress=False,
+        forward_dtype=forward_dtype,
+    )  # fmt: skip
     return {i: cpu_state(model) for i, model in runs}
 
 
@@ -90,6 +93,18 @@ def test_multiples_of_the_batch_are_bit_identical_on_cpu(fixture_run):
         expected = separate_run(fixture_run, params, "cpu")
         for key, value in expected.items():
             assert torch.equal(results[i][key], value), (params.num_calibration_examples, key)
+
+
+def test_bf16_forwards_give_the_weights_of_separate_bf16_runs(fixture_run, device):
+    """The sweep's own forward loop autocasts as the driver does: each setting equals its bf16 run,
+    and differs from its float32 one by far more than the tolerance."""
+    merged_state = cpu_state(fixture_run[2])
+    settings = [FeatCalParams(num_calibration_examples=n, calibration_batch_size=4) for n in (4, 12)]
+    results = swept(fixture_run, settings, device, forward_dtype=torch.bfloat16)
+    for i, params in enumerate(settings):
+        expected = separate_run(fixture_run, params, device, forward_dtype=torch.bfloat16)
+        assert worst_difference(results[i], expected, merged_state) <= TOLERANCE, params
+    assert worst_difference(results[1], separate_run(fixture_run, settings[1], device), merged_state) > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -276,7 +291,7 @@ def test_sweep_json_round_trips_and_a_stale_sweep_is_ignored(tmp_path):
     from featcal.errors import RunFolderError
     from featcal.sweep.report import SWEEP_FILE, SweepReport, read_sweep, write_sweep
 
-    report = _report(parameter="lambda_ratio")
+    report = dataclasses.replace(_report(parameter="lambda_ratio"), precision="bf16")
     folder = write_sweep(tmp_path, report)
     assert read_sweep(tmp_path, "abc") == report
     assert read_sweep(tmp_path, "another recipe") is None

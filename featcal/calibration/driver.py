@@ -28,6 +28,7 @@ from featcal.checkpoint import Checkpoint
 from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError
 from featcal.io import fault_point
+from featcal.precision import autocast_forwards
 from featcal.progress import Progress
 from featcal.spec import FeatCalParams
 
@@ -86,6 +87,7 @@ class FeatCalibrator:
         stats_dtype: torch.dtype = torch.float64,
         progress: bool = True,
         world: World = SINGLE,
+        forward_dtype: torch.dtype | None = None,
     ) -> None:
         self.params = params
         self.adapter = adapter or CLIPVisionAdapter()
@@ -93,6 +95,12 @@ class FeatCalibrator:
         self.stats_dtype = stats_dtype
         self.progress = progress
         self.world = world
+        self.forward_dtype = forward_dtype
+
+    def forwards(self):
+        """The context of every forward pass: autocast to ``forward_dtype`` when one is set. The
+        statistics, folds and solves run outside it, in float32 at least."""
+        return autocast_forwards(self.device, self.forward_dtype)
 
     # -- streams ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -110,7 +118,8 @@ class FeatCalibrator:
             pixels = pixels.pin_memory()
         for start in range(0, pixels.shape[0], bs):
             px = pixels[start : start + bs].to(self.device, dtype, non_blocking=True)
-            s, t = self.adapter.run_stem(stem, px), self.adapter.run_stem(expert_stem, px)
+            with self.forwards():
+                s, t = self.adapter.run_stem(stem, px), self.adapter.run_stem(expert_stem, px)
             if student is None:
                 student = s.new_empty(pixels.shape[0], *s.shape[1:])
                 teacher = t.new_empty(pixels.shape[0], *t.shape[1:])
@@ -123,7 +132,9 @@ class FeatCalibrator:
         """Replace ``stream`` in place by ``layer``'s output, batch by batch."""
         bs = self.params.calibration_batch_size
         for start in range(0, stream.shape[0], bs):
-            stream[start : start + bs] = self.adapter.run_layer(layer, stream[start : start + bs])
+            with self.forwards():
+                out = self.adapter.run_layer(layer, stream[start : start + bs])
+            stream[start : start + bs] = out
 
     # -- statistics ------------------------------------------------------------------------
     @torch.no_grad()
@@ -139,8 +150,9 @@ class FeatCalibrator:
         rec_s = Recorder(self.adapter.calibrated_modules(layer))
         rec_e = Recorder(self.adapter.calibrated_modules(expert_layer), outputs=True)
         try:
-            self.adapter.run_layer(layer, student[:1])
-            self.adapter.run_layer(expert_layer, expert[:1])
+            with self.forwards():
+                self.adapter.run_layer(layer, student[:1])
+                self.adapter.run_layer(expert_layer, expert[:1])
         finally:
             rec_s.remove()
             rec_e.remove()
@@ -172,11 +184,12 @@ class FeatCalibrator:
         bs = p.calibration_batch_size
         try:
             for start in range(0, student.shape[0], bs):
-                try:
-                    self.adapter.run_layer(layer, student[start : start + bs])
-                except StopForward:
-                    pass
-                out_e = self.adapter.run_layer(expert_layer, expert[start : start + bs])
+                with self.forwards():
+                    try:
+                        self.adapter.run_layer(layer, student[start : start + bs])
+                    except StopForward:
+                        pass
+                    out_e = self.adapter.run_layer(expert_layer, expert[start : start + bs])
                 state.add(out_e.shape[0] * student.shape[1], rec_s, rec_e, modules_e, eps)
                 rec_s.clear()
                 rec_e.clear()
@@ -324,7 +337,8 @@ def featcal_calibrate(
             no longer needs the merged weights: one model in memory instead of two.
         **kwargs: Passed to :class:`FeatCalibrator`: ``device``, ``progress``, ``adapter``, ``stats_dtype``,
             ``world`` (under torchrun: ``load_images`` then gives this process's part of each task's
-            images, and the statistics are summed over the processes).
+            images, and the statistics are summed over the processes), ``forward_dtype`` (autocast
+            the layers' forwards to it, e.g. ``torch.bfloat16``; statistics and solves stay float32+).
 
     Returns:
         A calibrated copy of ``merged`` (``merged`` itself with ``in_place``) on the calibration device.

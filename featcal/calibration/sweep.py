@@ -37,6 +37,7 @@ from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter,
 from featcal.calibration.driver import FeatCalibrator, StateDict, _cat_params, _load_params
 from featcal.calibration.layer_state import LayerState, Recorder, StopForward
 from featcal.errors import FeatcalError
+from featcal.precision import autocast_forwards
 from featcal.progress import Progress
 from featcal.spec import FeatCalParams
 
@@ -92,6 +93,7 @@ class SweepCalibrator:
         device: torch.device | str = "cpu",
         stats_dtype: torch.dtype = torch.float64,
         progress: bool = True,
+        forward_dtype: torch.dtype | None = None,
     ) -> None:
         if not settings:
             raise FeatcalError("A FeatCal sweep needs at least one setting.")
@@ -105,11 +107,17 @@ class SweepCalibrator:
         self.device = torch.device(device)
         self.stats_dtype = stats_dtype
         self.progress = progress
+        self.forward_dtype = forward_dtype
         self.batch_size = batch_sizes.pop()
 
     def _driver(self, params: FeatCalParams) -> FeatCalibrator:
         return FeatCalibrator(
-            params, adapter=self.adapter, device=self.device, stats_dtype=self.stats_dtype, progress=False
+            params,
+            adapter=self.adapter,
+            device=self.device,
+            stats_dtype=self.stats_dtype,
+            progress=False,
+            forward_dtype=self.forward_dtype,
         )
 
     @torch.no_grad()
@@ -203,14 +211,16 @@ class SweepCalibrator:
             bs = self.batch_size
             seq_len = expert.shape[1]
             for start in range(0, expert.shape[0], bs):
-                out_e = self.adapter.run_layer(expert_layer, expert[start : start + bs])
+                with autocast_forwards(self.device, self.forward_dtype):
+                    out_e = self.adapter.run_layer(expert_layer, expert[start : start + bs])
                 for setting, layer, recorder, setting_eps in zip(settings, layers, recorders, eps):
                     student = setting.students[task]
                     rows = min(bs, student.shape[0] - start)
                     if rows <= 0:
                         continue
                     try:
-                        self.adapter.run_layer(layer, student[start : start + rows])
+                        with autocast_forwards(self.device, self.forward_dtype):
+                            self.adapter.run_layer(layer, student[start : start + rows])
                     except StopForward:
                         pass
                     expert_rows = rec_e if rows == out_e.shape[0] else _FirstRows(rec_e, rows)
@@ -274,7 +284,8 @@ def featcal_calibrate_many(
             the settings; the first n rows must be those of a setting with n (nested subsets).
         settings: The FeatCal settings; they must share ``calibration_batch_size``.
         together: At most this many settings are calibrated (and held in memory) at once; None: all.
-        **kwargs: Passed to :class:`SweepCalibrator`: ``device``, ``progress``, ``adapter``, ``stats_dtype``.
+        **kwargs: Passed to :class:`SweepCalibrator`: ``device``, ``progress``, ``adapter``, ``stats_dtype``,
+            ``forward_dtype``.
 
     Yields:
         ``(index into settings, calibrated model)``, a group at a time; a model is not kept after

@@ -94,7 +94,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         with compute_settings(spec, inputs):
             model = calibrate(
                 inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor,
-                progress=spec.progress, in_place=True, world=world,
+                progress=spec.progress, in_place=True, world=world, precision=spec.precision,
             )  # fmt: skip
     if not world.is_main:
         return 0

@@ -65,6 +65,7 @@ class SweepReport:
     seed: int | None = None
     max_eval_samples: int | None = None
     timings: Mapping[str, float] = field(default_factory=dict)
+    precision: str = "float32"
 
     @property
     def tasks(self) -> list[str]:
@@ -90,6 +91,7 @@ class SweepReport:
             "merged_model": self.merged_model,
             "seed": self.seed,
             "max_eval_samples": self.max_eval_samples,
+            "precision": self.precision,
             "num_calibration_examples": list(self.sizes),
             "parameter": None if self.parameter is None else {"name": self.parameter, "values": list(self.values)},
             "merged": merged,
@@ -120,6 +122,7 @@ class SweepReport:
                 seed=data.get("seed"),
                 max_eval_samples=data.get("max_eval_samples"),
                 timings=dict(data.get("timings") or {}),
+                precision=str(data.get("precision", "float32")),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise RunFolderError(

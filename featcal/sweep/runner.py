@@ -23,7 +23,7 @@ from featcal.evaluation import ZeroShotClassifier, check_clip_model_folder, load
 from featcal.hub import resolve_model_folder
 from featcal.inputs import RunInputs, load_vision_folder, resolve_device, validate_datasets
 from featcal.pipeline import check_finite
-from featcal.precision import PRECISIONS, fixed_precision
+from featcal.precision import PRECISIONS, fixed_precision, forward_dtype
 from featcal.progress import Progress
 from featcal.runfolder import RUN_CONFIG, RunFolder, RunLock, merged_stage_name, read_run, remove_leftovers
 from featcal.sweep.report import SweepPoint, SweepReport, write_sweep
@@ -116,7 +116,7 @@ def run_sweep(
         sizes: Calibration images per task (default: 8 … 256; with ``parameter``, the run's n).
         parameter: The FeatCal parameter to sweep and its values (:func:`~featcal.sweep.request.parse_parameter`).
         device: auto, cpu, cuda or cuda:N.
-        precision: CUDA arithmetic, ``float32`` or ``tf32``.
+        precision: ``float32``, ``tf32`` (CUDA matmuls) or ``bf16`` (the calibration's forwards under autocast).
         eval_batch_size: Test images per batch (default: the device's, see
             :func:`featcal.evaluation.default_eval_batch_size`).
         eval_num_workers: Data-loading workers for the test images.
@@ -171,7 +171,7 @@ def run_sweep(
         runs = featcal_calibrate_many(
             merged, inputs.base, inputs.experts,
             lambda task: calibration_pixels(by_name[task], processor, max(sizes), seed),
-            settings, together=together, device=compute, progress=progress,
+            settings, together=together, device=compute, progress=progress, forward_dtype=forward_dtype(precision),
         )  # fmt: skip
         with Progress(desc="FeatCal sweep: settings", total=len(settings), unit="settings", enabled=progress) as bar:
             start = time.perf_counter()
@@ -214,6 +214,7 @@ def run_sweep(
             seed=seed,
             max_eval_samples=run.max_eval_samples,
             timings={**timings, "settings_together": float(together or len(settings))},
+            precision=precision,
         )
         write_sweep(run.path, sweep)
     return sweep
