@@ -1,6 +1,6 @@
 """Where one FeatCal calibration's time goes, phase by phase, against each phase's floor.
 
-    python benchmarks/calibration_phases.py --points 2x64 --workdir /tmp/r15/cs   # → results/calibration_phases.json
+    python benchmarks/calibration_phases.py --points 2x64 --workdir /tmp/cs --out results/calibration_phases_2x64.json
 
 ``calibration_speed.py``'s random ViT-B/32-shaped base and experts, FeatCal's library call on random
 images, its engine's methods timed in place (a wrapper around each, no profiler): the forwards of the
@@ -37,23 +37,32 @@ RESULTS = Path(__file__).parent / "results" / "calibration_phases.json"
 
 
 class PhaseTimer:
-    """Wall-clock seconds spent inside chosen methods, by label (CUDA work finished at each exit)."""
+    """Wall-clock seconds spent inside chosen methods, by label (CUDA work finished at each exit).
+
+    A method wrapped with ``outside=L`` is not timed while a method labelled L is running (the expert
+    stems' reads belong to the first-layer inputs, not to the layers' reading).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self._undo: list[tuple[object, str, object]] = []
+        self._running: set[str] = set()
 
-    def wrap(self, owner: object, name: str, label: str) -> None:
+    def wrap(self, owner: object, name: str, label: str, outside: str | None = None) -> None:
         original = getattr(owner, name)
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
+            if outside in self._running:
+                return original(*args, **kwargs)
             self.sync()
             start = time.perf_counter()
+            self._running.add(label)
             try:
                 return original(*args, **kwargs)
             finally:
+                self._running.discard(label)
                 self.sync()
                 self.seconds[label] += time.perf_counter() - start
 
@@ -80,7 +89,7 @@ def time_phases(workdir: Path, tasks: int, images: int, device: torch.device) ->
     timer.wrap(LinearSystem, "add_task", "task folds")
     timer.wrap(calibrator, "_solve_into", "solves")
     timer.wrap(calibrator, "_advance", "advance")
-    timer.wrap(driver_module, "_load_params", "reading expert layers")
+    timer.wrap(driver_module, "_load_params", "reading expert layers", outside="first-layer inputs")
     params = FeatCalParams(num_calibration_examples=images, calibration_batch_size=16)
     try:
         timer.sync()

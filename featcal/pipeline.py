@@ -218,7 +218,8 @@ def plan_stages(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> dict[st
         ]
     else:
         calibrate_from = digest("from", folder_fingerprint(spec.ta_model_path))
-    # bf16 forwards change the calibrated weights; float32 and tf32 runs keep their earlier identity.
+    # bf16 forwards change the calibrated weights and are part of the identity; tf32, which changes only
+    # the rounding of CUDA matmuls, is not (a tf32 run reuses a float32 calibration, and the reverse).
     forwards = ["forwards", spec.precision] if spec.precision == "bf16" else []
     calibrate_id = digest(
         "calibrate", __version__, calibrate_from, spec.featcal.to_dict(), spec.seed, base, experts, trains,

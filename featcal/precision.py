@@ -22,8 +22,20 @@ from featcal.spec import PRECISIONS
 
 
 def forward_dtype(precision: str) -> torch.dtype | None:
-    """The autocast dtype of the calibration's forwards for ``precision``: bfloat16 for ``bf16``, else None."""
+    """The autocast dtype of the calibration's forwards for ``precision``: bfloat16 for ``bf16``, else None.
+
+    Raises:
+        ValueError: for a precision not in ``PRECISIONS``.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
     return torch.bfloat16 if precision == "bf16" else None
+
+
+def autocast_disabled(device: torch.device) -> AbstractContextManager:
+    """No autocast on ``device``'s type, whatever an enclosing ``torch.autocast`` asks for: the
+    calibration's statistics, folds and solves run in it, and its forwards set their own."""
+    return torch.autocast(device_type=device.type, enabled=False)
 
 
 def autocast_forwards(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager:
@@ -35,7 +47,9 @@ def autocast_forwards(device: torch.device, dtype: torch.dtype | None) -> Abstra
     """
     if dtype is None:
         return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    # No cast cache: the calibration rewrites weights in place between forwards (each expert's layer,
+    # each solved layer), and a cache kept alive by an enclosing autocast would serve stale copies.
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)
 
 
 @contextmanager

@@ -339,9 +339,9 @@ class RunSpec:
     )  # fmt: skip
     device: str = option("auto", help="auto, cpu, cuda or cuda:N (merging, calibration and evaluation)", group=RUNTIME)
     precision: str = option(
-        "float32", help="CUDA arithmetic: float32 (IEEE, also for cuDNN), tf32 (faster on Ampere and newer), or "
-        "bf16 (the calibration's layer forwards under bfloat16 autocast; statistics, solves and evaluations "
-        "stay float32)",
+        "float32", help="float32 (IEEE everywhere, cuDNN included), tf32 (TF32 in CUDA matmuls and convolutions, "
+        "faster on Ampere and newer), or bf16 (FeatCal's layer forwards under bfloat16 autocast on any device; "
+        "its statistics and solves, and all other work, stay float32)",
         group=RUNTIME, choices=PRECISIONS,
     )  # fmt: skip
     threads: int | None = option(

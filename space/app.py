@@ -16,4 +16,7 @@ demo = space.demo  # for `gradio app.py` (reload mode)
 
 if __name__ == "__main__":
     # Address and port come from GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (set by Hugging Face Spaces).
-    space.launch()
+    try:
+        space.launch()
+    finally:
+        space.close()

@@ -163,3 +163,31 @@ def test_bf16_forwards_autocast_the_layers_alone(fixture_run, device, monkeypatc
     reference = cpu_state(calibrate(merged, base, experts, pixels.__getitem__, params, device=device, progress=False))
     errors = relative_update_errors(ours, reference, merged.state_dict())
     assert 10 * PUBLISHED_NOISE < max(errors.values()) < 0.1, max(errors.values())  # measured 0.042 on the CPU
+
+
+@pytest.mark.parametrize("forward_dtype", [None, torch.bfloat16], ids=["float32", "bf16"])
+def test_a_caller_s_autocast_changes_nothing(fixture_run, device, forward_dtype):
+    """Calibrating inside the caller's own bfloat16 autocast gives the very weights of a calibration
+    outside it: the statistics and solves never see it, float32 forwards stay float32, and bf16
+    forwards read each weight as rewritten (no cached cast of an earlier value)."""
+    base, experts, merged, pixels = fixture_run
+    params = FeatCalParams(num_calibration_examples=12, calibration_batch_size=4)
+
+    def calibrate():
+        model = featcal_calibrate(
+            merged,
+            base,
+            experts,
+            pixels.__getitem__,
+            params,
+            device=device,
+            progress=False,
+            forward_dtype=forward_dtype,
+        )
+        return cpu_state(model)
+
+    outside = calibrate()
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        inside = calibrate()
+    for key, value in outside.items():
+        torch.testing.assert_close(inside[key], value, rtol=0, atol=0, msg=key)

@@ -9,7 +9,7 @@ from transformers import CLIPVisionModel
 import featcal.calibration.driver as driver
 import featcal.calibration.layer_state as layer_state
 from featcal.calibration import FeatCalParams, featcal_calibrate
-from featcal.calibration.solves import LinearSystem, solve_spd
+from featcal.calibration.solves import LinearSystem, solve_general
 from featcal.calibration.statistics import (
     GramAccumulator,
     LinearMoments,
@@ -103,19 +103,15 @@ def test_stacked_outputs_solve_like_separate_linears():
         torch.testing.assert_close(bias[4 * i : 4 * i + 4], b_i)
 
 
-def test_solve_spd_falls_back_when_not_positive_definite():
-    spd = torch.randn(5, 5, dtype=torch.float64)
-    spd = spd @ spd.T + torch.eye(5, dtype=torch.float64)
-    rhs = torch.randn(5, 2, dtype=torch.float64)
-    torch.testing.assert_close(solve_spd(spd, rhs), torch.linalg.solve(spd, rhs))
+def test_the_general_solve_takes_lu_then_the_pseudo_inverse():
     indefinite = torch.diag(torch.tensor([2.0, -1.0, 3.0], dtype=torch.float64))
     torch.testing.assert_close(
-        solve_spd(indefinite, torch.ones(3, 1, dtype=torch.float64)),
+        solve_general(indefinite, torch.ones(3, 1, dtype=torch.float64)),
         torch.tensor([[0.5], [-1.0], [1 / 3]], dtype=torch.float64),
     )
     singular = torch.zeros(3, 3, dtype=torch.float64)
     assert torch.equal(
-        solve_spd(singular, torch.ones(3, 1, dtype=torch.float64)), torch.zeros(3, 1, dtype=torch.float64)
+        solve_general(singular, torch.ones(3, 1, dtype=torch.float64)), torch.zeros(3, 1, dtype=torch.float64)
     )
 
 
@@ -177,7 +173,7 @@ def _system(lhs: torch.Tensor, rhs: torch.Tensor) -> LinearSystem:
 
 
 def test_linear_solve_reuses_its_workspace_and_matches_a_plain_solve():
-    """Two systems of one shape share one factor buffer; each solve equals torch.linalg.solve."""
+    """Two systems of one shape are factorised in one workspace buffer; each solve equals torch.linalg.solve."""
     workspace = Workspace()
     for seed in (0, 1):
         g = torch.Generator().manual_seed(seed)
@@ -188,10 +184,10 @@ def test_linear_solve_reuses_its_workspace_and_matches_a_plain_solve():
             x.T @ x + (0.05 + 1e-8) * torch.eye(9, dtype=torch.float64), rhs + 0.05 * anchor_w.T
         )
         torch.testing.assert_close(weight, expected.T, rtol=1e-10, atol=1e-12)
-        factor = workspace.get("factor", (9, 9), torch.float64, torch.device("cpu"))
-        if seed == 0:
-            first = factor.data_ptr()
-    assert factor.data_ptr() == first
+        # The buffer holds this system's upper Cholesky factor (column-major): the solve used it.
+        factor = workspace.get("factor", (9, 9), torch.float64, torch.device("cpu")).mT
+        ridged = x.T @ x + (0.05 + 1e-8) * torch.eye(9, dtype=torch.float64)
+        torch.testing.assert_close(factor.triu(), torch.linalg.cholesky(ridged, upper=True))
 
 
 def test_linear_solve_falls_back_when_the_system_is_not_positive_definite():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
@@ -24,11 +24,12 @@ from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter,
 from featcal.calibration.layer_state import LayerPlan, LayerState, Recorder, StopForward, plan_layer
 from featcal.calibration.solves import anchor
 from featcal.calibration.statistics import product_dtype
+from featcal.calibration.workspace import Workspace
 from featcal.checkpoint import Checkpoint
 from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError
 from featcal.io import fault_point
-from featcal.precision import autocast_forwards
+from featcal.precision import autocast_disabled, autocast_forwards
 from featcal.progress import Progress
 from featcal.spec import FeatCalParams
 
@@ -97,7 +98,7 @@ class FeatCalibrator:
         self.world = world
         self.forward_dtype = forward_dtype
 
-    def forwards(self):
+    def forwards(self) -> AbstractContextManager:
         """The context of every forward pass: autocast to ``forward_dtype`` when one is set. The
         statistics, folds and solves run outside it, in float32 at least."""
         return autocast_forwards(self.device, self.forward_dtype)
@@ -120,9 +121,9 @@ class FeatCalibrator:
             px = pixels[start : start + bs].to(self.device, dtype, non_blocking=True)
             with self.forwards():
                 s, t = self.adapter.run_stem(stem, px), self.adapter.run_stem(expert_stem, px)
-            if student is None:
-                student = s.new_empty(pixels.shape[0], *s.shape[1:])
-                teacher = t.new_empty(pixels.shape[0], *t.shape[1:])
+            if student is None:  # in the model's dtype, whatever the forwards' autocast gave
+                student = s.new_empty(pixels.shape[0], *s.shape[1:], dtype=dtype)
+                teacher = t.new_empty(pixels.shape[0], *t.shape[1:], dtype=dtype)
             student[start : start + bs] = s
             teacher[start : start + bs] = t
         return student, teacher
@@ -158,15 +159,29 @@ class FeatCalibrator:
             rec_e.remove()
         return plan_layer(self.adapter.calibrated_modules(layer), rec_s, rec_e, weighting)
 
-    def _new_state(self, plan: LayerPlan, streams: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> LayerState:
+    def _new_state(
+        self,
+        plan: LayerPlan,
+        streams: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        workspace: Workspace | None = None,
+    ) -> LayerState:
         """Working memory for a layer; joint buffers hold whole forward batches, about
-        STATISTICS_CHUNK_TOKENS rows, never more than the largest task's tokens."""
+        STATISTICS_CHUNK_TOKENS rows, never more than the largest task's tokens. ``workspace``: the
+        solves' buffers, shared with other states that solve one after another (a fresh one when None)."""
         student = next(iter(streams.values()))[0]
         num_images, seq_len = max(s.shape[0] for s, _ in streams.values()), student.shape[1]
         bs = min(self.params.calibration_batch_size, num_images)
         batches = max(1, STATISTICS_CHUNK_TOKENS // (bs * seq_len))
         capacity = min(batches, -(-num_images // bs)) * bs * seq_len
-        return LayerState(plan, capacity, seq_len, self.device, product_dtype(student.dtype), self.stats_dtype)
+        return LayerState(
+            plan,
+            capacity,
+            seq_len,
+            self.device,
+            product_dtype(student.dtype),
+            self.stats_dtype,
+            workspace=workspace or Workspace(),
+        )
 
     @torch.no_grad()
     def _collect(
@@ -225,7 +240,20 @@ class FeatCalibrator:
         in_place: bool = False,
     ) -> nn.Module:
         """A calibrated copy of ``merged`` (``merged`` itself, moved to the device, with ``in_place``: no
-        second copy of the model in memory); ``load_images(task)`` gives the task's calibration pixels."""
+        second copy of the model in memory); ``load_images(task)`` gives the task's calibration pixels.
+        An autocast the caller runs in is switched off: only ``forward_dtype`` decides the forwards'."""
+        with autocast_disabled(self.device):
+            return self._calibrate(merged, base, experts, load_images, in_place=in_place)
+
+    def _calibrate(
+        self,
+        merged: nn.Module,
+        base: StateDict,
+        experts: Mapping[str, StateDict],
+        load_images: Callable[[str], torch.Tensor],
+        *,
+        in_place: bool,
+    ) -> nn.Module:
         model = (merged if in_place else copy.deepcopy(merged)).to(self.device).eval()
         tasks = list(experts)
         streams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -106,7 +106,7 @@ class LinearMoments(Sums):
 
     def teacher_rhs(self, alpha: float, weight: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
         """C_sτ·W_tᵀ ([d_in, d_out]) for the expert weight W_t, as a product in W_t's dtype (float32 at least).
-        ``workspace`` is not needed: C_sτ is d_in × d_in, as small as the result."""
+        ``workspace`` is unused: here d_in is the narrow side (768 at ViT-B/32), so C_sτ stays small."""
         dtype = product_dtype(weight.dtype)
         return (self.cross_teacher(alpha).to(dtype) @ weight.to(dtype).T).to(self.sum_ss.dtype)
 

@@ -36,8 +36,9 @@ from torch import nn
 from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter, TokenWeighting
 from featcal.calibration.driver import FeatCalibrator, StateDict, _cat_params, _load_params
 from featcal.calibration.layer_state import LayerState, Recorder, StopForward
+from featcal.calibration.workspace import Workspace
 from featcal.errors import FeatcalError
-from featcal.precision import autocast_forwards
+from featcal.precision import autocast_disabled, autocast_forwards
 from featcal.progress import Progress
 from featcal.spec import FeatCalParams
 
@@ -80,6 +81,7 @@ class SweepCalibrator:
         device: The compute device.
         stats_dtype: The dtype of the statistics sums.
         progress: Show progress bars.
+        forward_dtype: Autocast the layers' forwards to this dtype (``torch.bfloat16``); None: float32.
 
     Raises:
         FeatcalError: when there is no setting, or the settings' batch sizes differ.
@@ -108,6 +110,7 @@ class SweepCalibrator:
         self.stats_dtype = stats_dtype
         self.progress = progress
         self.forward_dtype = forward_dtype
+        self.workspace = Workspace()  # the settings solve one after another: one set of solve buffers
         self.batch_size = batch_sizes.pop()
 
     def _driver(self, params: FeatCalParams) -> FeatCalibrator:
@@ -131,8 +134,19 @@ class SweepCalibrator:
         """A calibrated copy of ``merged`` per setting, in the settings' order.
 
         ``load_images(task)`` gives the task's calibration pixels for the largest n; the first n_v
-        rows must be the calibration images of a setting with n_v (nested subsets).
+        rows must be the calibration images of a setting with n_v (nested subsets). An autocast the
+        caller runs in is switched off: only ``forward_dtype`` decides the forwards'.
         """
+        with autocast_disabled(self.device):
+            return self._calibrate(merged, base, experts, load_images)
+
+    def _calibrate(
+        self,
+        merged: nn.Module,
+        base: StateDict,
+        experts: Mapping[str, StateDict],
+        load_images: Callable[[str], torch.Tensor],
+    ) -> list[nn.Module]:
         largest = max(self.settings, key=lambda p: p.num_calibration_examples)
         shared = self._driver(largest)
         settings = [_Setting(self._driver(p), copy.deepcopy(merged).to(self.device).eval(), {}) for p in self.settings]
@@ -184,7 +198,7 @@ class SweepCalibrator:
         else:
             setting.state = None  # free the previous layer's memory before allocating
             streams = {task: (student, student) for task, student in setting.students.items()}
-            setting.state = setting.calibrator._new_state(plan, streams)
+            setting.state = setting.calibrator._new_state(plan, streams, self.workspace)
 
     @torch.no_grad()
     def _collect(

@@ -32,8 +32,11 @@ def cmd_space(args: argparse.Namespace) -> int:
     try:
         space.launch(host=args.host, port=args.port, share=args.share)
     finally:
-        space.close()
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second stop request waits for the clean-up
+        try:
+            space.close()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -159,9 +159,11 @@ class Space:
 
     def close(self) -> None:
         """Stop serving and remove the temporary folder of gathered example images."""
-        self.demo.close()
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+        try:
+            self.demo.close()
+        finally:
+            if self.scratch is not None:
+                shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def create_space(settings: SpaceSettings, *, progress: bool = True) -> Space:
@@ -169,5 +171,9 @@ def create_space(settings: SpaceSettings, *, progress: bool = True) -> Space:
     model = SpaceModel(settings, progress=progress)
     shipped = settings.path(settings.examples_dir)
     cache = Path(tempfile.mkdtemp(prefix="featcal-space-examples-"))
-    examples = collect_examples(list(model.tasks.values()), cache, shipped=shipped, progress=progress)
-    return Space(build_demo(model, examples), model, [shipped, cache], scratch=cache)
+    try:
+        examples = collect_examples(list(model.tasks.values()), cache, shipped=shipped, progress=progress)
+        return Space(build_demo(model, examples), model, [shipped, cache], scratch=cache)
+    except BaseException:
+        shutil.rmtree(cache, ignore_errors=True)
+        raise
