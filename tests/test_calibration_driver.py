@@ -191,3 +191,29 @@ def test_a_caller_s_autocast_changes_nothing(fixture_run, device, forward_dtype)
         inside = calibrate()
     for key, value in outside.items():
         torch.testing.assert_close(inside[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_the_images_are_not_kept_through_the_layers(fixture_run, monkeypatch):
+    """Once the first-layer streams exist, the calibration holds no reference to the pixels it read."""
+    import weakref
+
+    from featcal.calibration.driver import FeatCalibrator
+
+    base, experts, merged, pixels = fixture_run
+    handed_out, alive_at_solves = [], []
+
+    def load_images(task):
+        images = pixels[task].clone()
+        handed_out.append(weakref.ref(images))
+        return images
+
+    solve_into = FeatCalibrator._solve_into
+
+    def solve_and_look(self, *args, **kwargs):
+        alive_at_solves.append(sum(ref() is not None for ref in handed_out))
+        return solve_into(self, *args, **kwargs)
+
+    monkeypatch.setattr(FeatCalibrator, "_solve_into", solve_and_look)
+    params = FeatCalParams(num_calibration_examples=12, calibration_batch_size=4)
+    featcal_calibrate(merged, base, experts, load_images, params, progress=False)
+    assert len(handed_out) == len(experts) and alive_at_solves and set(alive_at_solves) == {0}

@@ -309,3 +309,33 @@ def test_the_plot_draws_every_kind_of_sweep(tmp_path, parameter, sizes):
 
     assert save_sweep_plot(_report(parameter=parameter, sizes=sizes), tmp_path / "s.png")
     assert (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("together,kept", [(None, False), (1, True)], ids=["one group", "two groups"])
+def test_pixels_are_kept_only_for_a_later_group(fixture_run, monkeypatch, together, kept):
+    """One group reads each task's images once and keeps none of them through the layers; with
+    several groups each task's images are read once and kept for the next group."""
+    import weakref
+
+    from featcal.calibration.driver import FeatCalibrator
+
+    base, experts, merged, pixels, _, _ = fixture_run
+    handed_out, alive_at_solves = [], []
+
+    def load_images(task):
+        images = pixels[task].clone()
+        handed_out.append(weakref.ref(images))
+        return images
+
+    solve_into = FeatCalibrator._solve_into
+
+    def solve_and_look(self, *args, **kwargs):
+        alive_at_solves.append(sum(ref() is not None for ref in handed_out))
+        return solve_into(self, *args, **kwargs)
+
+    monkeypatch.setattr(FeatCalibrator, "_solve_into", solve_and_look)
+    settings = [FeatCalParams(num_calibration_examples=n, calibration_batch_size=4) for n in (4, 12)]
+    runs = featcal_calibrate_many(merged, base, experts, load_images, settings, together=together, progress=False)
+    assert len(list(runs)) == 2
+    assert len(handed_out) == len(experts)  # each task's images read once either way
+    assert set(alive_at_solves) == ({len(experts)} if kept else {0})
