@@ -106,31 +106,11 @@ def summarise(differences: dict[str, float]) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--zoo-seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="the test suite's reduced zoo")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as the demo)")
-    parser.add_argument("--device", default="cpu", help="where the calibrations run (default cpu)")
-    parser.add_argument(
-        "--precisions",
-        nargs="+",
-        default=["float32", "bf16"],
-        choices=PRECISIONS,
-        help="float32 is always the reference",
-    )
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--vit-b32", metavar="TxN", help="also measure the ViT-B/32 shape at T tasks × N images")
-    parser.add_argument("--workdir", type=Path, help="where the ViT-B/32-shaped models live (default: temporary)")
-    args = parser.parse_args()
-    precisions = ["float32", *(p for p in args.precisions if p != "float32")]
-    torch.set_num_threads(args.threads)
+def mini8(args: argparse.Namespace, precisions: list[str], rows: dict, differences: dict, gaps: dict) -> Path:
+    """The mini8 runs, one per precision: fills ``rows``, ``differences`` and ``gaps``; returns the zoo."""
     preset = ZooConfig.tiny(args.zoo_seed) if args.tiny else ZooConfig.mini8(args.zoo_seed)
     zoo = build_zoo(preset)
     merged, calibrated = merged_stage_name(METHOD), calibrated_stage_name(METHOD)
-    rows: dict[str, dict] = {}
-    differences: dict[str, dict] = {}
-    gaps: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in precisions:
             run = Path(tmp) / precision
@@ -163,6 +143,33 @@ def main() -> None:
                 f"most ({differences[precision]['largest_tensor']}), median {differences[precision]['median']:.2e} "
                 f"over {differences[precision]['tensors']} tensors; average accuracy {gaps[precision]:+.2f} points"
             )
+    return zoo
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--zoo-seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="the test suite's reduced zoo")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as the demo)")
+    parser.add_argument("--device", default="cpu", help="where the calibrations run (default cpu)")
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        default=["float32", "bf16"],
+        choices=PRECISIONS,
+        help="float32 is always the reference",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--vit-b32", metavar="TxN", help="also measure the ViT-B/32 shape at T tasks × N images")
+    parser.add_argument("--workdir", type=Path, help="where the ViT-B/32-shaped models live (default: temporary)")
+    parser.add_argument("--no-mini8", action="store_true", help="the ViT-B/32 shape alone (no zoo to build)")
+    args = parser.parse_args()
+    precisions = ["float32", *(p for p in args.precisions if p != "float32")]
+    torch.set_num_threads(args.threads)
+    rows: dict[str, dict] = {}
+    differences: dict[str, dict] = {}
+    gaps: dict[str, float] = {}
+    zoo = None if args.no_mini8 else mini8(args, precisions, rows, differences, gaps)
     vit = None
     if args.vit_b32:
         tasks, images = (int(part) for part in args.vit_b32.split("x"))
@@ -177,7 +184,7 @@ def main() -> None:
     write_report(
         args.out,
         __doc__,
-        zoo={"folder": zoo.name, "seed": args.zoo_seed, "tiny": args.tiny},
+        zoo=None if zoo is None else {"folder": zoo.name, "seed": args.zoo_seed, "tiny": args.tiny},
         device=args.device,
         threads=args.threads,
         load_average=os.getloadavg(),
