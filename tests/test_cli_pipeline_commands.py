@@ -124,6 +124,20 @@ def test_single_stages_match_run(run_dir, world, tmp_path, device):
     assert metrics["average"]["accuracy"] == pytest.approx(expected["average"]["accuracy"])
 
 
+def test_calibrate_with_bf16_forwards_moves_the_weights_a_little(run_dir, world, tmp_path, device):
+    """`featcal calibrate --precision bf16` reaches the engine: its weights differ from the float32 run's
+    by bfloat16 rounding, a few percent of the calibration's update at most."""
+    common = ["--tasks-file", str(world["tasks_file"]), "--device", device, "--num-calibration-examples", "8"]
+    args = ["-q", "calibrate", "--merged", str(run_dir / "ta"), "--output", str(tmp_path / "c"), *common]
+    assert main([*args, "--calibration-batch-size", "4", "--precision", "bf16"]) == 0
+    ours = load_file(str(tmp_path / "c" / "model.safetensors"))
+    reference = load_file(str(run_dir / "featcal-ta" / "model.safetensors"))
+    merged = load_file(str(run_dir / "ta" / "model.safetensors"))
+    layers = [k for k in reference if k.startswith("encoder.layers.")]
+    gaps = [float((ours[k] - reference[k]).norm() / (reference[k] - merged[k]).norm()) for k in layers]
+    assert 1e-3 < max(gaps) < 0.1, max(gaps)
+
+
 def test_skip_ta_starts_from_a_merged_folder(run_dir, world, tmp_path, device):
     out = tmp_path / "resumed"
     assert (
