@@ -140,14 +140,25 @@ def run_point(
     }
 
 
+def update_errors(ours: dict, reference: dict, start: dict) -> dict[str, float]:
+    """‖ours − reference‖ / ‖reference − start‖ (the tests' measure) for every encoder-layer tensor
+    the reference calibration changed from ``start``."""
+    import torch
+
+    return {
+        key: float((ours[key] - reference[key]).norm() / (reference[key] - start[key]).norm())
+        for key in reference
+        if key.startswith("encoder.layers.") and not torch.equal(reference[key], start[key])
+    }
+
+
 def max_update_error(ours: Path, reference: Path, merged: Path) -> dict:
-    """max over calibrated tensors of ‖ours − reference‖ / ‖reference − merged‖ (the tests' measure)."""
+    """max over calibrated tensors of ``update_errors``."""
     from safetensors.torch import load_file
 
-    a, b = load_file(str(ours)), load_file(str(reference))
     start = load_file(str(merged / "model.safetensors"))
     start = {k.removeprefix("vision_model."): v for k, v in start.items()}
-    errors = {k: float((a[k] - b[k]).norm() / (b[k] - start[k]).norm()) for k in b if k.startswith("encoder.layers.")}
+    errors = update_errors(load_file(str(ours)), load_file(str(reference)), start)
     worst = max(errors, key=errors.get)
     return {"max": errors[worst], "tensor": worst, "tensors": len(errors)}
 

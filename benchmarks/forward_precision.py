@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from allocator_speed import write_report
+from calibration_speed import _images, build_models, update_errors
 from safetensors.torch import load_file
 
 from featcal.demo import ZooConfig, build_zoo, demo_run_spec
@@ -43,20 +44,10 @@ def _weights(run: Path, stage: str) -> dict[str, torch.Tensor]:
     return load_file(str(run / stage / "model.safetensors"))
 
 
-def update_differences(ours: dict, reference: dict, start: dict) -> dict[str, float]:
-    """‖ours − reference‖ / ‖reference − start‖ for every tensor the calibration changed."""
-    return {
-        key: float((ours[key] - reference[key]).norm() / (reference[key] - start[key]).norm())
-        for key in reference
-        if key.startswith("encoder.layers.") and not torch.equal(reference[key], start[key])
-    }
-
-
 def vit_b32_differences(workdir: Path, tasks: int, images: int, precisions: list[str], device: str) -> dict:
     """Each precision against float32 on the random ViT-B/32 shape: weight differences and times."""
     import time
 
-    from calibration_speed import _images, build_models
     from transformers import CLIPVisionModel
 
     from featcal.calibration import FeatCalParams, featcal_calibrate
@@ -89,7 +80,7 @@ def vit_b32_differences(workdir: Path, tasks: int, images: int, precisions: list
         states[precision] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         del model
     differences = {
-        precision: summarise(update_differences(states[precision], states["float32"], start_state))
+        precision: summarise(update_errors(states[precision], states["float32"], start_state))
         for precision in precisions
         if precision != "float32"
     }
@@ -134,7 +125,7 @@ def mini8(args: argparse.Namespace, precisions: list[str], rows: dict, differenc
         reference = _weights(Path(tmp) / "float32", calibrated)
         for precision in precisions[1:]:
             ours = _weights(Path(tmp) / precision, calibrated)
-            differences[precision] = summarise(update_differences(ours, reference, start))
+            differences[precision] = summarise(update_errors(ours, reference, start))
             gaps[precision] = 100 * (
                 rows[precision]["featcal"]["average"]["accuracy"] - rows["float32"]["featcal"]["average"]["accuracy"]
             )

@@ -13,12 +13,16 @@ never run under autocast, and evaluations stay in float32.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TypeVar
 
 import torch
 
 from featcal.spec import PRECISIONS
+
+T = TypeVar("T")
 
 
 def forward_dtype(precision: str) -> torch.dtype | None:
@@ -32,10 +36,17 @@ def forward_dtype(precision: str) -> torch.dtype | None:
     return torch.bfloat16 if precision == "bf16" else None
 
 
-def autocast_disabled(device: torch.device) -> AbstractContextManager:
-    """No autocast on ``device``'s type, whatever an enclosing ``torch.autocast`` asks for: the
-    calibration's statistics, folds and solves run in it, and its forwards set their own."""
-    return torch.autocast(device_type=device.type, enabled=False)
+def without_callers_autocast(method: Callable[..., T]) -> Callable[..., T]:
+    """Run a method of an object with a ``device`` attribute with autocast off on that device's type,
+    whatever an enclosing ``torch.autocast`` asks for: the calibration's statistics, folds and solves
+    run there, and its forwards set their own (:func:`autocast_forwards`)."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs) -> T:
+        with torch.autocast(device_type=self.device.type, enabled=False):
+            return method(self, *args, **kwargs)
+
+    return wrapped
 
 
 def autocast_forwards(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager:

@@ -13,6 +13,7 @@ from featcal.data import calibration_pixels
 from featcal.merging import get_method
 from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
+from tests.support.image_watch import ImagesAtSolves
 from tests.support.reference_featcal import plain_featcal
 
 # The published code against itself, calibration batch 5 instead of 4: up to 3.4e-4 (fixture README).
@@ -43,6 +44,15 @@ def relative_update_errors(state, expected, start):
 
 def cpu_state(model) -> dict:
     return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
+def calibrated_state(fixture_run, device, **kwargs) -> dict:
+    """The fixture's calibration (12 images, batch 4) on ``device``; ``kwargs`` go to featcal_calibrate."""
+    base, experts, merged, pixels = fixture_run
+    params = FeatCalParams(num_calibration_examples=12, calibration_batch_size=4)
+    return cpu_state(
+        featcal_calibrate(merged, base, experts, pixels.__getitem__, params, device=device, progress=False, **kwargs)
+    )
 
 
 def test_reproduces_published_featcal(fixture_run, device):
@@ -122,12 +132,11 @@ def test_in_place_calibration_gives_the_copy_s_weights_in_the_model_itself(fixtu
 def test_bf16_forwards_autocast_the_layers_alone(fixture_run, device, monkeypatch):
     """With forward_dtype=bfloat16 every layer forward runs under autocast, and the statistics products,
     task folds and solves never do; the weights move by a few percent of the update at most."""
-    from featcal.calibration import driver
     from featcal.calibration.adapters import CLIPVisionAdapter
     from featcal.calibration.layer_state import LayerState
     from featcal.calibration.solves import LinearSystem
 
-    base, experts, merged, pixels = fixture_run
+    merged = fixture_run[2]
     device_type = torch.device(device).type
     seen: dict[str, set[bool]] = {"forwards": set(), "statistics, folds, solves": set()}
 
@@ -144,23 +153,10 @@ def test_bf16_forwards_autocast_the_layers_alone(fixture_run, device, monkeypatc
     spy(CLIPVisionAdapter, "run_stem", "forwards")
     for owner, name in ((LayerState, "multiply"), (LinearSystem, "add_task"), (LinearSystem, "solve")):
         spy(owner, name, "statistics, folds, solves")
-    params = FeatCalParams(num_calibration_examples=12, calibration_batch_size=4)
-    calibrate = driver.featcal_calibrate
-    ours = cpu_state(
-        calibrate(
-            merged,
-            base,
-            experts,
-            pixels.__getitem__,
-            params,
-            device=device,
-            progress=False,
-            forward_dtype=torch.bfloat16,
-        )
-    )
+    ours = calibrated_state(fixture_run, device, forward_dtype=torch.bfloat16)
     assert seen == {"forwards": {True}, "statistics, folds, solves": {False}}
     monkeypatch.undo()
-    reference = cpu_state(calibrate(merged, base, experts, pixels.__getitem__, params, device=device, progress=False))
+    reference = calibrated_state(fixture_run, device)
     errors = relative_update_errors(ours, reference, merged.state_dict())
     assert 10 * PUBLISHED_NOISE < max(errors.values()) < 0.1, max(errors.values())  # measured 0.042 on the CPU
 
@@ -170,50 +166,18 @@ def test_a_caller_s_autocast_changes_nothing(fixture_run, device, forward_dtype)
     """Calibrating inside the caller's own bfloat16 autocast gives the very weights of a calibration
     outside it: the statistics and solves never see it, float32 forwards stay float32, and bf16
     forwards read each weight as rewritten (no cached cast of an earlier value)."""
-    base, experts, merged, pixels = fixture_run
-    params = FeatCalParams(num_calibration_examples=12, calibration_batch_size=4)
-
-    def calibrate():
-        model = featcal_calibrate(
-            merged,
-            base,
-            experts,
-            pixels.__getitem__,
-            params,
-            device=device,
-            progress=False,
-            forward_dtype=forward_dtype,
-        )
-        return cpu_state(model)
-
-    outside = calibrate()
+    outside = calibrated_state(fixture_run, device, forward_dtype=forward_dtype)
     with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
-        inside = calibrate()
+        inside = calibrated_state(fixture_run, device, forward_dtype=forward_dtype)
     for key, value in outside.items():
         torch.testing.assert_close(inside[key], value, rtol=0, atol=0, msg=key)
 
 
 def test_the_images_are_not_kept_through_the_layers(fixture_run, monkeypatch):
     """Once the first-layer streams exist, the calibration holds no reference to the pixels it read."""
-    import weakref
-
-    from featcal.calibration.driver import FeatCalibrator
-
     base, experts, merged, pixels = fixture_run
-    handed_out, alive_at_solves = [], []
-
-    def load_images(task):
-        images = pixels[task].clone()
-        handed_out.append(weakref.ref(images))
-        return images
-
-    solve_into = FeatCalibrator._solve_into
-
-    def solve_and_look(self, *args, **kwargs):
-        alive_at_solves.append(sum(ref() is not None for ref in handed_out))
-        return solve_into(self, *args, **kwargs)
-
-    monkeypatch.setattr(FeatCalibrator, "_solve_into", solve_and_look)
+    images = ImagesAtSolves(pixels, monkeypatch)
     params = FeatCalParams(num_calibration_examples=12, calibration_batch_size=4)
-    featcal_calibrate(merged, base, experts, load_images, params, progress=False)
-    assert len(handed_out) == len(experts) and alive_at_solves and set(alive_at_solves) == {0}
+    featcal_calibrate(merged, base, experts, images, params, progress=False)
+    assert len(images.handed_out) == len(experts) and images.alive_at_solves
+    assert set(images.alive_at_solves) == {0}

@@ -14,6 +14,7 @@ from featcal.errors import FeatcalError
 from featcal.merging import get_method
 from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
+from tests.support.image_watch import ImagesAtSolves
 
 # Settings are compared with separate runs tensor by tensor, relative to the calibration's update
 # (‖sweep − separate‖ / ‖separate − merged‖). A setting whose n is a multiple of the batch size sees
@@ -315,27 +316,10 @@ def test_the_plot_draws_every_kind_of_sweep(tmp_path, parameter, sizes):
 def test_pixels_are_kept_only_for_a_later_group(fixture_run, monkeypatch, together, kept):
     """One group reads each task's images once and keeps none of them through the layers; with
     several groups each task's images are read once and kept for the next group."""
-    import weakref
-
-    from featcal.calibration.driver import FeatCalibrator
-
     base, experts, merged, pixels, _, _ = fixture_run
-    handed_out, alive_at_solves = [], []
-
-    def load_images(task):
-        images = pixels[task].clone()
-        handed_out.append(weakref.ref(images))
-        return images
-
-    solve_into = FeatCalibrator._solve_into
-
-    def solve_and_look(self, *args, **kwargs):
-        alive_at_solves.append(sum(ref() is not None for ref in handed_out))
-        return solve_into(self, *args, **kwargs)
-
-    monkeypatch.setattr(FeatCalibrator, "_solve_into", solve_and_look)
+    images = ImagesAtSolves(pixels, monkeypatch)
     settings = [FeatCalParams(num_calibration_examples=n, calibration_batch_size=4) for n in (4, 12)]
-    runs = featcal_calibrate_many(merged, base, experts, load_images, settings, together=together, progress=False)
+    runs = featcal_calibrate_many(merged, base, experts, images, settings, together=together, progress=False)
     assert len(list(runs)) == 2
-    assert len(handed_out) == len(experts)  # each task's images read once either way
-    assert set(alive_at_solves) == ({len(experts)} if kept else {0})
+    assert len(images.handed_out) == len(experts)  # each task's images read once either way
+    assert set(images.alive_at_solves) == ({len(experts)} if kept else {0})

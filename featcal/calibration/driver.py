@@ -29,7 +29,7 @@ from featcal.checkpoint import Checkpoint
 from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError
 from featcal.io import fault_point
-from featcal.precision import autocast_disabled, autocast_forwards
+from featcal.precision import autocast_forwards, without_callers_autocast
 from featcal.progress import Progress
 from featcal.spec import FeatCalParams
 
@@ -243,6 +243,7 @@ class FeatCalibrator:
 
     # -- the layer loop --------------------------------------------------------------------
     @torch.no_grad()
+    @without_callers_autocast
     def calibrate(
         self,
         merged: nn.Module,
@@ -255,18 +256,6 @@ class FeatCalibrator:
         """A calibrated copy of ``merged`` (``merged`` itself, moved to the device, with ``in_place``: no
         second copy of the model in memory); ``load_images(task)`` gives the task's calibration pixels.
         An autocast the caller runs in is switched off: only ``forward_dtype`` decides the forwards'."""
-        with autocast_disabled(self.device):
-            return self._calibrate(merged, base, experts, load_images, in_place=in_place)
-
-    def _calibrate(
-        self,
-        merged: nn.Module,
-        base: StateDict,
-        experts: Mapping[str, StateDict],
-        load_images: Callable[[str], torch.Tensor],
-        *,
-        in_place: bool,
-    ) -> nn.Module:
         model = (merged if in_place else copy.deepcopy(merged)).to(self.device).eval()
         tasks = list(experts)
         streams = self._all_first_inputs(model, experts, load_images)

@@ -38,7 +38,7 @@ from featcal.calibration.driver import FeatCalibrator, StateDict, _cat_params, _
 from featcal.calibration.layer_state import LayerState, Recorder, StopForward
 from featcal.calibration.workspace import Workspace
 from featcal.errors import FeatcalError
-from featcal.precision import autocast_disabled, autocast_forwards
+from featcal.precision import autocast_forwards, without_callers_autocast
 from featcal.progress import Progress
 from featcal.spec import FeatCalParams
 
@@ -124,6 +124,7 @@ class SweepCalibrator:
         )
 
     @torch.no_grad()
+    @without_callers_autocast
     def calibrate(
         self,
         merged: nn.Module,
@@ -137,16 +138,6 @@ class SweepCalibrator:
         rows must be the calibration images of a setting with n_v (nested subsets). An autocast the
         caller runs in is switched off: only ``forward_dtype`` decides the forwards'.
         """
-        with autocast_disabled(self.device):
-            return self._calibrate(merged, base, experts, load_images)
-
-    def _calibrate(
-        self,
-        merged: nn.Module,
-        base: StateDict,
-        experts: Mapping[str, StateDict],
-        load_images: Callable[[str], torch.Tensor],
-    ) -> list[nn.Module]:
         largest = max(self.settings, key=lambda p: p.num_calibration_examples)
         shared = self._driver(largest)
         settings = [_Setting(self._driver(p), copy.deepcopy(merged).to(self.device).eval(), {}) for p in self.settings]
