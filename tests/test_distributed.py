@@ -248,8 +248,10 @@ def test_a_killed_rank_stops_every_rank_without_a_trace(tmp_path: Path) -> None:
     done, seconds = torchrun(2, args, FEATCAL_KILL_AT="calibrate:layer1", FEATCAL_FAULT_RANK="1")
     assert done.returncode != 0 and seconds < FAULT_BOUND_S
     assert "SIGKILL" in done.stderr  # torchrun names the killed rank
-    # no traceback from featcal's own code in any process; the survivors were stopped quietly
-    assert not [line for line in done.stderr.splitlines() if line.startswith('  File "') and "featcal" in line]
+    # no traceback from featcal's own code in any process; the survivors were stopped quietly (torchrun's
+    # own traceback may follow: its files are not featcal's, even in a checkout in a folder named featcal)
+    package = f'  File "{Path(driver.__file__).parents[1]}/'
+    assert not [line for line in done.stderr.splitlines() if line.startswith(package)]
     assert not (out / "featcal-ta").exists() and not leftovers(out)
     assert "calibrate" not in json.loads((out / "stages.json").read_text())
 
