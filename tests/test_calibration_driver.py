@@ -181,3 +181,35 @@ def test_the_images_are_not_kept_through_the_layers(fixture_run, monkeypatch):
     featcal_calibrate(merged, base, experts, images, params, progress=False)
     assert len(images.handed_out) == len(experts) and images.alive_at_solves
     assert set(images.alive_at_solves) == {0}
+
+
+def test_folds_and_solves_borrow_the_joint_buffers_memory(fixture_run, monkeypatch):
+    """The task folds' cast of C_ss and the solves' factors are carved from the layer's joint
+    statistics buffers (idle between products), not allocated beside them; the weights stay the
+    published code's."""
+    from featcal.calibration import layer_state
+    from featcal.calibration.workspace import Workspace
+
+    states, handed = [], []
+    post_init, get = layer_state.LayerState.__post_init__, Workspace.get
+
+    def record_state(self):
+        post_init(self)
+        states.append(self)
+
+    def record_get(self, name, shape, dtype, device):
+        buffer = get(self, name, shape, dtype, device)
+        handed.append((name, tuple(shape), buffer))
+        return buffer
+
+    monkeypatch.setattr(layer_state.LayerState, "__post_init__", record_state)
+    monkeypatch.setattr(Workspace, "get", record_get)
+    state = calibrated_state(fixture_run, "cpu")
+    assert {name for name, _, _ in handed} == {"gram", "factor", "info"}
+    arenas = {s.buffers[i].untyped_storage().data_ptr() for s in states for i in s.buffers}
+    assert len(arenas) == len(states)  # one allocation per layer state, shared by its joint buffers
+    assert all(buffer.untyped_storage().data_ptr() in arenas for _, _, buffer in handed)
+    base, experts, merged, _ = fixture_run
+    published = load_file(str(FIXTURE / "expected" / "featcal_reference_featcal.safetensors"))
+    errors = relative_update_errors(state, published, merged.state_dict())
+    assert max(errors.values()) <= PUBLISHED_NOISE

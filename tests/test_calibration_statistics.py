@@ -209,3 +209,22 @@ def test_projected_fold_through_a_workspace_equals_the_fold_without():
     torch.testing.assert_close(moments.teacher_rhs(0.25, w_t, workspace), expected, rtol=0, atol=0)
     assert torch.equal(workspace.get("gram", (10, 10), torch.float32, torch.device("cpu")), moments.sum_ss.float())
     torch.testing.assert_close(moments.teacher_rhs(0.25, w_t, workspace), expected, rtol=0, atol=0)
+
+
+def test_a_workspace_carves_its_buffers_from_lent_memory_until_it_is_full():
+    """Distinct buffers take disjoint, aligned parts of the lent memory; one that no longer fits is
+    allocated on its own; asking again gives the same memory."""
+    lent = torch.empty(1000, dtype=torch.uint8)
+    workspace = Workspace(lent=lent)
+    factor = workspace.get("factor", (10, 10), torch.float64, torch.device("cpu"))  # 800 bytes
+    info = workspace.get("info", (), torch.int32, torch.device("cpu"))
+    big = workspace.get("gram", (10, 10), torch.float32, torch.device("cpu"))  # 400 bytes: no room left
+    start = lent.data_ptr()
+    assert factor.data_ptr() == start and info.data_ptr() == start + 832  # 800 rounded up to 64 bytes
+    assert big.untyped_storage().data_ptr() != lent.untyped_storage().data_ptr()
+    factor.fill_(1.0)
+    info.fill_(7)
+    assert torch.equal(factor, torch.ones(10, 10, dtype=torch.float64)) and int(info) == 7
+    assert workspace.get("factor", (10, 10), torch.float64, torch.device("cpu")).data_ptr() == start
+    with pytest.raises(ValueError, match="flat uint8"):
+        Workspace(lent=torch.empty(10))

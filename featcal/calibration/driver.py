@@ -24,7 +24,6 @@ from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter,
 from featcal.calibration.layer_state import LayerPlan, LayerState, Recorder, StopForward, plan_layer
 from featcal.calibration.solves import anchor
 from featcal.calibration.statistics import product_dtype
-from featcal.calibration.workspace import Workspace
 from featcal.checkpoint import Checkpoint
 from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError
@@ -172,15 +171,9 @@ class FeatCalibrator:
             rec_e.remove()
         return plan_layer(self.adapter.calibrated_modules(layer), rec_s, rec_e, weighting)
 
-    def _new_state(
-        self,
-        plan: LayerPlan,
-        streams: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-        workspace: Workspace | None = None,
-    ) -> LayerState:
+    def _new_state(self, plan: LayerPlan, streams: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> LayerState:
         """Working memory for a layer; joint buffers hold whole forward batches, about
-        STATISTICS_CHUNK_TOKENS rows, never more than the largest task's tokens. ``workspace``: the
-        solves' buffers, shared with other states that solve one after another (a fresh one when None)."""
+        STATISTICS_CHUNK_TOKENS rows, never more than the largest task's tokens."""
         student = next(iter(streams.values()))[0]
         num_images, seq_len = max(s.shape[0] for s, _ in streams.values()), student.shape[1]
         bs = min(self.params.calibration_batch_size, num_images)
@@ -193,7 +186,6 @@ class FeatCalibrator:
             self.device,
             product_dtype(student.dtype),
             self.stats_dtype,
-            workspace=workspace or Workspace(),
         )
 
     @torch.no_grad()

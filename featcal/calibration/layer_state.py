@@ -18,7 +18,7 @@ from torch import nn
 from featcal.calibration.adapters import TokenWeighting
 from featcal.calibration.solves import LayerNormSystem, LinearSystem
 from featcal.calibration.statistics import GramAccumulator, LayerNormMoments, LinearMoments, ProjectedLinearMoments
-from featcal.calibration.workspace import Workspace
+from featcal.calibration.workspace import Workspace, carved_bytes
 from featcal.errors import FeatcalError
 
 FLUSH_TOKENS = 1 << 15  # float32 product sums are flushed into the float64 moments this often
@@ -141,13 +141,15 @@ class LayerState:
     weights: dict[int, torch.Tensor | None] = field(default_factory=dict)
     roots: dict[int, torch.Tensor | None] = field(default_factory=dict)
     scratch: torch.Tensor | None = None
-    workspace: Workspace = field(default_factory=Workspace)  # the solves' and task folds' large temporaries
+    workspace: Workspace = field(init=False)  # the folds' and solves' temporaries, in the joint buffers' memory
     filled: int = 0
     flushed: set[int] = field(default_factory=set)  # groups whose moments hold this task's first flush
 
     def __post_init__(self) -> None:
         kw = dict(device=self.device, dtype=self.stats_dtype)
-        widest = 0
+        arena = torch.empty(self._arena_bytes(), device=self.device, dtype=torch.uint8)
+        self.workspace = Workspace(lent=arena)
+        offset, widest = 0, 0
         for i, g in enumerate(self.plan.groups):
             w = g.weighting.weights
             self.weights[i] = None if w is None else w.to(device=self.device, dtype=self.dtype)
@@ -156,7 +158,9 @@ class LayerState:
                 self.moments[i] = LayerNormMoments.zeros(g.dim, **kw)
                 self.systems[i] = LayerNormSystem.empty(g.dim, **kw)
                 continue
-            self.buffers[i] = torch.empty(self.capacity, g.dim + g.cross, device=self.device, dtype=self.dtype)
+            nbytes = self.capacity * (g.dim + g.cross) * self.dtype.itemsize
+            self.buffers[i] = arena[offset : offset + nbytes].view(self.dtype).view(self.capacity, g.dim + g.cross)
+            offset += nbytes
             self.grams[i] = GramAccumulator(
                 g.dim, g.cross, device=self.device, dtype=self.dtype, sum_dtype=self.stats_dtype
             )
@@ -169,6 +173,18 @@ class LayerState:
             widest = max(widest, max(acc.numel() for acc in self.grams[i].acc))
         if self.dtype != self.stats_dtype:
             self.scratch = torch.empty(widest, device=self.device, dtype=self.stats_dtype)
+
+    def _arena_bytes(self) -> int:
+        """One allocation for the joint buffers, which the task folds and solves borrow between products
+        (the fc2 system's float64 factor and float32 cast at ViT-B/32: 113 MB of the buffers' 135)."""
+        joint = sum(
+            self.capacity * (g.dim + g.cross) * self.dtype.itemsize for g in self.plan.groups if g.kind != "layernorm"
+        )
+        dims = {g.dim for g in self.plan.groups if g.kind != "layernorm"}
+        borrowed = [(d * d, self.stats_dtype) for d in dims] + [(1, torch.int32)]  # solves: factors, status
+        if self.dtype != self.stats_dtype:  # folds: the projected groups' casts of C_ss
+            borrowed += [(g.dim * g.dim, self.dtype) for g in self.plan.groups if g.kind == "projected"]
+        return max(joint, carved_bytes(borrowed))
 
     def start_layer(self, plan: LayerPlan) -> None:
         """Reuse this memory for another layer with the same plan key."""
