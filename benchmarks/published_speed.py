@@ -16,8 +16,8 @@ phase, and reports wall and CPU time and the peak RSS (VmHWM) of each phase:
   ``save_vision_model`` of the result.
 - featcal (the library calls of ``featcal merge`` and ``featcal calibrate``): open and check the base
   and experts (``Checkpoint``, ``check_compatible``, ``check_finite``), ``task_arithmetic``, check,
-  ``save_vision_model``; then open and check them again, ``load_vision_folder`` of the merge,
-  ``featcal_calibrate`` (in place), check, ``save_vision_model``.
+  ``save_vision_model``; then open and check them again, ``check_vision_folder`` of the merge and
+  ``featcal_calibrate_folder`` (the merge's encoder layers read, calibrated and written one at a time).
 
 What the published side runs differs from its repository only here (``_adapt_published``):
 
@@ -206,9 +206,10 @@ def run_featcal(workdir: Path, tasks: int, images: int, batch_size: int, out: Pa
     if REPO not in Path(featcal.__file__).resolve().parents:
         raise SystemExit(f"imported featcal from {featcal.__file__}, not from {REPO}")
     from featcal.allocator import keep_freed_memory_for_reuse
-    from featcal.calibration import FeatCalParams, featcal_calibrate
+    from featcal.calibration import FeatCalParams
+    from featcal.calibration.streaming import featcal_calibrate_folder
     from featcal.checkpoint import Checkpoint, check_compatible
-    from featcal.inputs import load_vision_folder
+    from featcal.inputs import check_vision_folder
     from featcal.io import save_vision_model
     from featcal.merging import get_method
     from featcal.pipeline import check_finite
@@ -238,21 +239,18 @@ def run_featcal(workdir: Path, tasks: int, images: int, batch_size: int, out: Pa
 
     def calibrate() -> None:
         base, experts = open_inputs()
-        merged = load_vision_folder(out / "ta", base)
+        check_vision_folder(out / "ta", base)
         params = FeatCalParams(num_calibration_examples=images, calibration_batch_size=batch_size)
-        model = featcal_calibrate(
-            merged,
+        featcal_calibrate_folder(  # one encoder layer in memory at a time, written as it is done
+            out / "ta",
+            out / "featcal-ta",
             base,
             experts,
             lambda name: _images(names.index(name), images, size),
             params,
+            vision_config=CLIPVisionConfig.from_pretrained(str(workdir / "base")),
             device=device,
             progress=False,
-            in_place=True,
-        )
-        check_finite(model.state_dict(), "FeatCal")
-        save_vision_model(
-            model.state_dict(), CLIPVisionConfig.from_pretrained(str(workdir / "base")), out / "featcal-ta"
         )
 
     clock = PhaseClock()

@@ -34,9 +34,11 @@ def _child(tasks_file: str, base: str | None, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
+    from featcal.calibration import featcal_calibrate
+    from featcal.data import calibration_pixels
     from featcal.evaluation import ZeroShotClassifier, load_base_clip
     from featcal.inputs import build_vision_model, resolve_device, resolve_inputs
-    from featcal.pipeline import calibrate, merge
+    from featcal.pipeline import merge
     from featcal.spec import RunSpec
 
     spec = RunSpec(tasks_file=tasks_file, base_model_id=base, eval_num_workers=0, progress=False)
@@ -48,10 +50,19 @@ def _child(tasks_file: str, base: str | None, threads: int) -> None:
     images = classifier.test_images(inputs.tasks, processor, batch_size=256, num_workers=0)
     classifier.keep_heads_only(inputs.tasks)
     start = time.perf_counter()
-    calibrate(inputs, merged, spec.featcal, seed=42, device=device, processor=processor, progress=False)
+    by_name = {t.name: t for t in inputs.tasks}
+    calibrated = featcal_calibrate(
+        merged,
+        inputs.base,
+        inputs.experts,
+        lambda name: calibration_pixels(by_name[name], processor, spec.featcal.num_calibration_examples, 42),
+        spec.featcal,
+        device=device,
+        progress=False,
+    )
     calibrate_s = time.perf_counter() - start
     start = time.perf_counter()
-    classifier.evaluate(merged, inputs.tasks, progress=False, images=images)
+    classifier.evaluate(calibrated, inputs.tasks, progress=False, images=images)
     print(json.dumps({"calibrate_s": calibrate_s, "evaluate_s": time.perf_counter() - start}))
 
 

@@ -194,6 +194,20 @@ def load_vision_folder(path: str | Path, base: Checkpoint | None = None):
     """
     from transformers import CLIPVisionModel
 
+    check_vision_folder(path, base)
+    return CLIPVisionModel.from_pretrained(str(path), use_safetensors=True, dtype=torch.float32).eval()
+
+
+def check_vision_folder(path: str | Path, base: Checkpoint | None = None) -> Checkpoint:
+    """Check a `CLIPVisionModel` folder as :func:`load_vision_folder` does, without loading the model.
+
+    Returns:
+        The folder's tensors, read lazily.
+
+    Raises:
+        ModelInputError: for a folder without config or safetensors weights, a tensor that is not
+            finite (naming file and tensor), or an architecture other than the base's.
+    """
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ModelInputError(
@@ -206,7 +220,7 @@ def load_vision_folder(path: str | Path, base: Checkpoint | None = None):
     if base is not None:
         shapes = {key: checkpoint.shape(key) for key in checkpoint}
         check_same_architecture(base, shapes, f"The model {folder}", str(folder))
-    return CLIPVisionModel.from_pretrained(str(folder), use_safetensors=True, dtype=torch.float32).eval()
+    return checkpoint
 
 
 def check_output_folder(out: Path) -> None:

@@ -8,12 +8,15 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+    from featcal.safetensors_writer import SafetensorsWriter
 
 
 def current_umask() -> int:
@@ -71,8 +74,9 @@ def config_hash(data: Mapping[str, Any]) -> str:
 
 
 def fault_point(name: str) -> None:
-    """Kill this process with SIGKILL at ``name`` when ``FEATCAL_KILL_AT`` names it, or raise a
-    :class:`~featcal.errors.FeatcalError` there when ``FEATCAL_FAIL_AT`` names it.
+    """Kill this process with SIGKILL (or the signal ``FEATCAL_KILL_SIGNAL`` names, e.g. ``TERM``) at
+    ``name`` when ``FEATCAL_KILL_AT`` names it, or raise a :class:`~featcal.errors.FeatcalError` there
+    when ``FEATCAL_FAIL_AT`` names it.
 
     The resume tests use it to stop a run at chosen points, the way a rented machine's loss would;
     the multi-process tests restrict it to one process with ``FEATCAL_FAULT_RANK`` (torchrun's
@@ -84,8 +88,8 @@ def fault_point(name: str) -> None:
     rank = os.environ.get("FEATCAL_FAULT_RANK")
     if rank is not None and rank != os.environ.get("RANK", "0"):
         return
-    if kill == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if kill == name:  # FEATCAL_KILL_SIGNAL=TERM sends a stop request instead of a kill
+        os.kill(os.getpid(), getattr(signal, f"SIG{os.environ.get('FEATCAL_KILL_SIGNAL', 'KILL')}"))
     from featcal.errors import FeatcalError
 
     raise FeatcalError(f"Stopped at {name} as FEATCAL_FAIL_AT asks.")
@@ -140,3 +144,43 @@ def save_vision_model(state: Mapping[str, torch.Tensor], vision_config, folder: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+@contextmanager
+def streamed_vision_model(vision_config, folder: str | Path) -> Iterator[SafetensorsWriter]:
+    """A `transformers.CLIPVisionModel` folder written tensor by tensor, atomically.
+
+    Yields a :class:`~featcal.safetensors_writer.SafetensorsWriter` laid out for the model's state
+    dict (its parameter dtype, keys as :func:`save_vision_model` writes them); every tensor must be
+    written before the block ends. The folder appears, with the same ``config.json``, only then: a
+    block that raises leaves nothing behind.
+
+    Raises:
+        ValueError: when the block ends with a tensor not written.
+    """
+    import torch
+    from transformers import CLIPVisionModel
+
+    from featcal.safetensors_writer import SafetensorsWriter
+
+    folder = Path(folder)
+    with torch.device("meta"):
+        model = CLIPVisionModel(vision_config)
+    layout = {key: (value.dtype, tuple(value.shape)) for key, value in model.state_dict().items()}
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        model.config.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # as save_pretrained sets
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(tmp)
+        writer = SafetensorsWriter(tmp / "model.safetensors", layout, {"format": "pt"})
+        try:
+            yield writer
+            writer.close()
+        finally:
+            writer.discard()
+        as_if_created_tree(tmp)
+        replace_dir(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from featcal import __version__
-from featcal.calibration import FeatCalParams, featcal_calibrate
+from featcal.calibration import FeatCalParams
+from featcal.calibration.streaming import featcal_calibrate_folder
 from featcal.data import TestImages, calibration_pixels
 from featcal.diagnostics.report import CALIBRATED, MERGED
 from featcal.distributed import SINGLE, World
@@ -33,6 +34,7 @@ from featcal.inputs import (
     build_vision_model,
     check_output_folder,
     check_same_run,
+    check_vision_folder,
     load_vision_folder,
     resolve_inputs,
     validate_datasets,
@@ -152,35 +154,36 @@ def merge(
 
 def calibrate(
     inputs: RunInputs,
-    merged_model,
+    merged_folder: str | Path,
+    output: str | Path | None,
     params: FeatCalParams,
     *,
     seed: int,
     device: torch.device,
     processor,
     progress: bool = True,
-    in_place: bool = False,
     world: World = SINGLE,
     precision: str = "float32",
-):
-    """The FeatCal-calibrated copy of ``merged_model`` (``merged_model`` itself with ``in_place``); under
-    torchrun each of ``world``'s processes reads its part of every task's calibration images, and all
-    end with the same weights. ``precision`` ``bf16`` runs the layer forwards under bfloat16 autocast."""
+) -> None:
+    """FeatCal of the merged model in ``merged_folder`` (checked by the caller), written to ``output``
+    one encoder layer at a time: the model is never whole in memory, and the folder appears only when
+    the calibration ends. Under torchrun each of ``world``'s processes reads its part of every task's
+    calibration images, and all compute the same weights; the others pass ``output`` None.
+    ``precision`` ``bf16`` runs the layer forwards under bfloat16 autocast."""
     by_name = {t.name: t for t in inputs.tasks}
-    model = featcal_calibrate(
-        merged_model,
+    featcal_calibrate_folder(
+        merged_folder,
+        output,
         inputs.base,
         inputs.experts,
         lambda name: calibration_pixels(by_name[name], processor, params.num_calibration_examples, seed, world=world),
         params,
+        vision_config=inputs.vision_config,
         device=device,
         progress=progress,
-        in_place=in_place,
         world=world,
         forward_dtype=forward_dtype(precision),
     )
-    check_finite(model.state_dict(), "FeatCal")
-    return model
 
 
 @dataclass(frozen=True)
@@ -288,8 +291,9 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
             check_same_run(out, record)
         threads = choose_threads(spec.threads, inputs.vision_config.hidden_size)
         clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
-        # A merged model to start from is loaded (and checked) before the folder is touched.
-        given_merged = load_vision_folder(spec.ta_model_path, inputs.base) if spec.skip_ta else None
+        # A merged model to start from is checked before the folder is touched (and read when needed).
+        if spec.skip_ta:
+            check_vision_folder(spec.ta_model_path, inputs.base)
     stages = plan_stages(spec, inputs, data)
     created = not out.exists()
     classifier = ZeroShotClassifier(clip, tokenizer, device, world=world)
@@ -298,7 +302,7 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
         with RunLock(out) if world.is_main else nullcontext(), fixed_precision(spec.precision), torch_threads(threads):
             run = _Run(spec, out, inputs, stages, device, classifier, processor, world)
             world.barrier("reading the run folder")  # every process has read the ledger before rank 0 changes it
-            return run.execute(record, given_merged)
+            return run.execute(record)
     except BaseException:
         if world.is_main and created and not (out / STAGES_FILE).exists():
             shutil.rmtree(out, ignore_errors=True)  # nothing finished: leave no half-made folder
@@ -378,7 +382,7 @@ class _Run:
         if self._images is not None and self._images.loader.num_workers == 0:
             self._images = None
 
-    def execute(self, record: Mapping[str, Any], given_merged=None) -> dict[str, MetricsReport]:
+    def execute(self, record: Mapping[str, Any]) -> dict[str, MetricsReport]:
         spec, out, inputs = self.spec, self.out, self.inputs
         if self.writes:
             remove_leftovers(out)
@@ -399,7 +403,7 @@ class _Run:
         if spec.eval_experts:
             results[EXPERTS_DIR] = self._evaluate_experts()
 
-        merged_model = given_merged  # the --skip-ta model, else merged or loaded below
+        merged_model = None  # the merge's result while it is in memory, else read from its folder when needed
         if spec.skip_ta:
             pass  # nothing to merge
         elif self._fresh("merge"):
@@ -414,7 +418,7 @@ class _Run:
 
         def merged() -> Any:
             nonlocal merged_model
-            if merged_model is None:  # after an in-place calibration too: read back from its folder
+            if merged_model is None:  # --skip-ta's model, a merge done earlier, or after the calibration
                 folder = Path(spec.ta_model_path) if spec.skip_ta else out / merged_name
                 merged_model = load_vision_folder(folder, inputs.base)
             return merged_model
@@ -429,37 +433,43 @@ class _Run:
                 results[merged_name] = self._evaluate(merged_name, merged)
 
         calibrated_model = None
+
+        def calibrated() -> Any:
+            nonlocal calibrated_model
+            if calibrated_model is None:  # the calibration wrote it, layer by layer: read back from its folder
+                calibrated_model = load_vision_folder(out / calibrated_name, inputs.base)
+            return calibrated_model
+
         if not spec.skip_featcal:
             if self._fresh("calibrate"):
                 logger.info("FeatCal: %s/ is up to date (same inputs); skipped", calibrated_name)
             else:
                 self._release_test_images()
+                merged_model = None  # the calibration reads the merged layers from their folder, one at a time
                 release_free_memory()
+                merged_folder = Path(spec.ta_model_path) if spec.skip_ta else out / merged_name
+                self.world.barrier("writing the merged model")  # rank 0 wrote the folder the others read
+                if not spec.skip_ta:  # checked like any model read back (--ta-model-path was, up front)
+                    check_vision_folder(merged_folder, inputs.base)
                 with self.memory.stage("calibrate"):
                     start = time.perf_counter()
-                    # In place: the merged weights are not read again, so only one model is in memory.
-                    calibrated_model = calibrate(
-                        inputs, merged(), spec.featcal, seed=spec.seed, device=self.device,
-                        processor=self.processor, progress=spec.progress, in_place=True, world=self.world,
-                        precision=spec.precision,
+                    calibrate(
+                        inputs, merged_folder, out / calibrated_name if self.writes else None, spec.featcal,
+                        seed=spec.seed, device=self.device, processor=self.processor, progress=spec.progress,
+                        world=self.world, precision=spec.precision,
                     )  # fmt: skip
-                    merged_model = None
                     self.timings["calibrate_s"] = time.perf_counter() - start
-                    self._save(calibrated_model.state_dict(), calibrated_name)
+                self.world.barrier("writing the calibrated model")
                 self._mark("calibrate")
             results[calibrated_name] = self._evaluate(
                 calibrated_name,
-                lambda: (
-                    calibrated_model
-                    if calibrated_model is not None
-                    else load_vision_folder(out / calibrated_name, inputs.base)
-                ),
+                calibrated,
                 extra={"calibration_examples_used": record["featcal"].get("calibration_examples_used")},
             )
         if spec.diagnose:
             models = {MERGED: merged}
             if not spec.skip_featcal:
-                models[CALIBRATED] = lambda: calibrated_model or load_vision_folder(out / calibrated_name, inputs.base)
+                models[CALIBRATED] = calibrated
             self._diagnose(models, (record["featcal"] or {}).get("calibration_examples_used") or {})
         merged_model = calibrated_model = None
         if not self.writes:

@@ -299,3 +299,52 @@ def test_shipped_recipes_are_valid():
     for path in recipes:
         assert load_recipe(path)
         assert build_spec(recipe=load_recipe(path), recipe_source=path)
+
+
+def test_a_stop_request_during_calibrate_leaves_neither_output_nor_temporaries(run_dir, world, tmp_path):
+    """SIGTERM while the calibrated folder is being written layer by layer: exit status 143, and the
+    hidden temporary folder beside the output is removed on the way out."""
+    import os
+
+    env = {**os.environ, "FEATCAL_KILL_AT": "calibrate:layer1", "FEATCAL_KILL_SIGNAL": "TERM"}
+    env.update(FEATCAL_NO_PROGRESS="1", OMP_NUM_THREADS="1")
+    args = ["-q", "calibrate", "--merged", str(run_dir / "ta"), "--output", str(tmp_path / "c")]
+    args += ["--tasks-file", str(world["tasks_file"]), "--num-calibration-examples", "4", "--device", "cpu"]
+    stopped = subprocess.run(
+        [sys.executable, "-m", "featcal", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert stopped.returncode == 143, stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("skip_ta", [False, True])
+def test_no_whole_model_is_held_during_a_run_s_calibration(run_dir, world, tmp_path, monkeypatch, skip_ta):
+    """The calibration reads the merged model a layer at a time: when it starts, no vision tower with
+    all its weights is alive in the process (the merged one was evaluated and dropped, a
+    --ta-model-path model was checked, not kept)."""
+    import gc
+    import warnings
+
+    import featcal.pipeline as pipeline
+
+    calibrate, whole_towers = pipeline.calibrate, []
+
+    def watched(*args, **kwargs):
+        gc.collect()
+        with warnings.catch_warnings():  # isinstance on some of torch's deprecated objects warns
+            warnings.simplefilter("ignore")
+            towers = [o for o in gc.get_objects() if isinstance(o, CLIPVisionModel)]
+        whole_towers.extend(t for t in towers if all(p.device.type != "meta" for p in t.parameters()))
+        return calibrate(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "calibrate", watched)
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(tmp_path / "run"), *FAST]
+    argv += ["--device", "cpu", "--no-export"]
+    if skip_ta:
+        argv += ["--skip-ta", "--ta-model-path", str(run_dir / "ta")]
+    assert main(argv) == 0
+    assert whole_towers == []
+    cal = load_file(str(tmp_path / "run" / "featcal-ta" / "model.safetensors"))
+    ref = load_file(str(run_dir / "featcal-ta" / "model.safetensors"))
+    assert all(torch.allclose(cal[k], ref[k], atol=1e-6) for k in ref)

@@ -16,6 +16,7 @@ import copy
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from featcal.checkpoint import Checkpoint
 from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError
 from featcal.io import fault_point
+from featcal.memory import trim_heap
 from featcal.precision import autocast_forwards, without_callers_autocast
 from featcal.progress import Progress
 from featcal.spec import FeatCalParams
@@ -73,6 +75,17 @@ def _cat_params(modules: Mapping[str, nn.Module], names: list[str]) -> tuple[tor
 
 def _bias(module: nn.Module) -> torch.Tensor:
     return module.bias if module.bias is not None else module.weight.new_zeros(module.weight.shape[0])
+
+
+class LayerStore(Protocol):
+    """Where a model's encoder layers live while the calibration does not need them, so that only the
+    layer being calibrated is in memory (:mod:`featcal.calibration.streaming`)."""
+
+    def load(self, index: int, layer: nn.Module) -> None:
+        """Give ``layer`` (on the meta device) its merged values, on the calibration device."""
+
+    def store(self, index: int, layer: nn.Module) -> None:
+        """Take the calibrated ``layer``; the calibration does not use it again."""
 
 
 class FeatCalibrator:
@@ -244,20 +257,32 @@ class FeatCalibrator:
         load_images: Callable[[str], torch.Tensor],
         *,
         in_place: bool = False,
+        layer_store: LayerStore | None = None,
     ) -> nn.Module:
         """A calibrated copy of ``merged`` (``merged`` itself, moved to the device, with ``in_place``: no
         second copy of the model in memory); ``load_images(task)`` gives the task's calibration pixels.
-        An autocast the caller runs in is switched off: only ``forward_dtype`` decides the forwards'."""
-        model = (merged if in_place else copy.deepcopy(merged)).to(self.device).eval()
+        An autocast the caller runs in is switched off: only ``forward_dtype`` decides the forwards'.
+
+        With ``layer_store``, ``merged`` is calibrated in place and must already be on the device but
+        for its encoder layers, which are on the meta device: each is loaded from the store when the
+        calibration reaches it and handed back once calibrated (and the streams advanced through it)."""
+        if layer_store is None:
+            model = (merged if in_place else copy.deepcopy(merged)).to(self.device).eval()
+        else:
+            model = merged.eval()
         tasks = list(experts)
         streams = self._all_first_inputs(model, experts, load_images)
         layers = self.adapter.layers(model)
         num_layers = len(layers)
-        expert_layer = copy.deepcopy(layers[0])
+        expert_layer: nn.Module | None = None
         state: LayerState | None = None
         for index in Progress(range(num_layers), desc="FeatCal: layers", unit="layers", enabled=self.progress):
             fault_point(f"calibrate:layer{index}")
             layer, prefix = layers[index], self.adapter.layer_prefix(index)
+            if layer_store is not None:
+                layer_store.load(index, layer)
+            if expert_layer is None:  # the experts' layers are read into a copy of the first
+                expert_layer = copy.deepcopy(layer)
             modules = self.adapter.calibrated_modules(layer)
             seq_len = streams[tasks[0]][0].shape[1]
             weighting = {n: self.adapter.token_weighting(n, index, num_layers, seq_len) for n in modules}
@@ -274,10 +299,13 @@ class FeatCalibrator:
                         state = None  # free the previous layer's memory before allocating
                         state = self._new_state(plan, streams)
                 self._collect(layer, expert_layer, student, expert, state)
+            trim_heap()  # the statistics' forward temporaries are free: their pages do not add to the solves'
             self._solve_into(modules, state, base, prefix)
             if index < num_layers - 1:
                 for student, _ in streams.values():
                     self._advance(layer, student)
+            if layer_store is not None:
+                layer_store.store(index, layer)
             logger.debug("FeatCal: layer %d calibrated", index)
         return model
 

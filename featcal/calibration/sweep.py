@@ -37,6 +37,7 @@ from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter,
 from featcal.calibration.driver import FeatCalibrator, StateDict, _cat_params, _load_params
 from featcal.calibration.layer_state import LayerState, Recorder, StopForward
 from featcal.errors import FeatcalError
+from featcal.memory import trim_heap
 from featcal.precision import autocast_forwards, without_callers_autocast
 from featcal.progress import Progress
 from featcal.spec import FeatCalParams
@@ -162,6 +163,7 @@ class SweepCalibrator:
                     for setting, setting_layers in zip(settings, layers):
                         self._prepare(setting, setting_layers[index], expert_layer, expert_streams[task], weighting)
                 self._collect([lay[index] for lay in layers], expert_layer, expert_streams[task], settings, task)
+            trim_heap()  # as the driver does before its solves
             for setting, setting_layers in zip(settings, layers):
                 modules = self.adapter.calibrated_modules(setting_layers[index])
                 setting.calibrator._solve_into(modules, setting.state, base, prefix)

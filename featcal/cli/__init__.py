@@ -6,9 +6,11 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from featcal import __version__, progress
 from featcal.allocator import keep_freed_memory_for_reuse
@@ -99,6 +101,26 @@ def _progress_display(quiet: bool) -> contextlib.AbstractContextManager:
     return logging_redirect_tqdm()
 
 
+@contextlib.contextmanager
+def _stop_requests_end_cleanly() -> Iterator[None]:
+    """A stop request (SIGTERM: ``kill``, torchrun stopping its other processes, a scheduler's
+    preemption) ends the command like an error, so its temporary files and folders are removed on the
+    way out (exit status 143); a second one while that clean-up runs is ignored."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_stop_request)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_stop_request(signum: int, _frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `featcal` console script; returns the exit status."""
     parser = build_parser()
@@ -116,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"featcal {args.command} runs in one process: start it without torchrun (torchrun runs "
                 f"{', '.join(processes.DISTRIBUTED_COMMANDS)})."
             )
-        with _progress_display(quiet):
+        with _progress_display(quiet), _stop_requests_end_cleanly():
             return int(args.func(args) or 0)
     except FeatcalError as exc:
         from featcal.cli.errors import word_error

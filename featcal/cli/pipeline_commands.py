@@ -79,8 +79,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from featcal.distributed import session
     from featcal.evaluation import load_base_clip
-    from featcal.inputs import load_vision_folder, resolve_inputs, validate_datasets
-    from featcal.io import save_vision_model
+    from featcal.inputs import check_vision_folder, resolve_inputs, validate_datasets
     from featcal.pipeline import calibrate
 
     spec = spec_from_args(args)
@@ -89,17 +88,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec)
             validate_datasets(inputs.tasks, splits=("train",))
-            merged = load_vision_folder(args.merged, inputs.base)
+            check_vision_folder(args.merged, inputs.base)
             _, _, processor = load_base_clip(inputs.base_folder)
         with compute_settings(spec, inputs):
-            model = calibrate(
-                inputs, merged, spec.featcal, seed=spec.seed, device=device, processor=processor,
-                progress=spec.progress, in_place=True, world=world, precision=spec.precision,
+            calibrate(
+                inputs, args.merged, args.output if world.is_main else None, spec.featcal, seed=spec.seed,
+                device=device, processor=processor, progress=spec.progress, world=world, precision=spec.precision,
             )  # fmt: skip
     if not world.is_main:
         return 0
-    folder = save_vision_model(model.state_dict(), inputs.vision_config, args.output)
-    print(path_line("Calibrated model", folder))
+    print(path_line("Calibrated model", Path(args.output)))
     return 0
 
 

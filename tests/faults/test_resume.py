@@ -60,8 +60,8 @@ def comparable(files: dict[str, str]) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "point",
-    ["after:run_config", "replace:ta", "after:merge", "replace:featcal-ta", "after:evaluate:featcal-ta",
-     "replace:release"],
+    ["after:run_config", "replace:ta", "after:merge", "calibrate:layer1", "replace:featcal-ta",
+     "after:evaluate:featcal-ta", "replace:release"],
 )  # fmt: skip
 def test_a_killed_run_resumes_to_the_uninterrupted_outputs(world, tmp_path, reference, point: str, device) -> None:
     out = tmp_path / "run"

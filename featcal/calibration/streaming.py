@@ -1,0 +1,160 @@
+"""FeatCal from a merged model's folder to the calibrated model's folder, one encoder layer at a time.
+
+The merged model is never whole in memory: its stem and final LayerNorm are read at the start, each
+encoder layer just before the calibration reaches it, and each calibrated layer is written into the
+output file and dropped as soon as the feature streams have moved past it. At ViT-B/32 this keeps
+0.3 GB of the model out of the calibration's peak memory (benchmarks/README.md, "Streaming").
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter
+from featcal.calibration.driver import FeatCalibrator, StateDict, _load_params
+from featcal.checkpoint import Checkpoint
+from featcal.errors import FeatcalError
+from featcal.io import streamed_vision_model
+from featcal.safetensors_writer import SafetensorsWriter
+from featcal.spec import FeatCalParams
+
+# Each tensor of a loaded layer starts where a fresh allocation would: CUDA's caching allocator hands
+# out 512-byte-aligned blocks, and a kernel chosen by pointer alignment must not differ between paths.
+ALIGN_BYTES = 512
+
+
+class CheckpointLayers:
+    """A :class:`~featcal.calibration.driver.LayerStore` that reads the merged layers from a checkpoint
+    and writes the calibrated ones through ``writer`` (or drops them when None: a process that does
+    not write), leaving each on the meta device after."""
+
+    def __init__(
+        self,
+        merged: Checkpoint,
+        writer: SafetensorsWriter | None,
+        device: torch.device,
+        adapter: ArchitectureAdapter,
+        key_prefix: str = "",
+    ) -> None:
+        self.merged, self.writer, self.device, self.adapter = merged, writer, device, adapter
+        self.key_prefix = key_prefix
+        self._block: torch.Tensor | None = None
+
+    def load(self, index: int, layer: nn.Module) -> None:
+        self._materialise(layer)
+        _load_params(layer, self.merged, self.adapter.layer_prefix(index))
+
+    def _materialise(self, layer: nn.Module) -> None:
+        """Give ``layer``'s parameters and buffers memory: views of one block, reused for every layer
+        (one allocation instead of a dozen per layer, no holes left in the heap from layer to layer)."""
+        tensors = [
+            (module, table, name, tensor)
+            for module in layer.modules()
+            for table in (module._parameters, module._buffers)
+            for name, tensor in table.items()
+            if tensor is not None
+        ]
+        saved = layer.state_dict(keep_vars=True).values()
+        if len(tensors) != len(saved) or len({id(t) for *_, t in tensors}) != len(tensors):
+            raise FeatcalError(
+                "The layers of this architecture hold tensors that are not in their state dict, or share "
+                "one: they cannot be read from a checkpoint one layer at a time."
+            )
+        dtype = tensors[0][3].dtype
+        if any(tensor.dtype != dtype for *_, tensor in tensors):
+            layer.to_empty(device=self.device)  # mixed dtypes: one allocation per tensor
+            return
+        align = ALIGN_BYTES // dtype.itemsize
+        sizes = [-(-tensor.numel() // align) * align for *_, tensor in tensors]
+        if self._block is None or self._block.numel() < sum(sizes) or self._block.dtype != dtype:
+            self._block = torch.empty(sum(sizes), device=self.device, dtype=dtype)
+        offset = 0
+        for (module, table, name, tensor), size in zip(tensors, sizes):
+            view = self._block[offset : offset + tensor.numel()].view(tensor.shape)
+            is_parameter = table is module._parameters
+            table[name] = nn.Parameter(view, requires_grad=tensor.requires_grad) if is_parameter else view
+            offset += size
+
+    def store(self, index: int, layer: nn.Module) -> None:
+        if self.writer is not None:
+            prefix = self.key_prefix + self.adapter.layer_prefix(index)
+            for name, tensor in layer.state_dict().items():
+                self.writer.write(prefix + name, tensor)
+        layer.to_empty(device="meta")
+
+
+def vision_skeleton(vision_config, merged: Checkpoint, device: torch.device, adapter: ArchitectureAdapter) -> nn.Module:
+    """A `CLIPVisionModel` with the merged stem and final LayerNorm on ``device`` and its encoder
+    layers on the meta device (no memory, no random initialisation of the layers)."""
+    from transformers import CLIPVisionModel
+
+    with torch.device("meta"):
+        layers = adapter.layers(CLIPVisionModel(vision_config))
+    shallow = copy.deepcopy(vision_config)
+    shallow.num_hidden_layers = 0
+    model = CLIPVisionModel(shallow).to(device)
+    _load_params(getattr(model, "vision_model", model), merged, "")  # every tensor but the layers'
+    adapter.layers(model).extend(layers)
+    return model.eval()
+
+
+def featcal_calibrate_folder(
+    merged_folder: str | Path,
+    output: str | Path | None,
+    base: StateDict,
+    experts: Mapping[str, StateDict],
+    load_images: Callable[[str], torch.Tensor],
+    params: FeatCalParams,
+    *,
+    vision_config,
+    device: torch.device | str = "cpu",
+    **kwargs,
+) -> None:
+    """FeatCal of the merged `CLIPVisionModel` in ``merged_folder``, written to ``output`` layer by layer.
+
+    Gives the weights :func:`~featcal.calibration.featcal_calibrate` gives, with one encoder layer of
+    the model in memory instead of all of them.
+
+    Args:
+        merged_folder: The merged model (a folder :class:`~featcal.checkpoint.Checkpoint` reads),
+            checked by the caller (architecture, finite values).
+        output: The calibrated model's folder, which appears whole when the calibration ends and not
+            at all when it fails; None calibrates without writing (the other processes of a torchrun).
+        base: The base model's vision-tower tensors.
+        experts: Each task's expert tensors, by task name.
+        load_images: ``load_images(task)`` gives that task's calibration pixels.
+        params: FeatCal's hyper-parameters.
+        vision_config: The `CLIPVisionConfig` written with the calibrated model (the base's).
+        device: Where the calibration computes.
+        **kwargs: Passed to :class:`~featcal.calibration.FeatCalibrator`: ``progress``, ``world``,
+            ``forward_dtype``, ``stats_dtype``.
+
+    Raises:
+        FeatcalError: when a checkpoint lacks a tensor the calibration needs, or a solve gives
+            non-finite weights.
+    """
+    from transformers import CLIPVisionConfig
+
+    device = torch.device(device)
+    adapter = CLIPVisionAdapter()
+    merged = Checkpoint(merged_folder, name="merged model")
+    # The layers run as the merged folder's own config says (activation, LayerNorm eps), as they would
+    # loaded from it; the output is written with ``vision_config``.
+    model = vision_skeleton(CLIPVisionConfig.from_pretrained(str(merged_folder)), merged, device, adapter)
+    key_prefix = "vision_model." if hasattr(model, "vision_model") else ""
+    tower = getattr(model, "vision_model", model)
+    with streamed_vision_model(vision_config, output) if output is not None else nullcontext() as writer:
+        if writer is not None:
+            for name, tensor in tower.state_dict().items():
+                if tensor.device.type != "meta":  # the stem and final LayerNorm: the merged values
+                    writer.write(key_prefix + name, tensor)
+        store = CheckpointLayers(merged, writer, device, adapter, key_prefix)
+        FeatCalibrator(params, adapter=adapter, device=device, **kwargs).calibrate(
+            model, base, experts, load_images, layer_store=store
+        )
