@@ -67,8 +67,8 @@ def trim_heap() -> None:
     """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
 
     The calibration does this before each layer's solves: the statistics' forward temporaries are
-    free by then, and at ViT-B/32 2 × 128 the peak resident set falls from 1.43–1.58 to 1.21–1.23 GiB
-    for about a second per calibration of page faults (benchmarks/README.md, "Streaming")."""
+    free by then, and at ViT-B/32 2 × 128 the streamed calibration's peak resident set falls from
+    1.43–1.58 to 1.21–1.23 GiB, at no measured cost in time (benchmarks/README.md, "Streaming")."""
     libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)
