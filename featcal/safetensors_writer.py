@@ -64,7 +64,7 @@ class SafetensorsWriter:
         self._data_start = 8 + len(text)
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
-            os.write(self._fd, len(text).to_bytes(8, "little") + text)
+            _write_at(self._fd, len(text).to_bytes(8, "little") + text, 0)
             os.ftruncate(self._fd, self._data_start + offset)
         except BaseException:
             os.close(self._fd)
@@ -84,10 +84,7 @@ class SafetensorsWriter:
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name!r} has shape {tuple(tensor.shape)}, the file's layout {shape}")
         data = tensor.detach().to(device="cpu", dtype=dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
-        view, position = memoryview(data), self._data_start + offset
-        while view:
-            written = os.pwrite(self._fd, view, position)
-            view, position = view[written:], position + written
+        _write_at(self._fd, data, self._data_start + offset)
         self._pending.remove(name)
 
     def close(self) -> None:
@@ -111,3 +108,11 @@ class SafetensorsWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _write_at(fd: int, data, position: int) -> None:
+    """All of ``data`` (bytes-like) into ``fd`` at ``position``, however many writes it takes."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, position)
+        view, position = view[written:], position + written

@@ -274,3 +274,19 @@ def test_evaluation_batches_default_to_the_device_s_size_and_a_given_size_wins(d
     given = classifier.test_images([task], processor, batch_size=3)
     assert given.batch_size == 3 and next(given.batches(task))[0].shape[0] == 3
     assert RunSpec().eval_batch_size is None and RunSpec(eval_batch_size=5).eval_batch_size == 5
+
+
+def test_releasing_free_memory_hands_back_what_pyarrow_s_pool_kept():
+    """pyarrow's default pool keeps freed blocks; release_free_memory gives them back to the system."""
+    import numpy as np
+    import pyarrow as pa
+
+    from featcal.memory import host_rss_bytes, release_free_memory
+
+    parts = [pa.array(np.random.default_rng(i).random(2_000_000)) for i in range(20)]  # numpy's memory
+    pooled = pa.concat_arrays(parts)  # 320 MB from the pool
+    assert pa.default_memory_pool().bytes_allocated() >= 300e6
+    del parts, pooled
+    kept = host_rss_bytes()
+    release_free_memory()
+    assert host_rss_bytes() < kept - 150e6
