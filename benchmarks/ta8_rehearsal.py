@@ -332,7 +332,7 @@ def stage_windows(result: dict, timings: dict[str, float], merge_method: str = "
         ("merge (Task Arithmetic, saved)", merge_start, eval_ta_start),
         (f"evaluate {merged} (with the text heads)", eval_ta_start, eval_ta_end),
         ("calibrate (FeatCal, with loading the calibration images)", eval_ta_end, calibrate_end),
-        ("save the calibrated model", calibrate_end, eval_fc_start),
+        ("after the calibration (its folder in place, stage recorded)", calibrate_end, eval_fc_start),
         (f"evaluate {calibrated}", eval_fc_start, eval_fc_end),
         ("export (release folder, card, plot)", eval_fc_end, exported),
         ("exit (table, interpreter shutdown)", exported, end),

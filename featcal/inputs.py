@@ -201,6 +201,10 @@ def load_vision_folder(path: str | Path, base: Checkpoint | None = None):
 def check_vision_folder(path: str | Path, base: Checkpoint | None = None) -> Checkpoint:
     """Check a `CLIPVisionModel` folder as :func:`load_vision_folder` does, without loading the model.
 
+    Args:
+        path: A `CLIPVisionModel` (or `CLIPModel`) folder.
+        base: When given, the model must have the base's vision architecture.
+
     Returns:
         The folder's tensors, read lazily.
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from transformers import CLIPVisionConfig
 
     from featcal.safetensors_writer import SafetensorsWriter
 
@@ -147,8 +148,12 @@ def save_vision_model(state: Mapping[str, torch.Tensor], vision_config, folder: 
 
 
 @contextmanager
-def streamed_vision_model(vision_config, folder: str | Path) -> Iterator[SafetensorsWriter]:
+def streamed_vision_model(vision_config: CLIPVisionConfig, folder: str | Path) -> Iterator[SafetensorsWriter]:
     """A `transformers.CLIPVisionModel` folder written tensor by tensor, atomically.
+
+    Args:
+        vision_config: The model's configuration, written as ``config.json``.
+        folder: The folder to write (replaced when it exists, once the block ends).
 
     Yields a :class:`~featcal.safetensors_writer.SafetensorsWriter` laid out for the model's state
     dict (its parameter dtype, keys as :func:`save_vision_model` writes them); every tensor must be

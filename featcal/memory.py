@@ -59,8 +59,9 @@ def release_free_memory() -> None:
 
     Without it, memory freed after a stage (an evaluation's batches, a dropped model) can stay in
     the process's heap and count in its resident set through the next stage. pyarrow's default pool
-    (mimalloc) keeps what the datasets library freed while preparing or reading a split: 0.1–0.2 GiB
-    through every stage of a run that prepared four ViT-B/32-sized datasets (benchmarks/README.md).
+    (mimalloc) keeps what the datasets library freed while preparing or reading a split; a run that
+    prepared four 224-px image datasets (64 train and 256 test images each) peaked 0.23 GiB lower
+    with it emptied (benchmarks/README.md, "Full TA8 shape on CPU").
     """
     gc.collect()
     trim_heap()
@@ -73,8 +74,9 @@ def trim_heap() -> None:
     """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
 
     The calibration does this before each layer's solves: the statistics' forward temporaries are
-    free by then, and at ViT-B/32 2 × 128 the streamed calibration's peak resident set falls from
-    1.43–1.58 to 1.21–1.23 GiB, at no measured cost in time (benchmarks/README.md, "Streaming")."""
+    free by then. At ViT-B/32 2 × 128 the streamed calibration's peak resident set fell from 1.43–1.58
+    to 1.21–1.23 GiB (a sampling probe), and the in-memory calibration's time measured no slower with
+    it (benchmarks/README.md, "Streaming")."""
     libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)

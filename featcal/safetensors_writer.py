@@ -2,7 +2,8 @@
 
 The header (every tensor's name, dtype, shape and place) is written first, from a layout known in
 advance; each tensor's bytes then go straight to their place in the file. The result is what
-``safetensors.torch.save_file`` writes for the same tensors, up to the order of the header's keys.
+``safetensors.torch.save_file`` writes for the same tensors, up to the order of the header's keys
+and of the tensors' bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 
 _DTYPES = {
@@ -41,6 +43,8 @@ class SafetensorsWriter:
 
     Raises:
         ValueError: for a dtype safetensors has no name for.
+        RuntimeError: on a big-endian machine (the bytes would not be safetensors').
+        OSError: when the file cannot be created.
     """
 
     def __init__(self, path: str | Path, layout: Layout, metadata: Mapping[str, str] | None = None) -> None:
@@ -110,7 +114,7 @@ class SafetensorsWriter:
             self._fd = None
 
 
-def _write_at(fd: int, data, position: int) -> None:
+def _write_at(fd: int, data: bytes | memoryview | np.ndarray, position: int) -> None:
     """All of ``data`` (bytes-like) into ``fd`` at ``position``, however many writes it takes."""
     view = memoryview(data)
     while view:

@@ -323,3 +323,24 @@ def test_pixels_are_kept_only_for_a_later_group(fixture_run, monkeypatch, togeth
     assert len(list(runs)) == 2
     assert len(images.handed_out) == len(experts)  # each task's images read once either way
     assert set(images.alive_at_solves) == ({len(experts)} if kept else {0})
+
+
+def test_the_settings_share_one_set_of_solve_buffers(fixture_run, monkeypatch):
+    """Each setting's layer state keeps only its joint buffers; the folds and solves of all settings
+    (which run one after another) use one shared workspace, not one each."""
+    from featcal.calibration import layer_state
+
+    states, post_init = [], layer_state.LayerState.__post_init__
+
+    def record(self):
+        post_init(self)
+        states.append(self)
+
+    monkeypatch.setattr(layer_state.LayerState, "__post_init__", record)
+    params = FeatCalParams(num_calibration_examples=8, calibration_batch_size=4)
+    swept(fixture_run, [params, dataclasses.replace(params, lambda_ratio=0.5)], "cpu")
+    assert len({id(s.workspace) for s in states}) == 1 and len(states) >= 2
+    for state in states:
+        arena = state.buffers[next(iter(state.buffers))].untyped_storage()
+        joint = sum(b.numel() * b.element_size() for b in state.buffers.values())
+        assert arena.nbytes() == joint  # nothing set aside for the solves

@@ -25,6 +25,7 @@ from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter,
 from featcal.calibration.layer_state import LayerPlan, LayerState, Recorder, StopForward, plan_layer
 from featcal.calibration.solves import anchor
 from featcal.calibration.statistics import product_dtype
+from featcal.calibration.workspace import Workspace
 from featcal.checkpoint import Checkpoint
 from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError
@@ -184,9 +185,16 @@ class FeatCalibrator:
             rec_e.remove()
         return plan_layer(self.adapter.calibrated_modules(layer), rec_s, rec_e, weighting)
 
-    def _new_state(self, plan: LayerPlan, streams: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> LayerState:
+    def _new_state(
+        self,
+        plan: LayerPlan,
+        streams: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        workspace: Workspace | None = None,
+    ) -> LayerState:
         """Working memory for a layer; joint buffers hold whole forward batches, about
-        STATISTICS_CHUNK_TOKENS rows, never more than the largest task's tokens."""
+        STATISTICS_CHUNK_TOKENS rows, never more than the largest task's tokens. ``workspace``: the folds'
+        and solves' buffers, shared with other states that solve one after another (None: the state
+        lends its own joint buffers)."""
         student = next(iter(streams.values()))[0]
         num_images, seq_len = max(s.shape[0] for s, _ in streams.values()), student.shape[1]
         bs = min(self.params.calibration_batch_size, num_images)
@@ -199,6 +207,7 @@ class FeatCalibrator:
             self.device,
             product_dtype(student.dtype),
             self.stats_dtype,
+            workspace=workspace,
         )
 
     @torch.no_grad()
@@ -263,7 +272,8 @@ class FeatCalibrator:
         second copy of the model in memory); ``load_images(task)`` gives the task's calibration pixels.
         An autocast the caller runs in is switched off: only ``forward_dtype`` decides the forwards'.
 
-        With ``layer_store``, ``merged`` is calibrated in place and must already be on the device but
+        With ``layer_store``, ``merged`` is calibrated in place (``in_place`` implied) and must already be
+        on the device but
         for its encoder layers, which are on the meta device: each is loaded from the store when the
         calibration reaches it and handed back once calibrated (and the streams advanced through it)."""
         if layer_store is None:

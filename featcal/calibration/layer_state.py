@@ -141,14 +141,18 @@ class LayerState:
     weights: dict[int, torch.Tensor | None] = field(default_factory=dict)
     roots: dict[int, torch.Tensor | None] = field(default_factory=dict)
     scratch: torch.Tensor | None = None
-    workspace: Workspace = field(init=False)  # the folds' and solves' temporaries, in the joint buffers' memory
+    # The folds' and solves' temporaries: by default carved from this state's joint buffers (idle between
+    # products); several states that solve one after another (a sweep's settings) can share one instead.
+    workspace: Workspace | None = None
     filled: int = 0
     flushed: set[int] = field(default_factory=set)  # groups whose moments hold this task's first flush
 
     def __post_init__(self) -> None:
         kw = dict(device=self.device, dtype=self.stats_dtype)
-        arena = torch.empty(self._arena_bytes(), device=self.device, dtype=torch.uint8)
-        self.workspace = Workspace(lent=arena)
+        shared = self.workspace is not None
+        arena = torch.empty(self._arena_bytes(lend=not shared), device=self.device, dtype=torch.uint8)
+        if not shared:
+            self.workspace = Workspace(lent=arena)
         offset, widest = 0, 0
         for i, g in enumerate(self.plan.groups):
             w = g.weighting.weights
@@ -174,12 +178,15 @@ class LayerState:
         if self.dtype != self.stats_dtype:
             self.scratch = torch.empty(widest, device=self.device, dtype=self.stats_dtype)
 
-    def _arena_bytes(self) -> int:
-        """One allocation for the joint buffers, which the task folds and solves borrow between products
-        (the fc2 system's float64 factor and float32 cast at ViT-B/32: 113 MB of the buffers' 135)."""
+    def _arena_bytes(self, lend: bool) -> int:
+        """One allocation for the joint buffers; with ``lend``, large enough for the task folds and solves
+        to borrow between products (the fc2 system's float64 factor and float32 cast at ViT-B/32: 113 MB
+        of the buffers' 135)."""
         joint = sum(
             self.capacity * (g.dim + g.cross) * self.dtype.itemsize for g in self.plan.groups if g.kind != "layernorm"
         )
+        if not lend:
+            return joint
         dims = {g.dim for g in self.plan.groups if g.kind != "layernorm"}
         borrowed = [(d * d, self.stats_dtype) for d in dims] + [(1, torch.int32)]  # solves: factors, status
         if self.dtype != self.stats_dtype:  # folds: the projected groups' casts of C_ss

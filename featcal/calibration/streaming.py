@@ -3,7 +3,7 @@
 The merged model is never whole in memory: its stem and final LayerNorm are read at the start, each
 encoder layer just before the calibration reaches it, and each calibrated layer is written into the
 output file and dropped as soon as the feature streams have moved past it. At ViT-B/32 this keeps
-0.3 GB of the model out of the calibration's peak memory (benchmarks/README.md, "Streaming").
+0.33 GiB of the model out of the calibration's peak memory (benchmarks/README.md, "Streaming").
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import copy
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from featcal.errors import FeatcalError
 from featcal.io import streamed_vision_model
 from featcal.safetensors_writer import SafetensorsWriter
 from featcal.spec import FeatCalParams
+
+if TYPE_CHECKING:
+    from transformers import CLIPVisionConfig
 
 # Each tensor of a loaded layer starts where a fresh allocation would: CUDA's caching allocator hands
 # out 512-byte-aligned blocks, and a kernel chosen by pointer alignment must not differ between paths.
@@ -89,9 +93,24 @@ class CheckpointLayers:
         layer.to_empty(device="meta")
 
 
-def vision_skeleton(vision_config, merged: Checkpoint, device: torch.device, adapter: ArchitectureAdapter) -> nn.Module:
+def vision_skeleton(
+    vision_config: CLIPVisionConfig, merged: Checkpoint, device: torch.device, adapter: ArchitectureAdapter
+) -> nn.Module:
     """A `CLIPVisionModel` with the merged stem and final LayerNorm on ``device`` and its encoder
-    layers on the meta device (no memory, no random initialisation of the layers)."""
+    layers on the meta device (no memory, no random initialisation of the layers).
+
+    Args:
+        vision_config: The model's configuration.
+        merged: The merged model's tensors, for the stem and the final LayerNorm.
+        device: Where those live.
+        adapter: The architecture adapter (where the layers are).
+
+    Returns:
+        The model, in eval mode.
+
+    Raises:
+        FeatcalError: when ``merged`` lacks a tensor of the stem or the final LayerNorm.
+    """
     from transformers import CLIPVisionModel
 
     with torch.device("meta"):
@@ -112,9 +131,9 @@ def featcal_calibrate_folder(
     load_images: Callable[[str], torch.Tensor],
     params: FeatCalParams,
     *,
-    vision_config,
+    vision_config: CLIPVisionConfig,
     device: torch.device | str = "cpu",
-    **kwargs,
+    **kwargs: Any,
 ) -> None:
     """FeatCal of the merged `CLIPVisionModel` in ``merged_folder``, written to ``output`` layer by layer.
 
@@ -138,6 +157,7 @@ def featcal_calibrate_folder(
     Raises:
         FeatcalError: when a checkpoint lacks a tensor the calibration needs, or a solve gives
             non-finite weights.
+        OSError: when the output folder cannot be written.
     """
     from transformers import CLIPVisionConfig
 

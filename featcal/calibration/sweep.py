@@ -36,6 +36,7 @@ from torch import nn
 from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter, TokenWeighting
 from featcal.calibration.driver import FeatCalibrator, StateDict, _cat_params, _load_params
 from featcal.calibration.layer_state import LayerState, Recorder, StopForward
+from featcal.calibration.workspace import Workspace
 from featcal.errors import FeatcalError
 from featcal.memory import trim_heap
 from featcal.precision import autocast_forwards, without_callers_autocast
@@ -110,6 +111,7 @@ class SweepCalibrator:
         self.stats_dtype = stats_dtype
         self.progress = progress
         self.forward_dtype = forward_dtype
+        self.workspace = Workspace()  # the settings solve one after another: one set of solve buffers
         self.batch_size = batch_sizes.pop()
 
     def _driver(self, params: FeatCalParams) -> FeatCalibrator:
@@ -189,7 +191,7 @@ class SweepCalibrator:
         else:
             setting.state = None  # free the previous layer's memory before allocating
             streams = {task: (student, student) for task, student in setting.students.items()}
-            setting.state = setting.calibrator._new_state(plan, streams)
+            setting.state = setting.calibrator._new_state(plan, streams, self.workspace)
 
     @torch.no_grad()
     def _collect(
