@@ -157,3 +157,46 @@ def test_a_layer_with_tensors_outside_its_state_dict_is_refused():
     store = CheckpointLayers(None, None, torch.device("cpu"), None)
     with pytest.raises(FeatcalError, match="not in their state dict"):
         store._materialise(layer)
+
+
+def test_the_writer_writes_save_file_s_bytes_for_one_dtype(tmp_path):
+    """Tensors of one dtype, written in any order: the very bytes safetensors' own save_file writes."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        name: torch.randn(*shape, generator=generator)
+        for name, shape in {"b.w": (3, 4), "a.b": (5,), "c": (2, 2, 2)}.items()
+    }
+    save_file(tensors, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+    writer = SafetensorsWriter(
+        tmp_path / "ours.safetensors", {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, {"format": "pt"}
+    )
+    for name in ("c", "a.b", "b.w"):
+        writer.write(name, tensors[name])
+    writer.close()
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+
+
+def test_a_layer_of_mixed_dtypes_is_loaded_tensor_by_tensor(tmp_path):
+    """Parameters of several dtypes cannot share one block: each gets its own memory, and its values."""
+    from safetensors.torch import save_file
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.full = torch.nn.Linear(3, 2)
+            self.half = torch.nn.Linear(2, 2).to(torch.float16)
+
+    values = {f"encoder.layers.0.{k}": v for k, v in Layer().state_dict().items()}
+    save_file(values, str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        layer = Layer()
+    from featcal.calibration.adapters import CLIPVisionAdapter
+
+    store = CheckpointLayers(Checkpoint(tmp_path / "model.safetensors"), None, torch.device("cpu"), CLIPVisionAdapter())
+    store.load(0, layer)
+    loaded = {f"encoder.layers.0.{k}": v for k, v in layer.state_dict().items()}
+    assert all(torch.equal(loaded[k], values[k]) and loaded[k].dtype == values[k].dtype for k in values)
+    store.store(0, layer)
+    assert all(p.device.type == "meta" for p in layer.parameters())
