@@ -120,12 +120,7 @@ def save_vision_model(state: Mapping[str, torch.Tensor], vision_config, folder: 
         ValueError: when ``state`` lacks a tensor of the model, has one it does not know, or one of
             another shape.
     """
-    import torch
-    from transformers import CLIPVisionModel
-
-    folder = Path(folder)
-    with torch.device("meta"):
-        model = CLIPVisionModel(vision_config)
+    model = _meta_vision_model(vision_config)
     expected = model.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     wrong = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
@@ -135,16 +130,9 @@ def save_vision_model(state: Mapping[str, torch.Tensor], vision_config, folder: 
             f"other shapes {wrong[:3]}."
         )
     tensors = {k: v.detach().to(device="cpu", dtype=expected[k].dtype) for k, v in state.items()}
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    try:
+    with atomic_folder(folder) as tmp:
         model.save_pretrained(tmp, state_dict=tensors)
-        as_if_created_tree(tmp)
-        replace_dir(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
+    return Path(folder)
 
 
 @contextmanager
@@ -163,18 +151,11 @@ def streamed_vision_model(vision_config: CLIPVisionConfig, folder: str | Path) -
     Raises:
         ValueError: when the block ends with a tensor not written.
     """
-    import torch
-    from transformers import CLIPVisionModel
-
     from featcal.safetensors_writer import SafetensorsWriter
 
-    folder = Path(folder)
-    with torch.device("meta"):
-        model = CLIPVisionModel(vision_config)
+    model = _meta_vision_model(vision_config)
     layout = {key: (value.dtype, tuple(value.shape)) for key, value in model.state_dict().items()}
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    try:
+    with atomic_folder(folder) as tmp:
         model.config.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # as save_pretrained sets
         model.config.architectures = [type(model).__name__]
         model.config.save_pretrained(tmp)
@@ -184,6 +165,35 @@ def streamed_vision_model(vision_config: CLIPVisionConfig, folder: str | Path) -
             writer.close()
         finally:
             writer.discard()
+
+
+def _meta_vision_model(vision_config: CLIPVisionConfig):
+    """A `CLIPVisionModel` on the meta device: its state dict's keys, shapes and dtypes, no memory."""
+    import torch
+    from transformers import CLIPVisionModel
+
+    with torch.device("meta"):
+        return CLIPVisionModel(vision_config)
+
+
+@contextmanager
+def atomic_folder(folder: str | Path) -> Iterator[Path]:
+    """A temporary folder beside ``folder`` (``.name.XXXX``, which a run's leftover clean-up knows) to
+    write into; renamed to ``folder``, replacing it, when the block ends (what it holds given the
+    permissions of files created under the umask: mkdtemp and safetensors create private ones), and
+    removed when it raises.
+
+    Args:
+        folder: The folder to write.
+
+    Yields:
+        The temporary folder.
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        yield tmp
         as_if_created_tree(tmp)
         replace_dir(tmp, folder)
     except BaseException:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import struct
-import tempfile
 from pathlib import Path
 
 from featcal import __version__
 from featcal.errors import FeatcalError
 from featcal.hub import check_repo_id, is_hub_id, local_path, resolve_model_folder
-from featcal.io import as_if_created_tree, atomic_write_json, replace_dir
+from featcal.io import atomic_folder, atomic_write_json
 from featcal.release import DEFAULT_LICENSE
 from featcal.release.card import write_card_files
 from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, write_manifest
@@ -157,9 +155,7 @@ def export_release(
         check_repo_id(repo_id)
     out = Path(out_dir).expanduser() if out_dir is not None else run.path / RELEASE_DIR
     _check_replaceable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
+    with atomic_folder(out) as tmp:
         published = published_config(run.config)
         tensors = _write_weights(run, tmp, published)
         _write_processor(run, tmp)
@@ -168,10 +164,5 @@ def export_release(
         write_card_files(run, tmp, repo_id=repo_id, license=license, template=template)
         names = [p.name for p in tmp.iterdir() if not p.name.startswith(".")]
         write_manifest(tmp, manifest_of(tmp, names, recipe=run.recipe_sha256, tensors=tensors))
-        as_if_created_tree(tmp)  # mkdtemp and safetensors create private folders and files
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("Exported %s (stage %s, recipe %s) to %s", run.path, run.released.name, run.recipe_sha256[:12], out)
     return out

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from featcal.errors import RunFolderError
-from featcal.io import as_if_created_tree, atomic_write_json, replace_dir
+from featcal.io import atomic_folder, atomic_write_json
 from featcal.runfolder import read_json_file
 
 logger = logging.getLogger(__name__)
@@ -149,15 +147,9 @@ def write_sweep(run: Path, report: SweepReport) -> Path:
     from featcal.sweep.plot import save_sweep_plot
 
     final = Path(run) / SWEEP_DIR
-    tmp = Path(tempfile.mkdtemp(dir=run, prefix=f".{SWEEP_DIR}."))
-    try:
+    with atomic_folder(final) as tmp:
         atomic_write_json(tmp / SWEEP_FILE, report.to_json())
         save_sweep_plot(report, tmp / SWEEP_PLOT)
-        as_if_created_tree(tmp)
-        replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 
