@@ -26,9 +26,9 @@ def cmd_space(args: argparse.Namespace) -> int:
         device=args.device,
     )
     space = create_space(settings, progress=show_progress(args))
-    # A stop request (SIGTERM, as from `docker stop` or a Space restart) ends the launch like Ctrl-C,
-    # so the server is closed and the temporary example folder removed.
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # A stop request (SIGTERM, as from `docker stop` or a Space restart) ends the launch as it ends any
+    # command (featcal.cli.main), so the server is closed and the temporary example folder removed.
+    previous = signal.getsignal(signal.SIGTERM)
     try:
         space.launch(host=args.host, port=args.port, share=args.share)
     finally:
@@ -38,10 +38,6 @@ def cmd_space(args: argparse.Namespace) -> int:
         finally:
             signal.signal(signal.SIGTERM, previous)
     return 0
-
-
-def _exit_on_sigterm(signum: int, _frame) -> None:
-    raise SystemExit(128 + signum)
 
 
 def cmd_push(args: argparse.Namespace) -> int:
