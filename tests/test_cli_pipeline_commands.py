@@ -321,20 +321,24 @@ def test_a_stop_request_during_calibrate_leaves_neither_output_nor_temporaries(r
 @pytest.mark.parametrize("skip_ta", [False, True])
 def test_no_whole_model_is_held_during_a_run_s_calibration(run_dir, world, tmp_path, monkeypatch, skip_ta):
     """The calibration reads the merged model a layer at a time: when it starts, no vision tower with
-    all its weights is alive in the process (the merged one was evaluated and dropped, a
-    --ta-model-path model was checked, not kept)."""
+    all its weights that the run made is alive in the process (the merged one was evaluated and
+    dropped, a --ta-model-path model was checked, not kept). Towers other tests keep are not the run's."""
     import gc
     import warnings
+    import weakref
 
     import featcal.pipeline as pipeline
 
-    calibrate, whole_towers = pipeline.calibrate, []
-
-    def watched(*args, **kwargs):
+    def live_towers() -> list:
         gc.collect()
         with warnings.catch_warnings():  # isinstance on some of torch's deprecated objects warns
             warnings.simplefilter("ignore")
-            towers = [o for o in gc.get_objects() if isinstance(o, CLIPVisionModel)]
+            return [o for o in gc.get_objects() if isinstance(o, CLIPVisionModel)]
+
+    calibrate, whole_towers, earlier = pipeline.calibrate, [], weakref.WeakSet(live_towers())
+
+    def watched(*args, **kwargs):
+        towers = [t for t in live_towers() if t not in earlier]
         whole_towers.extend(t for t in towers if all(p.device.type != "meta" for p in t.parameters()))
         return calibrate(*args, **kwargs)
 
