@@ -352,3 +352,23 @@ def test_no_whole_model_is_held_during_a_run_s_calibration(run_dir, world, tmp_p
     cal = load_file(str(tmp_path / "run" / "featcal-ta" / "model.safetensors"))
     ref = load_file(str(run_dir / "featcal-ta" / "model.safetensors"))
     assert all(torch.allclose(cal[k], ref[k], atol=1e-6) for k in ref)
+
+
+def test_a_resumed_run_refuses_a_damaged_merged_folder_before_calibrating_from_it(run_dir, world, tmp_path, capsys):
+    """The merge is up to date but its folder was damaged since: the calibration, which reads that folder
+    layer by layer, is refused in one line naming file and tensor, before any calibrated folder is
+    written (the stale one of the earlier λ is gone), with no temporary folder left."""
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out)
+    merged_file = out / "ta" / "model.safetensors"
+    tensors = load_file(str(merged_file))
+    tensors["encoder.layers.1.mlp.fc1.weight"][0, 0] = float("nan")
+    save_file(tensors, str(merged_file), metadata={"format": "pt"})
+    argv = ["run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, *CPU]
+    code, line = run_error(capsys, [*argv, "--lambda-ratio", "0.5", "--skip-eval-ta", "--no-export"])
+    assert code == 2
+    assert line.startswith("featcal: error:") and "encoder.layers.1.mlp.fc1.weight" in line and "not finite" in line
+    assert str(merged_file) in line
+    assert not (out / "featcal-ta").exists()
+    assert merged_file.is_file()
+    assert not [p for p in out.rglob(".*") if p.name != ".featcal.lock"]
