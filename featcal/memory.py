@@ -74,9 +74,8 @@ def trim_heap() -> None:
     """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
 
     The calibration does this before each layer's solves: the statistics' forward temporaries are
-    free by then. At ViT-B/32 2 × 128 the streamed calibration's peak resident set fell from 1.43–1.58
-    to 1.21–1.23 GiB (a sampling probe), and the in-memory calibration's time measured no slower with
-    it (benchmarks/README.md, "Streaming")."""
+    free by then, and their pages would otherwise stay resident through the solves, where the
+    calibration peaks; the calibration measured no slower with it (benchmarks/README.md, "Streaming")."""
     libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)
