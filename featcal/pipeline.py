@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,6 +309,22 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
         raise
 
 
+class _LazyModel:
+    """A model loaded on first call and kept until dropped (``value`` may be set to one already made)."""
+
+    def __init__(self, load: Callable[[], Any]) -> None:
+        self._load = load
+        self.value: Any = None
+
+    def __call__(self) -> Any:
+        if self.value is None:
+            self.value = self._load()
+        return self.value
+
+    def drop(self) -> None:
+        self.value = None
+
+
 class _Run:
     """The stages of one locked run over a run folder, skipping those already done.
 
@@ -403,7 +419,10 @@ class _Run:
         if spec.eval_experts:
             results[EXPERTS_DIR] = self._evaluate_experts()
 
-        merged_model = None  # the merge's result while it is in memory, else read from its folder when needed
+        # The merge's result while it is in memory, else read from its folder when needed (--skip-ta's
+        # model, a merge done earlier, or after the calibration).
+        merged_folder = Path(spec.ta_model_path) if spec.skip_ta else out / merged_name
+        merged = _LazyModel(lambda: load_vision_folder(merged_folder, inputs.base))
         if spec.skip_ta:
             pass  # nothing to merge
         elif self._fresh("merge"):
@@ -412,16 +431,10 @@ class _Run:
             with self._stage("merge"):
                 state = merge(inputs, spec.merge_method, self.device, world=self.world)
                 self._save(state, merged_name)
-                merged_model = build_vision_model(inputs, state)
+                merged.value = build_vision_model(inputs, state)  # its values checked finite by merge()
                 del state
             self._mark("merge")
-
-        def merged() -> Any:
-            nonlocal merged_model
-            if merged_model is None:  # --skip-ta's model, a merge done earlier, or after the calibration
-                folder = Path(spec.ta_model_path) if spec.skip_ta else out / merged_name
-                merged_model = load_vision_folder(folder, inputs.base)
-            return merged_model
+        merged_here = merged.value is not None
 
         if not spec.skip_eval_ta:
             if spec.skip_ta:  # the merged model comes from elsewhere: reported, not written
@@ -432,24 +445,18 @@ class _Run:
             else:
                 results[merged_name] = self._evaluate(merged_name, merged)
 
-        calibrated_model = None
-
-        def calibrated() -> Any:
-            nonlocal calibrated_model
-            if calibrated_model is None:  # the calibration wrote it, layer by layer: read back from its folder
-                calibrated_model = load_vision_folder(out / calibrated_name, inputs.base)
-            return calibrated_model
+        # The calibration wrote it, layer by layer: read back from its folder.
+        calibrated = _LazyModel(lambda: load_vision_folder(out / calibrated_name, inputs.base))
 
         if not spec.skip_featcal:
             if self._fresh("calibrate"):
                 logger.info("FeatCal: %s/ is up to date (same inputs); skipped", calibrated_name)
             else:
                 self._release_test_images()
-                merged_model = None  # the calibration reads the merged layers from their folder, one at a time
+                merged.drop()  # the calibration reads the merged layers from their folder, one at a time
                 release_free_memory()
-                merged_folder = Path(spec.ta_model_path) if spec.skip_ta else out / merged_name
                 self.world.barrier("writing the merged model")  # rank 0 wrote the folder the others read
-                if not spec.skip_ta:  # checked like any model read back (--ta-model-path was, up front)
+                if not (spec.skip_ta or merged_here):  # a merge read back is checked (--ta-model-path was, up front)
                     check_vision_folder(merged_folder, inputs.base)
                 with self.memory.stage("calibrate"):
                     start = time.perf_counter()
@@ -471,7 +478,8 @@ class _Run:
             if not spec.skip_featcal:
                 models[CALIBRATED] = calibrated
             self._diagnose(models, (record["featcal"] or {}).get("calibration_examples_used") or {})
-        merged_model = calibrated_model = None
+        merged.drop()
+        calibrated.drop()
         if not self.writes:
             return results
         self._write_timings()

@@ -27,6 +27,8 @@ class TokenWeighting:
 class ArchitectureAdapter(Protocol):
     """What the calibration driver needs to know about a model family."""
 
+    def tower(self, model: nn.Module) -> nn.Module: ...
+
     def layers(self, model: nn.Module) -> nn.ModuleList: ...
 
     def stem(self, model: nn.Module) -> nn.Module: ...
@@ -73,14 +75,15 @@ class CLIPVisionAdapter:
         self.patch_weight = patch_weight
 
     @staticmethod
-    def _tower(model: nn.Module) -> nn.Module:
+    def tower(model: nn.Module) -> nn.Module:
+        """The vision transformer itself: ``model.vision_model`` of a `CLIPVisionModel`, or ``model``."""
         return getattr(model, "vision_model", model)
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
-        return self._tower(model).encoder.layers
+        return self.tower(model).encoder.layers
 
     def stem(self, model: nn.Module) -> nn.Module:
-        tower = self._tower(model)
+        tower = self.tower(model)
         return _CLIPStem(tower.embeddings, tower.pre_layrnorm)
 
     def stem_prefixes(self) -> tuple[str, ...]:
@@ -98,7 +101,7 @@ class CLIPVisionAdapter:
         return out[0] if isinstance(out, tuple) else out
 
     def head(self, model: nn.Module) -> nn.Module:
-        return self._tower(model).post_layernorm
+        return self.tower(model).post_layernorm
 
     def head_prefix(self) -> str:
         return "post_layernorm."

@@ -118,7 +118,7 @@ def vision_skeleton(
     shallow = copy.deepcopy(vision_config)
     shallow.num_hidden_layers = 0
     model = CLIPVisionModel(shallow).to(device)
-    _load_params(getattr(model, "vision_model", model), merged, "")  # every tensor but the layers'
+    _load_params(adapter.tower(model), merged, "")  # every tensor but the layers'
     adapter.layers(model).extend(layers)
     return model.eval()
 
@@ -168,7 +168,7 @@ def featcal_calibrate_folder(
     # loaded from it; the output is written with ``vision_config``.
     model = vision_skeleton(CLIPVisionConfig.from_pretrained(str(merged_folder)), merged, device, adapter)
     key_prefix = "vision_model." if hasattr(model, "vision_model") else ""
-    tower = getattr(model, "vision_model", model)
+    tower = adapter.tower(model)
     with streamed_vision_model(vision_config, output) if output is not None else nullcontext() as writer:
         if writer is not None:
             for name, tensor in tower.state_dict().items():
