@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -322,7 +323,8 @@ def test_a_stop_request_during_calibrate_leaves_neither_output_nor_temporaries(r
 def test_no_whole_model_is_held_during_a_run_s_calibration(run_dir, world, tmp_path, monkeypatch, skip_ta):
     """The calibration reads the merged model a layer at a time: when it starts, no vision tower with
     all its weights that the run made is alive in the process (the merged one was evaluated and
-    dropped, a --ta-model-path model was checked, not kept). Towers other tests keep are not the run's."""
+    dropped, a --ta-model-path model was checked, not kept). Towers other tests keep are not the run's.
+    A merge made in this run is not read back for a check first: only a --ta-model-path model is."""
     import gc
     import warnings
     import weakref
@@ -342,13 +344,21 @@ def test_no_whole_model_is_held_during_a_run_s_calibration(run_dir, world, tmp_p
         whole_towers.extend(t for t in towers if all(p.device.type != "meta" for p in t.parameters()))
         return calibrate(*args, **kwargs)
 
+    checked, check_vision_folder = [], pipeline.check_vision_folder
+
+    def recorded_check(path, base=None):
+        checked.append(Path(path))
+        return check_vision_folder(path, base)
+
     monkeypatch.setattr(pipeline, "calibrate", watched)
+    monkeypatch.setattr(pipeline, "check_vision_folder", recorded_check)
     argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(tmp_path / "run"), *FAST]
     argv += ["--device", "cpu", "--no-export"]
     if skip_ta:
         argv += ["--skip-ta", "--ta-model-path", str(run_dir / "ta")]
     assert main(argv) == 0
     assert whole_towers == []
+    assert checked == ([run_dir / "ta"] if skip_ta else [])
     cal = load_file(str(tmp_path / "run" / "featcal-ta" / "model.safetensors"))
     ref = load_file(str(run_dir / "featcal-ta" / "model.safetensors"))
     assert all(torch.allclose(cal[k], ref[k], atol=1e-6) for k in ref)
