@@ -142,7 +142,7 @@ def featcal_calibrate_folder(
 
     Args:
         merged_folder: The merged model (a folder :class:`~featcal.checkpoint.Checkpoint` reads),
-            checked by the caller (architecture, finite values).
+            checked by the caller (architecture, finite values) or written from values it checked.
         output: The calibrated model's folder, which appears whole when the calibration ends and not
             at all when it fails; None calibrates without writing (the other processes of a torchrun).
         base: The base model's vision-tower tensors.
