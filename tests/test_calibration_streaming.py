@@ -5,10 +5,11 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import CLIPImageProcessor, CLIPVisionModel
 
 from featcal.calibration import FeatCalParams, featcal_calibrate
+from featcal.calibration.adapters import CLIPVisionAdapter
 from featcal.calibration.streaming import CheckpointLayers, featcal_calibrate_folder
 from featcal.checkpoint import Checkpoint
 from featcal.data import calibration_pixels
@@ -161,8 +162,6 @@ def test_a_layer_with_tensors_outside_its_state_dict_is_refused():
 
 def test_the_writer_writes_save_file_s_bytes_for_one_dtype(tmp_path):
     """Tensors of one dtype, written in any order: the very bytes safetensors' own save_file writes."""
-    from safetensors.torch import save_file
-
     generator = torch.Generator().manual_seed(0)
     tensors = {
         name: torch.randn(*shape, generator=generator)
@@ -180,7 +179,6 @@ def test_the_writer_writes_save_file_s_bytes_for_one_dtype(tmp_path):
 
 def test_a_layer_of_mixed_dtypes_is_loaded_tensor_by_tensor(tmp_path):
     """Parameters of several dtypes cannot share one block: each gets its own memory, and its values."""
-    from safetensors.torch import save_file
 
     class Layer(torch.nn.Module):
         def __init__(self):
@@ -192,8 +190,6 @@ def test_a_layer_of_mixed_dtypes_is_loaded_tensor_by_tensor(tmp_path):
     save_file(values, str(tmp_path / "model.safetensors"))
     with torch.device("meta"):
         layer = Layer()
-    from featcal.calibration.adapters import CLIPVisionAdapter
-
     store = CheckpointLayers(Checkpoint(tmp_path / "model.safetensors"), None, torch.device("cpu"), CLIPVisionAdapter())
     store.load(0, layer)
     loaded = {f"encoder.layers.0.{k}": v for k, v in layer.state_dict().items()}
