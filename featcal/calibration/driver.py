@@ -78,6 +78,31 @@ def _bias(module: nn.Module) -> torch.Tensor:
     return module.bias if module.bias is not None else module.weight.new_zeros(module.weight.shape[0])
 
 
+def fold_task(state: LayerState, params: FeatCalParams, modules_e: Mapping[str, nn.Module]) -> None:
+    """Fold one task's moments into ``state``'s systems with the expert's parameters.
+
+    Args:
+        state: The layer's state, its moments holding the task's (all-reduced) statistics.
+        params: The calibration's settings (α and ε of the linear systems).
+        modules_e: The expert's calibrated submodules of the layer, by name.
+    """
+    for i, group in enumerate(state.plan.groups):
+        system, moments = state.systems[i], state.moments[i]
+        if group.kind == "layernorm":
+            module = modules_e[group.names[0]]
+            system.add_task(moments, module.weight, module.bias)
+        else:
+            weight, bias = _cat_params(modules_e, group.names)
+            system.add_task(
+                moments,
+                weight,
+                bias,
+                alpha=params.teacher_interp_alpha,
+                eps=params.covariance_eps,
+                workspace=state.workspace,
+            )
+
+
 class LayerStore(Protocol):
     """Where a model's encoder layers live while the calibration does not need them, so that only the
     layer being calibrated is in memory (:mod:`featcal.calibration.streaming`)."""
@@ -244,16 +269,7 @@ class FeatCalibrator:
         self.world.all_reduce_sum_(
             [t for moments in state.moments.values() for t in moments.tensors()], what="FeatCal statistics"
         )
-        for i, group in enumerate(state.plan.groups):
-            system, moments = state.systems[i], state.moments[i]
-            if group.kind == "layernorm":
-                module = modules_e[group.names[0]]
-                system.add_task(moments, module.weight, module.bias)
-            else:
-                weight, bias = _cat_params(modules_e, group.names)
-                system.add_task(
-                    moments, weight, bias, alpha=p.teacher_interp_alpha, eps=p.covariance_eps, workspace=state.workspace
-                )
+        fold_task(state, p, modules_e)
 
     # -- the layer loop --------------------------------------------------------------------
     @torch.no_grad()

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter, TokenWeighting
-from featcal.calibration.driver import FeatCalibrator, StateDict, _cat_params, _load_params
+from featcal.calibration.driver import FeatCalibrator, StateDict, _load_params, fold_task
 from featcal.calibration.layer_state import LayerState, Recorder, StopForward
 from featcal.calibration.workspace import Workspace
 from featcal.errors import FeatcalError
@@ -242,23 +242,7 @@ class SweepCalibrator:
             for recorder in recorders:
                 recorder.remove()
         for setting in settings:
-            _fold_task(setting, modules_e)
-
-
-def _fold_task(setting: _Setting, modules_e: Mapping[str, nn.Module]) -> None:
-    """Fold the task's moments into the setting's systems with the expert's parameters and the
-    setting's α and ε (what :meth:`FeatCalibrator._collect` does after a task)."""
-    state, p = setting.state, setting.params
-    for i, group in enumerate(state.plan.groups):
-        system, moments = state.systems[i], state.moments[i]
-        if group.kind == "layernorm":
-            module = modules_e[group.names[0]]
-            system.add_task(moments, module.weight, module.bias)
-        else:
-            weight, bias = _cat_params(modules_e, group.names)
-            system.add_task(
-                moments, weight, bias, alpha=p.teacher_interp_alpha, eps=p.covariance_eps, workspace=state.workspace
-            )
+            fold_task(setting.state, setting.params, modules_e)
 
 
 def setting_groups(settings: Sequence[FeatCalParams], together: int | None) -> Iterator[list[int]]:
