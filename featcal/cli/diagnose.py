@@ -77,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_spec_options(
         p,
         groups=(DIAGNOSTICS, RUNTIME),
-        exclude=("seed",),
+        exclude=("seed", "dist_timeout"),  # one process: torchrun is refused
         renamed=RENAMED,
     )
     p.set_defaults(func=cmd_diagnose)

@@ -72,7 +72,7 @@ def ta8_config() -> dict:
         "tasks": list(data["tasks"]),
         "tasks_table": data["tasks"],
         "merge": {"method": "task_arithmetic", "params": {"scaling_factor": 0.3}},
-        "featcal": {**FEATCAL, "num_calibration_examples": 256, "calibration_batch_size": 32},
+        "featcal": {**FEATCAL, "num_calibration_examples": 256, "calibration_batch_size": 16},
         "seed": 42,
         "experts": {t: e["expert"] for t, e in data["tasks"].items()},
         "evaluation": {"max_eval_samples": None},
