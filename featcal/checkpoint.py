@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from featcal.errors import FeatcalError, ModelInputError
 
@@ -26,8 +26,21 @@ def _weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a `save_pretrained` folder (single file or sharded)."""
     index = folder / _INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ModelInputError(
+                str(folder), f"{index} is not a readable shard index (no weight_map): save the model again."
+            ) from None
+        files = [folder / str(name) for name in names]
+        unusable = [f.name for f in files if f.suffix != ".safetensors" or not f.is_file()]
+        if unusable:
+            raise ModelInputError(
+                str(folder),
+                f"{index} names shards that are missing or not safetensors ({', '.join(unusable[:3])}); featcal "
+                "reads safetensors only and never loads pickles: save the model again with `save_pretrained`.",
+            )
+        return files
     single = folder / _SINGLE_NAME
     if single.is_file():
         return [single]
@@ -60,10 +73,17 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         raw: dict[str, int] = {}
         shapes: dict[str, tuple[int, ...]] = {}
         for i, file in enumerate(self.files):
-            with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():
-                    raw[key] = i
-                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    for key in handle.keys():
+                        raw[key] = i
+                        shapes[key] = tuple(handle.get_slice(key).get_shape())
+            except (SafetensorError, OSError) as exc:
+                raise ModelInputError(
+                    str(file),
+                    f"{self.name}: {file} is not a readable safetensors file ({exc}); it may be truncated or "
+                    "damaged: download or save it again.",
+                ) from None
         has_prefix = any(k.startswith(VISION_PREFIX) for k in raw)
         self._where: dict[str, tuple[int, str]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}

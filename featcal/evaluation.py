@@ -40,7 +40,7 @@ def load_base_clip(folder: str | Path, device: torch.device | str = "cpu"):
         ModelInputError: when the folder is not a complete CLIPModel: another model type, or weights
             that transformers would leave missing (randomly initialised) or ignore.
     """
-    from transformers import AutoTokenizer, CLIPModel
+    from transformers import CLIPModel
 
     check_clip_model_folder(folder)
     try:
@@ -55,8 +55,38 @@ def load_base_clip(folder: str | Path, device: torch.device | str = "cpu"):
             "(vision and text towers) the experts were fine-tuned from.",
         )
     model = model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return model, tokenizer, load_image_processor(folder)
+    return model, _load_tokenizer(folder), _load_processor(folder)
+
+
+# A CLIP tokenizer's files: the fast one's tokenizer.json, or the slow one's vocabulary and merges.
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
+
+
+def _load_tokenizer(folder: str | Path):
+    """The base's tokenizer; refused when its files are missing (transformers would build an empty
+    vocabulary that turns every prompt into the same tokens) or do not load."""
+    from transformers import AutoTokenizer
+
+    if not any(all((Path(folder) / name).is_file() for name in names) for names in TOKENIZER_FILES):
+        raise ModelInputError(
+            str(folder),
+            f"The base model {folder} has no tokenizer (tokenizer.json, or vocab.json and merges.txt): give the "
+            "full CLIP folder, saved with its tokenizer (`tokenizer.save_pretrained`).",
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelInputError(str(folder), f"The base model {folder}'s tokenizer does not load ({exc}).") from None
+
+
+def _load_processor(folder: str | Path):
+    """The base's image processor, or a one-line error naming the folder."""
+    try:
+        return load_image_processor(folder)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelInputError(
+            str(folder), f"The base model {folder}'s image processor does not load ({exc})."
+        ) from None
 
 
 def check_clip_model_folder(folder: str | Path) -> None:

@@ -195,7 +195,13 @@ def load_vision_folder(path: str | Path, base: Checkpoint | None = None):
     from transformers import CLIPVisionModel
 
     check_vision_folder(path, base)
-    return CLIPVisionModel.from_pretrained(str(path), use_safetensors=True, dtype=torch.float32).eval()
+    try:
+        return CLIPVisionModel.from_pretrained(str(path), use_safetensors=True, dtype=torch.float32).eval()
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelInputError(
+            str(path), f"{path} does not load as a CLIPVisionModel ({first}): its config.json and weights disagree."
+        ) from None
 
 
 def check_vision_folder(path: str | Path, base: Checkpoint | None = None) -> Checkpoint:
@@ -218,6 +224,18 @@ def check_vision_folder(path: str | Path, base: Checkpoint | None = None) -> Che
             str(folder),
             f"{folder} is not a model folder (no config.json); "
             "pass a folder written by `featcal merge` or `save_pretrained`.",
+        )
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        raise ModelInputError(
+            str(folder), f"{folder / 'config.json'} is not readable JSON: save the model again with `save_pretrained`."
+        ) from None
+    if model_type not in ("clip_vision_model", "clip"):
+        raise ModelInputError(
+            str(folder),
+            f"{folder} holds a {model_type!r} model, not a CLIP vision tower (model_type 'clip_vision_model' or "
+            "'clip'): pass a folder written by `featcal merge` or a CLIP model's `save_pretrained`.",
         )
     checkpoint = Checkpoint(folder)  # raises a clear error for missing or pickle-only weights
     checkpoint.check_finite()

@@ -13,11 +13,32 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from featcal.errors import FeatcalError
+
 if TYPE_CHECKING:
     import torch
     from transformers import CLIPVisionConfig
 
     from featcal.safetensors_writer import SafetensorsWriter
+
+
+CHUNK = 1 << 20  # bytes read at a time when hashing a file
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, hex (what the Hub lists for a file stored in LFS).
+
+    Args:
+        path: The file.
+
+    Returns:
+        64 hex digits.
+    """
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def current_umask() -> int:
@@ -99,6 +120,8 @@ def fault_point(name: str) -> None:
 def replace_dir(tmp: Path, final: Path) -> None:
     """Move a finished temporary folder into place, replacing any previous one."""
     fault_point(f"replace:{final.name}")
+    if final.exists() and not final.is_dir():
+        raise FeatcalError(f"{final} exists and is a file: choose another output folder.")
     if final.exists():
         old = final.with_name(f".{final.name}.old")
         shutil.rmtree(old, ignore_errors=True)

@@ -538,10 +538,18 @@ class _Run:
         that is not of exactly this run; a run folder without a ledger is redone whole."""
         if self.writes and not self.ledger.done and (self.out / RUN_CONFIG).is_file():
             self._clear_unrecorded()
-        for name in [n for n in self.ledger.done if n != "export"]:
-            if name not in self.stages or not self._fresh(name):
-                logger.info("%s: inputs changed; its earlier output is removed and redone", name)
-                self.ledger.discard(name)
+        stale = [n for n in self.ledger.done if n != "export" and (n not in self.stages or not self._fresh(n))]
+        # A stage whose outputs lie in a stale stage's folder (ta/metrics.json in ta/) goes with it.
+        removed = [path for name in stale for path in self.ledger.done[name].get("outputs", [])]
+        stale += [
+            name
+            for name, entry in self.ledger.done.items()
+            if name != "export" and name not in stale
+            and any(out.startswith(f"{path}/") for out in entry.get("outputs", []) for path in removed)
+        ]  # fmt: skip
+        for name in stale:
+            logger.info("%s: inputs or outputs changed; its earlier output is removed and redone", name)
+            self.ledger.discard(name)
         export = self.ledger.done.get("export")
         if export is not None and export.get("identity") != self._export_identity():
             self.ledger.discard("export")

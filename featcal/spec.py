@@ -383,6 +383,13 @@ class RunSpec:
             raise InvalidParameterError(
                 "ta_model_path", None, "the merged model folder to start from, since skip_ta is set"
             )
+        if self.ta_model_path and not self.skip_ta:
+            raise InvalidParameterError(
+                "skip_ta", False, "set with ta_model_path, to start from that merged model instead of merging"
+            )
+        repeated = sorted({task for task in self.tasks or () if list(self.tasks).count(task) > 1})
+        if repeated:
+            raise InvalidParameterError("tasks", " ".join(repeated), "each task named once (repeated here)")
         if self.diagnose and self.skip_featcal and self.diagnose_split == "calibration":
             raise InvalidParameterError(
                 "diagnose_split", self.diagnose_split, "test, since skip_featcal is set (no calibration images)"

@@ -121,6 +121,11 @@ def _exit_on_stop_request(signum: int, _frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def _secrets(args: argparse.Namespace) -> list[str | None]:
+    """The token values an error message must not show: the one given with ``--token`` and the environment's."""
+    return [getattr(args, "token", None), os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `featcal` console script; returns the exit status."""
     parser = build_parser()
@@ -141,10 +146,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _progress_display(quiet), _stop_requests_end_cleanly():
             return int(args.func(args) or 0)
     except FeatcalError as exc:
-        from featcal.cli.errors import word_error
+        from featcal.cli.errors import hide_secrets, word_error
 
         defer = rank != 0 or isinstance(exc, DistributedError)
-        processes.print_error(word_error(exc), rank, size, defer=defer)
+        processes.print_error(hide_secrets(word_error(exc), _secrets(args)), rank, size, defer=defer)
+        return 2
+    except (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError) as exc:
+        from featcal.cli.errors import hide_secrets
+
+        where = f" {exc.filename}" if exc.filename else ""
+        message = f"Cannot write or read{where}: {exc.strerror or exc}. Check the path and its permissions."
+        processes.print_error(hide_secrets(message, _secrets(args)), rank, size, defer=rank != 0)
         return 2
     except KeyboardInterrupt:
         print("featcal: interrupted", file=sys.stderr)

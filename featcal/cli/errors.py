@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from featcal.errors import FeatcalError, InvalidParameterError
 
@@ -42,3 +43,27 @@ def word_error(exc: FeatcalError) -> str:
         else:
             message = f"{name} {exc.value!r} is invalid: it must be {exc.expected}."
     return re.sub(r"`([a-z_]+)`", lambda match: flag_for(match.group(1)) or match.group(0), message)
+
+
+# What a message must never show: Hub tokens (``hf_…``), bearer credentials a server echoed back, and
+# the user:password part of a URL.
+_TOKEN_LIKE = re.compile(r"\bhf_[A-Za-z0-9]{8,}")
+_BEARER = re.compile(r"(Bearer\s+)\S+", re.IGNORECASE)
+_URL_CREDENTIALS = re.compile(r"(\w+://)[^/\s@]+@")
+
+
+def hide_secrets(message: str, secrets: Iterable[str | None] = ()) -> str:
+    """``message`` with every given secret, token-like string, bearer credential and URL password masked.
+
+    Args:
+        message: A worded error, which may quote a server's answer or a URL as the user gave it.
+        secrets: Values never to print (the ``--token`` given, ``HF_TOKEN``); empty ones are ignored.
+
+    Returns:
+        The message, each secret replaced by ``***``.
+    """
+    for secret in sorted({s for s in secrets if s and len(s) >= 4}, key=len, reverse=True):
+        message = message.replace(secret, "***")
+    message = _BEARER.sub(r"\1***", message)
+    message = _URL_CREDENTIALS.sub(r"\1***@", message)
+    return _TOKEN_LIKE.sub("hf_***", message)

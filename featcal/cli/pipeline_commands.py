@@ -56,10 +56,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _input_paths(inputs) -> list[Path]:
+    """The local folders a command reads: the base's and every expert's."""
+    return [inputs.base_folder, *(expert.path for expert in inputs.experts.values())]
+
+
+def _metrics_output(output: str | None, model: str | None) -> Path | None:
+    """Where `featcal evaluate` writes its metrics, checked: ``--output``, else the model folder's
+    ``metrics.json``, which is refused where it is a run's or a release's own record."""
+    from featcal.outputs import OutputPathError, check_output_file
+    from featcal.release.manifest import MANIFEST
+    from featcal.runfolder import METRICS, RUN_CONFIG
+
+    if output is not None:
+        return check_output_file(output, kind="metrics file")
+    if model is None:
+        return None
+    folder = Path(model)
+    if (folder / MANIFEST).is_file() or (folder.parent / RUN_CONFIG).is_file():
+        owner = "a release" if (folder / MANIFEST).is_file() else f"the run {folder.parent}"
+        raise OutputPathError(
+            folder / METRICS,
+            f"{folder / METRICS} is {owner}'s record of its evaluation: pass --output FILE to write these "
+            "metrics elsewhere.",
+        )
+    return check_output_file(folder / METRICS, kind="metrics file")
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
     from featcal.distributed import session
     from featcal.inputs import resolve_inputs
     from featcal.io import save_vision_model
+    from featcal.outputs import check_output_folder
     from featcal.pipeline import merge
 
     spec = spec_from_args(args)
@@ -67,6 +95,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec)
+            check_output_folder(args.output, kind="merged model", inputs=_input_paths(inputs))
         with compute_settings(spec, inputs):
             state = merge(inputs, spec.merge_method, device, world=world)
     if not world.is_main:
@@ -80,6 +109,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from featcal.distributed import session
     from featcal.evaluation import load_base_clip
     from featcal.inputs import check_vision_folder, resolve_inputs, validate_datasets
+    from featcal.outputs import check_output_folder
     from featcal.pipeline import calibrate
 
     spec = spec_from_args(args)
@@ -87,7 +117,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec)
-            validate_datasets(inputs.tasks, splits=("train",))
+            check_output_folder(args.output, kind="calibrated model", inputs=[*_input_paths(inputs), args.merged])
+            validate_datasets(
+                inputs.tasks,
+                splits=("train",),
+                calibration_examples=spec.featcal.num_calibration_examples,
+                allow_fewer=spec.allow_fewer_calibration_examples,
+            )
             check_vision_folder(args.merged, inputs.base)
             _, _, processor = load_base_clip(inputs.base_folder)
         with compute_settings(spec, inputs):
@@ -106,9 +142,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from featcal.evaluation import ZeroShotClassifier, load_base_clip
     from featcal.inputs import load_vision_folder, resolve_inputs, validate_datasets
     from featcal.io import atomic_write_json
-    from featcal.runfolder import METRICS, ZERO_SHOT_DIR
+    from featcal.runfolder import ZERO_SHOT_DIR
 
     spec = spec_from_args(args)
+    output = _metrics_output(args.output, args.model)
     with session(spec.device, spec.dist_timeout) as world:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
@@ -128,7 +165,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             )
     if not world.is_main:
         return 0
-    output = args.output or (Path(args.model) / METRICS if args.model else None)
     if output:
         atomic_write_json(output, report.to_json())
     print(format_results({Path(args.model).name if args.model else ZERO_SHOT_DIR: report}))

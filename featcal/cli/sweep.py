@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from featcal.cli.common import path_line, show_progress
@@ -36,6 +37,7 @@ def format_sweep(report) -> str:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from featcal.errors import InvalidParameterError
+    from featcal.outputs import check_output_folder
     from featcal.spec import build_spec
     from featcal.sweep import parse_parameter, parse_sizes
     from featcal.sweep.report import SWEEP_DIR, SWEEP_FILE, SWEEP_PLOT
@@ -51,6 +53,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if together < 1:
             raise InvalidParameterError("together", args.together, "a whole number >= 1", owner="sweep")
     spec = build_spec(cli=given_values(args), progress=show_progress(args))
+    sweep_files = re.compile(f"{re.escape(SWEEP_FILE)}|{re.escape(SWEEP_PLOT)}")
+    check_output_folder(Path(args.run_dir) / SWEEP_DIR, kind="sweep", allowed=sweep_files)
 
     from featcal.sweep.runner import run_sweep
 

@@ -23,27 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featcal.errors import ReleaseError
-from featcal.io import atomic_write_json
+from featcal.io import CHUNK, atomic_write_json, file_sha256
 
 MANIFEST = "release_manifest.json"
 MANIFEST_FORMAT = "featcal-release-manifest/1"
-CHUNK = 1 << 20
-
-
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file's bytes, hex (what the Hub lists for a file stored in LFS).
-
-    Args:
-        path: The file.
-
-    Returns:
-        64 hex digits.
-    """
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def tensors_sha256(path: Path) -> str:

@@ -111,6 +111,21 @@ def test_changed_inputs_redo_that_stage_and_everything_after(world, tmp_path, ca
     assert not (out / "featcal-ta").exists() and not (out / "release").exists()
 
 
+def test_damaged_weights_of_a_finished_stage_are_redone(world, tmp_path, device) -> None:
+    out = tmp_path / "run"
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--device", device]
+    assert main(argv) == 0
+    first = snapshot(out)
+    merged = out / "ta" / "model.safetensors"
+    merged.write_bytes(merged.read_bytes()[: merged.stat().st_size // 2])  # truncated
+    calibrated = out / "featcal-ta" / "model.safetensors"
+    data = bytearray(calibrated.read_bytes())
+    data[-5] ^= 0xFF  # one byte of tensor data flipped: same size
+    calibrated.write_bytes(bytes(data))
+    assert main(argv) == 0  # both stages redone (and their evaluations): every file as before the damage
+    assert comparable(snapshot(out)) == comparable(first)
+
+
 def test_force_redoes_everything(world, tmp_path, caplog, device) -> None:
     out = tmp_path / "run"
     argv = ["run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--no-export"]

@@ -1,0 +1,120 @@
+"""Checks of where a command will write, made before any heavy work.
+
+Every folder featcal writes appears whole, replacing what was there (:func:`featcal.io.atomic_folder`).
+So a command checks first that what it would replace is its own kind of output: a missing or empty
+folder, or one holding only the files that kind of output has; never a file, never one of the
+command's own inputs, never a folder that holds or lies inside an input.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from featcal.errors import FeatcalError
+
+# What `featcal merge` / `featcal calibrate` write, and what a folder may hold to be replaced by them.
+MODEL_FOLDER_FILES = re.compile(
+    r"(config\.json|metrics\.json|model\.safetensors|model\.safetensors\.index\.json"
+    r"|model-\d+-of-\d+\.safetensors|generation_config\.json)"
+)
+
+
+class OutputPathError(FeatcalError):
+    """An output path that cannot be written, or whose writing would destroy something else.
+
+    Args:
+        path: The output path as the user gave it.
+        message: One line naming the path and the fix.
+    """
+
+    def __init__(self, path: str | Path, message: str) -> None:
+        self.path = str(path)
+        super().__init__(message)
+
+
+def _writable_parent(path: Path, shown: str | Path) -> None:
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputPathError(shown, f"Cannot write {shown}: {parent} is a file, not a folder. Choose another path.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputPathError(shown, f"Cannot write {shown}: no write permission in {parent}. Choose another path.")
+
+
+def _overlaps(path: Path, other: Path) -> bool:
+    return path == other or path in other.parents or other in path.parents
+
+
+def check_output_folder(
+    folder: str | Path,
+    *,
+    kind: str,
+    allowed: re.Pattern[str] = MODEL_FOLDER_FILES,
+    inputs: Iterable[str | Path] = (),
+) -> Path:
+    """The folder a command will write (replacing it), checked before the command's work.
+
+    Args:
+        folder: The output folder as the user gave it.
+        kind: What the command writes there, for messages (``"merged model"``).
+        allowed: The names a replaceable folder may hold (anything else is someone else's).
+        inputs: The command's local input paths: the output may be none of them, hold none and lie in none.
+
+    Returns:
+        The folder as an absolute path.
+
+    Raises:
+        OutputPathError: for an empty path, a file, a folder holding other files, an input, or a
+            place that cannot be written.
+    """
+    if not str(folder).strip():
+        raise OutputPathError(folder, f"The {kind} folder is an empty path: name a folder.")
+    path = Path(folder).expanduser().resolve()
+    if path == Path.cwd().resolve() or path.parent == path:
+        raise OutputPathError(folder, f"The {kind} folder {folder} is the current or root folder: name a new folder.")
+    for item in inputs:
+        other = Path(item).expanduser().resolve()
+        if _overlaps(path, other):
+            raise OutputPathError(
+                folder,
+                f"The {kind} folder {folder} would replace the input {item} (or a folder holding it): "
+                "choose another output folder.",
+            )
+    if path.exists() and not path.is_dir():
+        raise OutputPathError(folder, f"The {kind} folder {folder} exists and is a file: choose another path.")
+    if path.is_dir():
+        foreign = sorted(p.name for p in path.iterdir() if not allowed.fullmatch(p.name))
+        if foreign:
+            raise OutputPathError(
+                folder,
+                f"{folder} exists and holds files that are not a {kind}'s ({', '.join(foreign[:5])}): "
+                "choose another output folder, or remove them.",
+            )
+    _writable_parent(path, folder)
+    return path
+
+
+def check_output_file(path: str | Path, *, kind: str) -> Path:
+    """A file a command will write (replacing it), checked before the command's work.
+
+    Args:
+        path: The output file as the user gave it.
+        kind: What the command writes there, for messages (``"metrics file"``).
+
+    Returns:
+        The file as an absolute path.
+
+    Raises:
+        OutputPathError: for an empty path, a folder, or a place that cannot be written.
+    """
+    if not str(path).strip():
+        raise OutputPathError(path, f"The {kind} is an empty path: name a file.")
+    resolved = Path(path).expanduser().resolve()
+    if resolved.is_dir():
+        raise OutputPathError(path, f"The {kind} {path} is a folder: name a file (in it, or elsewhere).")
+    _writable_parent(resolved, path)
+    return resolved

@@ -1,0 +1,256 @@
+"""What `featcal merge`, `calibrate`, `evaluate` and `sweep` refuse before any work: outputs that would
+destroy something, damaged model folders, inputs that would give a wrong answer; and what no error
+message may show."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from featcal.cli import main
+from featcal.cli.errors import hide_secrets
+from featcal.errors import FeatcalError
+from featcal.io import replace_dir
+from featcal.outputs import OutputPathError, check_output_file, check_output_folder
+
+CPU = ["--device", "cpu"]
+
+
+def run_error(capsys, argv):
+    code = main(["-q", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+def copy_world(world, tmp_path) -> Path:
+    root = tmp_path / "w"
+    shutil.copytree(world["root"], root)
+    return root
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# --- output folders ----------------------------------------------------------------------------------
+
+
+def test_merge_refuses_a_folder_holding_other_files_and_leaves_it_alone(world, tmp_path, capsys):
+    out = tmp_path / "keep"
+    out.mkdir()
+    (out / "thesis.tex").write_text("mine")
+    code, err = run_error(capsys, ["merge", "--tasks-file", str(world["tasks_file"]), "--output", str(out), *CPU])
+    assert code == 2 and len(err) == 1
+    assert "thesis.tex" in err[0] and "choose another output folder" in err[0]
+    assert tree(out) == {"thesis.tex": b"mine"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep"]  # no temporary folder beside it
+
+
+def test_merge_into_the_base_folder_is_refused(world, tmp_path, capsys):
+    root = copy_world(world, tmp_path)
+    before = tree(root / "base")
+    code, err = run_error(
+        capsys, ["merge", "--tasks-file", str(root / "tasks.json"), "--output", str(root / "base"), *CPU]
+    )
+    assert code == 2 and len(err) == 1 and "would replace the input" in err[0]
+    assert tree(root / "base") == before
+
+
+def test_calibrate_onto_its_own_merged_folder_is_refused(world, tmp_path, capsys):
+    common = ["--tasks-file", str(world["tasks_file"]), *CPU]
+    assert main(["-q", "merge", "--output", str(tmp_path / "m"), *common]) == 0
+    before = tree(tmp_path / "m")
+    code, err = run_error(
+        capsys, ["calibrate", "--merged", str(tmp_path / "m"), "--output", str(tmp_path / "m"), *common]
+    )
+    assert code == 2 and len(err) == 1 and "would replace the input" in err[0]
+    assert tree(tmp_path / "m") == before
+
+
+def test_merge_replaces_its_own_earlier_output(world, tmp_path):
+    common = ["--tasks-file", str(world["tasks_file"]), *CPU]
+    assert main(["-q", "merge", "--output", str(tmp_path / "m"), *common]) == 0
+    assert main(["-q", "merge", "--output", str(tmp_path / "m"), *common, "--ta-scaling-factor", "0.5"]) == 0
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("bad", ["", "file", "file/sub"])
+def test_output_folder_that_is_empty_or_under_a_file(tmp_path, bad):
+    (tmp_path / "file").write_text("x")
+    target = "" if bad == "" else str(tmp_path / bad)
+    with pytest.raises(OutputPathError):
+        check_output_folder(target, kind="merged model")
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_output_folder_may_not_hold_or_lie_inside_an_input(tmp_path):
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    for folder in (tmp_path / "models", tmp_path / "models" / "base", tmp_path / "models" / "base" / "out"):
+        with pytest.raises(OutputPathError, match="would replace the input"):
+            check_output_folder(folder, kind="merged model", inputs=[tmp_path / "models" / "base"])
+    assert check_output_folder(
+        tmp_path / "models" / "merged", kind="merged model", inputs=[tmp_path / "models" / "base"]
+    )
+
+
+def test_output_file_may_not_be_a_folder(tmp_path):
+    with pytest.raises(OutputPathError, match="is a folder"):
+        check_output_file(tmp_path, kind="metrics file")
+    assert check_output_file(tmp_path / "m.json", kind="metrics file") == (tmp_path / "m.json").resolve()
+
+
+def test_replacing_a_file_with_a_folder_is_refused(tmp_path):
+    (tmp_path / "final").write_text("mine")
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(FeatcalError, match="is a file"):
+        replace_dir(tmp_path / "tmp", tmp_path / "final")
+    assert (tmp_path / "final").read_text() == "mine"
+    assert not (tmp_path / ".final.old").exists()
+
+
+def test_evaluate_does_not_overwrite_a_run_s_metrics(world, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(world["root"] / "experts" / world["tasks"][0], run / "featcal-ta")
+    (run / "run_config.json").write_text("{}")
+    (run / "featcal-ta" / "metrics.json").write_text('{"the": "run s own"}')
+    code, err = run_error(
+        capsys,
+        ["evaluate", "--model", str(run / "featcal-ta"), "--tasks-file", str(world["tasks_file"]), *CPU],
+    )
+    assert code == 2 and len(err) == 1 and "--output FILE" in err[0] and "record" in err[0]
+    assert (run / "featcal-ta" / "metrics.json").read_text() == '{"the": "run s own"}'
+    argv = ["evaluate", "--model", str(run / "featcal-ta"), "--tasks-file", str(world["tasks_file"]), *CPU]
+    assert main(["-q", *argv, "--eval-num-workers", "0", "--output", str(tmp_path / "m.json")]) == 0
+    assert "average" in json.loads((tmp_path / "m.json").read_text())
+    assert (run / "featcal-ta" / "metrics.json").read_text() == '{"the": "run s own"}'
+
+
+def test_sweep_refuses_a_file_where_its_folder_goes(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "sweep").write_text("mine")
+    code, err = run_error(capsys, ["sweep", str(tmp_path / "run")])
+    assert code == 2 and len(err) == 1 and "is a file" in err[0]
+    assert (tmp_path / "run" / "sweep").read_text() == "mine"
+
+
+# --- damaged or incomplete model folders --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_a_damaged_expert_file_is_one_line(world, tmp_path, capsys, damage):
+    root = copy_world(world, tmp_path)
+    path = root / "experts" / world["tasks"][1] / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"\x07" * 4096, "empty": b""}[damage])
+    code, err = run_error(
+        capsys, ["merge", "--tasks-file", str(root / "tasks.json"), "--output", str(tmp_path / "m"), *CPU]
+    )
+    assert code == 2 and len(err) == 1
+    assert str(path) in err[0] and "not a readable safetensors file" in err[0]
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_shard_index_naming_a_pickle_is_refused_unread(world, tmp_path, capsys):
+    root = copy_world(world, tmp_path)
+    folder = root / "experts" / world["tasks"][0]
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model-00001-of-00001.bin").write_bytes(b"never unpickled")
+    index = {"weight_map": {"vision_model.post_layernorm.weight": "pytorch_model-00001-of-00001.bin"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, err = run_error(
+        capsys, ["merge", "--tasks-file", str(root / "tasks.json"), "--output", str(tmp_path / "m"), *CPU]
+    )
+    assert code == 2 and len(err) == 1 and "never loads pickles" in err[0]
+
+
+def test_a_merged_folder_with_a_broken_config_is_one_line(world, tmp_path, capsys):
+    common = ["--tasks-file", str(world["tasks_file"]), *CPU]
+    assert main(["-q", "merge", "--output", str(tmp_path / "m"), *common]) == 0
+    (tmp_path / "m" / "config.json").write_text("{")
+    code, err = run_error(
+        capsys, ["evaluate", "--model", str(tmp_path / "m"), *common, "--output", str(tmp_path / "x.json")]
+    )
+    assert code == 2 and len(err) == 1 and "config.json is not readable JSON" in err[0]
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    code, err = run_error(
+        capsys, ["evaluate", "--model", str(tmp_path / "m"), *common, "--output", str(tmp_path / "x.json")]
+    )
+    assert code == 2 and len(err) == 1 and "'bert'" in err[0]
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_base_without_tokenizer_files_is_refused(world, tmp_path, capsys):
+    root = copy_world(world, tmp_path)
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        (root / "base" / name).unlink(missing_ok=True)
+    code, err = run_error(capsys, ["evaluate", "--tasks-file", str(root / "tasks.json"), *CPU])
+    assert code == 2 and len(err) == 1 and "has no tokenizer" in err[0]
+
+
+# --- inputs that would give a wrong answer ------------------------------------------------------------
+
+
+def test_a_task_named_twice_is_refused(world, tmp_path, capsys):
+    task = world["tasks"][0]
+    argv = ["merge", "--tasks-file", str(world["tasks_file"]), "--tasks", task, task, "--output", str(tmp_path / "m")]
+    code, err = run_error(capsys, [*argv, *CPU])
+    assert code == 2 and len(err) == 1 and "--tasks" in err[0] and "each task named once" in err[0]
+    assert not (tmp_path / "m").exists()
+
+
+def test_ta_model_path_without_skip_ta_is_refused(world, tmp_path, capsys):
+    argv = ["run", "--tasks-file", str(world["tasks_file"]), "--ta-model-path", str(tmp_path), *CPU]
+    code, err = run_error(capsys, [*argv, "--output-dir", str(tmp_path / "o")])
+    assert code == 2 and len(err) == 1 and "--skip-ta" in err[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_calibrate_asks_for_the_flag_before_using_fewer_images(world, tmp_path, capsys):
+    common = ["--tasks-file", str(world["tasks_file"]), *CPU]
+    assert main(["-q", "merge", "--output", str(tmp_path / "m"), *common]) == 0
+    argv = ["calibrate", "--merged", str(tmp_path / "m"), "--output", str(tmp_path / "c"), *common]
+    code, err = run_error(capsys, [*argv, "--num-calibration-examples", "100000"])
+    assert code == 2 and len(err) == 1 and "--allow-fewer-calibration-examples" in err[0]
+    assert not (tmp_path / "c").exists()
+
+
+# --- what errors never show ---------------------------------------------------------------------------
+
+
+def test_hide_secrets_masks_tokens_bearers_and_url_passwords():
+    message = (
+        "502 from https://user:s3cret@hub.example/api (upstream said: Bearer hf_abcdefghijklmnop; "
+        "token my-own-token-value; hf_ZYXWVUTSRQPONM)"
+    )
+    hidden = hide_secrets(message, ["my-own-token-value", None, ""])
+    for secret in ("s3cret", "hf_abcdefghijklmnop", "my-own-token-value", "hf_ZYXWVUTSRQPONM"):
+        assert secret not in hidden
+    assert "https://***@hub.example/api" in hidden and "Bearer ***" in hidden
+
+
+def test_an_error_echoing_the_token_does_not_print_it(monkeypatch, capsys):
+    import featcal.cli.pipeline_commands as commands
+
+    def echo(args):
+        raise FeatcalError("The Hub answered 502: upstream failed for tok-from-the-environment-42")
+
+    monkeypatch.setenv("HF_TOKEN", "tok-from-the-environment-42")
+    monkeypatch.setattr(commands, "cmd_methods", echo)  # the parser is built, and binds it, in main()
+    code, err = run_error(capsys, ["methods"])
+    assert code == 2 and err == ["featcal: error: The Hub answered 502: upstream failed for ***"]
+
+
+def test_a_permission_error_is_one_line_with_status_2(world, tmp_path, capsys, monkeypatch):
+    import featcal.io
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "m"))
+
+    monkeypatch.setattr(featcal.io, "save_vision_model", refuse)
+    code, err = run_error(
+        capsys, ["merge", "--tasks-file", str(world["tasks_file"]), "--output", str(tmp_path / "m"), *CPU]
+    )
+    assert code == 2 and len(err) == 1
+    expected = f"Cannot write or read {tmp_path / 'm'}: Permission denied. Check the path and its permissions."
+    assert err[0] == f"featcal: error: {expected}"
