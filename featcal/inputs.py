@@ -245,24 +245,6 @@ def check_vision_folder(path: str | Path, base: Checkpoint | None = None) -> Che
     return checkpoint
 
 
-def check_output_folder(out: Path) -> None:
-    """Refuse an output path that is a file, or a folder that holds other things than a featcal run.
-
-    Raises:
-        InvalidParameterError: naming ``output_dir``.
-    """
-    if out.exists() and not out.is_dir():
-        raise InvalidParameterError("output_dir", str(out), "a folder, not an existing file")
-    if out.is_dir() and not (out / RUN_CONFIG).is_file():
-        visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
-        if visible:
-            raise InvalidParameterError(
-                "output_dir",
-                str(out),
-                f"a new or empty folder, or a featcal run folder; it holds {', '.join(visible[:3])}",
-            )
-
-
 def check_same_run(out: Path, record: Mapping[str, Any]) -> None:
     """Refuse a run folder that holds a run of other tasks or another base model.
 

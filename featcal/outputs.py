@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, InvalidParameterError
 
 # What `featcal merge` / `featcal calibrate` write, and what a folder may hold to be replaced by them.
 MODEL_FOLDER_FILES = re.compile(
@@ -118,3 +118,23 @@ def check_output_file(path: str | Path, *, kind: str) -> Path:
         raise OutputPathError(path, f"The {kind} {path} is a folder: name a file (in it, or elsewhere).")
     _writable_parent(resolved, path)
     return resolved
+
+
+def check_run_output_folder(out: Path) -> None:
+    """Refuse an output path that is a file, or a folder that holds other things than a featcal run.
+
+    Raises:
+        InvalidParameterError: naming ``output_dir``.
+    """
+    if out.exists() and not out.is_dir():
+        raise InvalidParameterError("output_dir", str(out), "a folder, not an existing file")
+    from featcal.runfolder import RUN_CONFIG
+
+    if out.is_dir() and not (out / RUN_CONFIG).is_file():
+        visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+        if visible:
+            raise InvalidParameterError(
+                "output_dir",
+                str(out),
+                f"a new or empty folder, or a featcal run folder; it holds {', '.join(visible[:3])}",
+            )

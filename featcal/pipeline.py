@@ -32,7 +32,6 @@ from featcal.inputs import (
     DatasetFacts,
     RunInputs,
     build_vision_model,
-    check_output_folder,
     check_same_run,
     check_vision_folder,
     load_vision_folder,
@@ -42,6 +41,7 @@ from featcal.inputs import (
 from featcal.io import config_hash, fault_point, read_json, save_vision_model
 from featcal.memory import MemoryMeter, release_free_memory
 from featcal.merging import get_method
+from featcal.outputs import check_run_output_folder
 from featcal.precision import fixed_precision, forward_dtype
 from featcal.runfolder import (
     DIAGNOSTICS,
@@ -272,7 +272,7 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
     device = world.compute_device(spec.device)
     out = Path(spec.output_dir)
     with world.main_first("checking the inputs"):
-        check_output_folder(out)
+        check_run_output_folder(out)
         torch.manual_seed(spec.seed)
         need_experts = not (spec.skip_ta and spec.skip_featcal and not spec.eval_experts)
         inputs = resolve_inputs(spec, need_experts=need_experts)

@@ -254,3 +254,34 @@ def test_a_permission_error_is_one_line_with_status_2(world, tmp_path, capsys, m
     assert code == 2 and len(err) == 1
     expected = f"Cannot write or read {tmp_path / 'm'}: Permission denied. Check the path and its permissions."
     assert err[0] == f"featcal: error: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (["--threads", "-2"], "--threads -2 is invalid"),
+        (["--zoo-seed", "-1"], "--zoo-seed -1 is invalid"),
+        (["--ta-scaling-factor", "nan"], "scaling_factor=nan is invalid"),
+        (["--device", "tpu"], "--device 'tpu' is invalid"),
+    ],
+)
+def test_demo_checks_its_options_before_building_the_zoo(tmp_path, capsys, monkeypatch, option, said):
+    import featcal.demo
+
+    built = []
+    monkeypatch.setattr(featcal.demo, "build_zoo", lambda *a, **k: built.append(a))
+    code, err = run_error(capsys, ["demo", "--tiny", "--output-dir", str(tmp_path / "o"), *option])
+    assert code == 2 and len(err) == 1 and said in err[0]
+    assert built == [] and not (tmp_path / "o").exists()
+
+
+def test_demo_refuses_an_output_folder_holding_other_files_before_building_the_zoo(tmp_path, capsys, monkeypatch):
+    import featcal.demo
+
+    built = []
+    monkeypatch.setattr(featcal.demo, "build_zoo", lambda *a, **k: built.append(a))
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "notes.txt").write_text("mine")
+    code, err = run_error(capsys, ["demo", "--tiny", "--output-dir", str(tmp_path / "o")])
+    assert code == 2 and len(err) == 1 and "notes.txt" in err[0]
+    assert built == [] and (tmp_path / "o" / "notes.txt").read_text() == "mine"

@@ -49,6 +49,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=cmd_demo)
 
 
+def _check_options(args: argparse.Namespace) -> None:
+    """Every option, checked before the zoo is built (minutes): the run's options as the run will check
+    them, the device, Task Arithmetic's κ and the output folder.
+
+    Raises:
+        FeatcalError: naming the option and what it must be.
+    """
+    from featcal.demo import demo_run_spec
+    from featcal.errors import FeatcalError
+    from featcal.inputs import resolve_device
+    from featcal.merging import get_method
+    from featcal.outputs import check_run_output_folder
+
+    if args.zoo_seed < 0:
+        raise FeatcalError(f"--zoo-seed {args.zoo_seed} is invalid: it must be a whole number >= 0.")
+    spec = demo_run_spec(Path(args.output_dir), args.output_dir, device=args.device, progress=False)
+    spec.replace(threads=args.threads)
+    resolve_device(args.device)
+    get_method("task_arithmetic").resolved_params(scaling_factor=args.ta_scaling_factor)
+    check_run_output_folder(Path(args.output_dir))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
@@ -63,6 +85,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         calibrated_stage_name("task_arithmetic"): "TA+FeatCal",
     }
 
+    _check_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = show_progress(args)
