@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, InputError
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +39,28 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def read_text_input(path: Path, what: str) -> str:
+    """The UTF-8 text of an input file the user named (a recipe, a tasks file, a card template).
+
+    Args:
+        path: The file.
+        what: What it is, for messages (``"Recipe"``).
+
+    Raises:
+        InputError: for a missing file, a folder, a file that is not UTF-8 text or cannot be read.
+    """
+    if path.is_dir():
+        raise InputError(path, f"{what} {path} is a folder, not a file.")
+    if not path.is_file():
+        raise InputError(path, f"{what} {path} does not exist.")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(path, f"{what} {path} is not UTF-8 text: save it as UTF-8.") from None
+    except OSError as exc:
+        raise InputError(path, f"{what} {path} cannot be read ({exc.strerror or exc}).") from None
 
 
 def current_umask() -> int:

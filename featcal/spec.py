@@ -439,11 +439,12 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     """
     import yaml
 
+    from featcal.io import read_text_input
+
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise InputError(path, f"Recipe {path} does not exist.")
+    text = read_text_input(path, "Recipe")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise InputError(path, f"Recipe {path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(data, Mapping):

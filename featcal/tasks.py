@@ -19,6 +19,7 @@ import yaml
 
 from featcal.errors import FeatcalError, UnknownNameError
 from featcal.hub import local_path
+from featcal.io import read_text_input
 
 BUILTIN_TABLE = "ta8_tasks.json"
 # The keys a metrics report keeps beside its tasks (featcal.runfolder.REPORT_KEYS).
@@ -181,15 +182,12 @@ def parse_task_table(data: Any, *, root: Path | None = None, source: str = "task
 def load_task_file(path: str | Path) -> TaskTable:
     """Read and validate a JSON or YAML tasks file; relative local paths resolve against its folder."""
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise FeatcalError(f"Tasks file {path} does not exist.")
-    text = path.read_text(encoding="utf-8")
+    text = read_text_input(path, "Tasks file")
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise FeatcalError(
-            f"Tasks file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}"
-        ) from None
+        kind, reason = "JSON" if path.suffix == ".json" else "YAML", " ".join(str(exc).split())
+        raise FeatcalError(f"Tasks file {path} is not valid {kind}: {reason}") from None
     return parse_task_table(data, root=path.parent.resolve(), source=str(path))
 
 

@@ -285,3 +285,19 @@ def test_demo_refuses_an_output_folder_holding_other_files_before_building_the_z
     code, err = run_error(capsys, ["demo", "--tiny", "--output-dir", str(tmp_path / "o")])
     assert code == 2 and len(err) == 1 and "notes.txt" in err[0]
     assert built == [] and (tmp_path / "o" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("option", ["--recipe", "--tasks-file"])
+@pytest.mark.parametrize("damage", ["latin-1", "folder", "yaml"])
+def test_a_recipe_or_tasks_file_that_cannot_be_read_is_one_line(tmp_path, capsys, option, damage):
+    path = tmp_path / "input.yaml"
+    if damage == "folder":
+        path.mkdir()
+    elif damage == "latin-1":
+        path.write_bytes("tasks: {caf\xe9: 1}\n".encode("latin-1"))
+    else:
+        path.write_text("tasks:\n  a: [1, 2\n  b: 3\n")
+    code, err = run_error(capsys, ["run", option, str(path), "--output-dir", str(tmp_path / "o")])
+    said = {"latin-1": "is not UTF-8 text", "folder": "is a folder, not a file", "yaml": "is not valid YAML"}[damage]
+    assert code == 2 and len(err) == 1 and said in err[0] and str(path) in err[0]
+    assert not (tmp_path / "o").exists()

@@ -21,7 +21,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from featcal import __version__
 from featcal.errors import FeatcalError, ReleaseError
 from featcal.hub import check_repo_id, is_hub_id
-from featcal.io import atomic_write_text
+from featcal.io import atomic_write_text, read_text_input
 from featcal.release import DEFAULT_LICENSE
 from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
 from featcal.release.plot import PLOT_FILE, save_results_plot
@@ -149,10 +149,7 @@ def _environment(template: str | Path | None) -> tuple[jinja2.Environment, str]:
     if template is None:
         source = resources.files("featcal.resources").joinpath(TEMPLATE).read_text(encoding="utf-8")
     else:
-        path = Path(template).expanduser()
-        if not path.is_file():
-            raise FeatcalError(f"Model card template {path} does not exist.")
-        source = path.read_text(encoding="utf-8")
+        source = read_text_input(Path(template).expanduser(), "Model card template")
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     env.filters.update(
         pct=_pct,
