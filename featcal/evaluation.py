@@ -164,11 +164,17 @@ class ZeroShotClassifier:
 
     @torch.no_grad()
     def text_embeddings(self, texts: Sequence[str]) -> torch.Tensor:
-        """L2-normalised projected text embeddings."""
+        """L2-normalised projected text embeddings; a prompt longer than the text tower's positions is cut
+        to them (a tokenizer saved without ``model_max_length`` would not cut it)."""
         out = []
+        positions = self.clip.config.text_config.max_position_embeddings
         for start in range(0, len(texts), self.text_batch_size):
             batch = self.tokenizer(
-                list(texts[start : start + self.text_batch_size]), padding=True, truncation=True, return_tensors="pt"
+                list(texts[start : start + self.text_batch_size]),
+                padding=True,
+                truncation=True,
+                max_length=positions,
+                return_tensors="pt",
             ).to(self.device)
             pooled = self.clip.text_model(
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]

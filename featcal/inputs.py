@@ -72,7 +72,12 @@ def expert_ref(task: Task, pattern: str | None, table_pattern: str | None) -> st
     if pattern is not None:
         if "{task}" not in pattern:
             raise InvalidParameterError("expert_model_format", pattern, "a pattern containing '{task}'")
-        return pattern.format(task=task.name)
+        try:
+            return pattern.format(task=task.name)
+        except (KeyError, IndexError, ValueError):
+            raise InvalidParameterError(
+                "expert_model_format", pattern, "a pattern whose only field is '{task}' (write '{{' for a brace)"
+            ) from None
     if task.expert:
         return task.expert
     if table_pattern:
@@ -157,9 +162,19 @@ def validate_datasets(
 
 def check_labels(task: Task, dataset, split: str) -> None:
     """Raise naming the task, split and label when a label lies outside ``[0, number of class names)``."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
-    bounds = pc.min_max(dataset.data.column(task.dataset.label_column)).as_py()
+    column = dataset.data.column(task.dataset.label_column)
+    if not pa.types.is_integer(column.type):
+        raise DatasetInputError(
+            task.name,
+            task.dataset.path,
+            f"Task {task.name!r}: the {split} split of {task.dataset.path} has labels of type {column.type} in "
+            f"column {task.dataset.label_column!r}; class indices must be integers: fix 'label_column' in the "
+            "tasks file or the dataset.",
+        )
+    bounds = pc.min_max(column).as_py()
     low, high = int(bounds["min"]), int(bounds["max"])
     if low < 0 or high >= len(task.classnames):
         bad = low if low < 0 else high

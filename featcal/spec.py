@@ -44,6 +44,7 @@ class Option:
         metavar: The placeholder shown in ``--help``.
         ge: The smallest allowed value (numbers).
         gt: The value the number must exceed.
+        le: The largest allowed value (numbers).
         symbol: The symbol used in the paper and the model card (``λ``).
         card: The meaning shown in the model card's recipe table.
         nargs: ``"+"`` for a list given as several words (``--tasks a b``).
@@ -56,6 +57,7 @@ class Option:
     metavar: str | None = None
     ge: float | None = None
     gt: float | None = None
+    le: float | None = None
     symbol: str = ""
     card: str = ""
     nargs: str | None = None
@@ -67,7 +69,8 @@ class Option:
         if self.choices:
             return "one of " + ", ".join(self.choices)
         bound = f" >= {self.ge:g}" if self.ge is not None else f" > {self.gt:g}" if self.gt is not None else ""
-        return f"{kind}{bound}"
+        upper = f" and <= {int(self.le) if float(self.le).is_integer() else self.le}" if self.le is not None else ""
+        return f"{kind}{bound}{upper}"
 
 
 def option(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, **meta: Any) -> Any:
@@ -196,6 +199,8 @@ def convert_value(f: dataclasses.Field, annotation: Any, value: Any, *, owner: s
     if opt and opt.choices and converted not in opt.choices:
         raise InvalidParameterError(name, value, expected, owner=owner)
     if opt and ((opt.ge is not None and converted < opt.ge) or (opt.gt is not None and converted <= opt.gt)):
+        raise InvalidParameterError(name, value, expected, owner=owner)
+    if opt and opt.le is not None and converted is not None and converted > opt.le:
         raise InvalidParameterError(name, value, expected, owner=owner)
     return converted
 
@@ -348,7 +353,7 @@ class RunSpec:
         None, help="torch CPU threads (default: 1 for vision towers narrower than 256, else one per core)",
         group=RUNTIME, metavar="N", ge=1,
     )  # fmt: skip
-    seed: int = option(42, help="seed of the calibration shuffle", group=RUNTIME, ge=0)
+    seed: int = option(42, help="seed of the calibration shuffle", group=RUNTIME, ge=0, le=2**32 - 1)
     dist_timeout: float = option(
         1800.0, help="under torchrun: seconds a process waits for the others in a collective before failing",
         group=RUNTIME, metavar="S", gt=0,

@@ -65,6 +65,10 @@ class Task:
         return data
 
 
+# The top-level keys of a tasks file (``about`` and ``source`` are notes for readers).
+TABLE_KEYS = frozenset({"tasks", "base_model", "expert_model_pattern", "reference_average", "about", "source"})
+
+
 @dataclass(frozen=True)
 class TaskTable:
     """A set of tasks plus the defaults that go with them (base model, expert id pattern)."""
@@ -126,10 +130,19 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     bad = set(dataset) - allowed
     if bad:
         raise FeatcalError(f"{where}: unknown dataset field(s) {sorted(bad)}; allowed: {sorted(allowed)}.")
+    not_text = sorted(k for k, v in dataset.items() if not isinstance(v, str) and not (k == "name" and v is None))
+    if not_text:
+        raise FeatcalError(f"{where}: dataset field(s) {not_text} must be text.")
     spec = DatasetSpec(**{**dataset, "path": _resolve_ref(dataset["path"], root)})
     classnames = entry.get("classnames")
     if not isinstance(classnames, list) or len(classnames) < 2 or not all(isinstance(c, str) for c in classnames):
         raise FeatcalError(f"{where}: 'classnames' must be a list of at least two strings.")
+    repeated = sorted({c for c in classnames if classnames.count(c) > 1})
+    if repeated:
+        raise FeatcalError(
+            f"{where}: 'classnames' names {', '.join(map(repr, repeated[:3]))} more than once; each class needs a "
+            "name of its own (zero-shot heads of equal prompts cannot tell the classes apart)."
+        )
     templates = entry.get("templates")
     if not isinstance(templates, list) or not templates or not all(isinstance(t, str) for t in templates):
         raise FeatcalError(f"{where}: 'templates' must be a non-empty list of strings.")
@@ -163,6 +176,15 @@ def parse_task_table(data: Any, *, root: Path | None = None, source: str = "task
     entries = data["tasks"] if "tasks" in data else data
     if not isinstance(entries, Mapping) or not entries:
         raise FeatcalError(f"{source}: 'tasks' must be a non-empty mapping of task names to entries.")
+    if "tasks" in data:
+        unknown = sorted(set(map(str, data)) - TABLE_KEYS)
+        if unknown:
+            raise FeatcalError(f"{source}: unknown top-level key(s) {unknown}; known: {sorted(TABLE_KEYS)}.")
+        for key in ("base_model", "expert_model_pattern"):
+            if data.get(key) is not None and not isinstance(data[key], str):
+                raise FeatcalError(f"{source}: '{key}' must be text (a model id or folder, or a pattern).")
+        if not isinstance(data.get("reference_average") or {}, Mapping):
+            raise FeatcalError(f"{source}: 'reference_average' must map method names to accuracies.")
     reserved = sorted(str(name) for name in entries if str(name) in RESERVED_TASK_NAMES)
     if reserved:
         raise FeatcalError(

@@ -301,3 +301,43 @@ def test_a_recipe_or_tasks_file_that_cannot_be_read_is_one_line(tmp_path, capsys
     said = {"latin-1": "is not UTF-8 text", "folder": "is a folder, not a file", "yaml": "is not valid YAML"}[damage]
     assert code == 2 and len(err) == 1 and said in err[0] and str(path) in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_float_labels_are_refused(world, tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = copy_world(world, tmp_path)
+    task = world["tasks"][0]
+    table = json.loads((root / "tasks.json").read_text())
+    data = Path(table["tasks"][task]["dataset"]["path"])
+    data = data if data.is_absolute() else root / data
+    for path in sorted((data / "data").glob("*.parquet")):
+        part = pq.read_table(path)
+        labels = part.column("label").cast(pa.float64())
+        pq.write_table(part.set_column(part.schema.get_field_index("label"), "label", labels), path)
+    code, err = run_error(capsys, ["evaluate", "--tasks-file", str(root / "tasks.json"), *CPU])
+    assert code == 2 and len(err) == 1 and "class indices must be integers" in err[0] and "double" in err[0]
+
+
+@pytest.mark.parametrize("pattern", ["{task}{x}", "{task}{0}", "{task}}"])
+def test_an_expert_pattern_with_other_fields_is_one_line(world, tmp_path, capsys, pattern):
+    argv = ["merge", "--tasks-file", str(world["tasks_file"]), "--expert-model-format", str(tmp_path / pattern)]
+    code, err = run_error(capsys, [*argv, "--output", str(tmp_path / "m"), *CPU])
+    assert code == 2 and len(err) == 1 and "--expert-model-format" in err[0] and "only field is '{task}'" in err[0]
+
+
+def test_a_seed_too_large_for_the_generators_is_refused(tmp_path, capsys):
+    code, err = run_error(capsys, ["run", "--seed", "99999999999999999999", "--output-dir", str(tmp_path / "o")])
+    assert code == 2 and len(err) == 1 and "<= 4294967295" in err[0]
+
+
+def test_a_prompt_longer_than_the_text_tower_is_cut_to_its_positions(world):
+    from featcal.evaluation import ZeroShotClassifier, load_base_clip
+
+    clip, tokenizer, _ = load_base_clip(world["base"])
+    positions = clip.config.text_config.max_position_embeddings
+    classifier = ZeroShotClassifier(clip, tokenizer)
+    long = "a photo of " + "a very " * (4 * positions) + "{}"
+    emb = classifier.text_embeddings([long.format("cat"), long.format("dog")])
+    assert emb.shape[0] == 2 and bool(emb.isfinite().all())

@@ -46,6 +46,8 @@ def test_yaml_file_adds_tasks_and_resolves_local_paths(tmp_path):
             {"dataset": {"path": "x", "img_col": "i"}, "classnames": ["a", "b"], "templates": ["{}"]},
             "unknown dataset field",
         ),
+        ({"dataset": {"path": "x", "name": 5}, "classnames": ["a", "b"], "templates": ["{}"]}, "must be text"),
+        ({"dataset": "x", "classnames": ["cat", "dog", "cat"], "templates": ["{}"]}, "'cat' more than once"),
     ],
 )
 def test_invalid_entries_name_the_task_and_the_problem(tmp_path, entry, message):
@@ -59,3 +61,21 @@ def test_invalid_entries_name_the_task_and_the_problem(tmp_path, entry, message)
 def test_unknown_task_lists_the_known_ones():
     with pytest.raises(FeatcalError, match="Unknown task.*mnist"):
         builtin_tasks().select(["imagenet"])
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"base_model": 5}, "'base_model' must be text"),
+        ({"expert_model_pattern": ["x"]}, "'expert_model_pattern' must be text"),
+        ({"base_modle": "openai/clip-vit-base-patch32"}, "unknown top-level key(s) ['base_modle']"),
+        ({"reference_average": [1]}, "'reference_average' must map"),
+    ],
+)
+def test_invalid_top_level_keys_are_named(tmp_path, table, message):
+    path = tmp_path / "t.json"
+    entry = {"dataset": "x", "classnames": ["a", "b"], "templates": ["{}"]}
+    path.write_text(json.dumps({"tasks": {"ok": entry}, **table}))
+    with pytest.raises(FeatcalError) as info:
+        load_task_file(path)
+    assert message in str(info.value) and str(path) in str(info.value)
