@@ -272,8 +272,14 @@ def check_same_run(out: Path, record: Mapping[str, Any]) -> None:
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
     except ValueError:
-        old = {}
-    differs = [key for key in ("tasks", "base_model_id") if not isinstance(old, dict) or old.get(key) != record[key]]
+        old = None
+    if not isinstance(old, dict):
+        raise RunFolderError(
+            out,
+            f"The run folder's {path} is damaged (not a JSON object), so what the folder holds is unknown: use "
+            "another output folder, or set `force` to replace that run.",
+        )
+    differs = [key for key in ("tasks", "base_model_id") if old.get(key) != record[key]]
     if differs:
         raise RunFolderError(
             out,

@@ -370,8 +370,9 @@ class FeatCalibrator:
                 n for n, pair in solved.items() if not all(torch.isfinite(t).all() for t in pair if t is not None)
             )
             raise FeatcalError(
-                f"FeatCal produced non-finite values for {prefix}{bad}; check the inputs "
-                "(non-finite expert weights or features) or raise lambda_ratio."
+                f"FeatCal produced non-finite values for {prefix}{bad}: check that the inputs are finite and that "
+                "`lambda_ratio`, `anchor_blend_rho` and `teacher_interp_alpha` are of a usable size (the reference "
+                "run's: 0.05, 2.2, 0.25)."
             )
         for name, (weight, bias) in solved.items():
             module = modules[name]

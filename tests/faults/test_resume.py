@@ -151,6 +151,17 @@ def test_another_run_in_the_folder_is_refused_unless_forced(world, tmp_path, cap
     assert json.loads((out / "run_config.json").read_text())["tasks"] == ["task0"]
 
 
+def test_a_run_folder_with_a_damaged_run_config_is_refused_unless_forced(world, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run_config.json").write_text('{"tasks": [')
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is damaged (not a JSON object)" in err[0] and "--force" in err[0]
+    assert (out / "run_config.json").read_text() == '{"tasks": ['
+
+
 @pytest.mark.parametrize("kind", ["file", "foreign folder"])
 def test_an_output_path_that_is_not_a_run_folder_is_refused(world, tmp_path, capsys, kind: str) -> None:
     out = tmp_path / "out"

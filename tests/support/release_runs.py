@@ -125,11 +125,15 @@ def make_run(
     return run, {"model": model, "config": config, "run_id": run_id}
 
 
-def make_ta8_run(root: Path) -> Path:
-    """A TA8 run folder with the published reference numbers as its metrics (metrics only)."""
+def make_ta8_run(root: Path, *, base_model_id: str | None = None) -> Path:
+    """A TA8 run folder with the published reference numbers as its metrics (metrics only); its recipe
+    names ``base_model_id`` as the base when given (a local folder, say), else the Hub id."""
     run = root / "ta8"
     run.mkdir(parents=True)
-    config = with_run_id(ta8_config())
+    recipe = ta8_config()
+    if base_model_id is not None:
+        recipe["base_model_id"] = base_model_id
+    config = with_run_id(recipe)
     (run / "run_config.json").write_text(json.dumps(config))
     run_id = config["run_id"]
     refs = {t: e["reference_accuracy"] for t, e in config["tasks_table"].items()}
