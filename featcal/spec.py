@@ -159,7 +159,7 @@ def _as_params(value: Any) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for item in items:
         key, sep, text = str(item).partition("=")
-        if not sep or not key.strip():
+        if not sep or not key.strip() or not text.strip():
             raise ValueError
         params[key.strip().replace("-", "_")] = yaml.safe_load(text)
     return params

@@ -341,3 +341,30 @@ def test_a_prompt_longer_than_the_text_tower_is_cut_to_its_positions(world):
     long = "a photo of " + "a very " * (4 * positions) + "{}"
     emb = classifier.text_embeddings([long.format("cat"), long.format("dog")])
     assert emb.shape[0] == 2 and bool(emb.isfinite().all())
+
+
+def test_space_checks_its_address_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    import socket
+
+    import featcal.space
+
+    loaded = []
+    monkeypatch.setattr(featcal.space, "create_space", lambda *a, **k: loaded.append(a))
+    code, err = run_error(capsys, ["space", "--model", str(tmp_path), "--port", "70000"])
+    assert code == 2 and len(err) == 1 and "--port 70000 is invalid" in err[0]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = run_error(capsys, ["space", "--model", str(tmp_path), "--port", str(port)])
+    assert code == 2 and len(err) == 1 and f"--port {port}" in err[0] and "choose a free port" in err[0]
+    code, err = run_error(capsys, ["space", "--model", str(tmp_path), "--host", "999.1.1.1"])
+    assert code == 2 and len(err) == 1 and "--host 999.1.1.1" in err[0]
+    assert loaded == []
+
+
+def test_an_empty_merge_parameter_value_is_refused(world, tmp_path, capsys):
+    argv = ["merge", "--tasks-file", str(world["tasks_file"]), "--merge-param", "scaling_factor="]
+    code, err = run_error(capsys, [*argv, "--output", str(tmp_path / "m"), *CPU])
+    assert code == 2 and len(err) == 1 and "--merge-param" in err[0]
+    assert not (tmp_path / "m").exists()

@@ -14,9 +14,33 @@ from featcal.suites import SUITE_NAMES
 SUITE_HELP = "built-in suite whose tasks to offer (default: the model's run_config.json's, else ta8)"
 
 
+def _check_address(host: str, port: int | None) -> None:
+    """Refuse a port outside 1–65535, a host that is not an address of this machine, or a port in use,
+    before the model loads.
+
+    Raises:
+        FeatcalError: naming the option and the fix.
+    """
+    import socket
+
+    from featcal.errors import FeatcalError
+
+    if port is not None and not 1 <= port <= 65535:
+        raise FeatcalError(f"--port {port} is invalid: it must be a port number from 1 to 65535.")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port or 0))
+        except (OSError, OverflowError) as exc:
+            what = f"--host {host}" + (f" --port {port}" if port else "")
+            raise FeatcalError(
+                f"Cannot serve on {what} ({exc.strerror or exc}): choose a free port, or an address of this machine."
+            ) from None
+
+
 def cmd_space(args: argparse.Namespace) -> int:
     from featcal.space import SpaceSettings, create_space
 
+    _check_address(args.host, args.port)
     settings = SpaceSettings(
         model_id=args.model,
         base_model_id=args.base_model_id,
