@@ -365,11 +365,15 @@ def test_no_whole_model_is_held_during_a_run_s_calibration(run_dir, world, tmp_p
 
 
 def test_a_resumed_run_refuses_a_damaged_merged_folder_before_calibrating_from_it(run_dir, world, tmp_path, capsys):
-    """The merge is up to date but its folder was damaged since: the calibration, which reads that folder
-    layer by layer, is refused in one line naming file and tensor, before any calibrated folder is
-    written (the stale one of the earlier λ is gone), with no temporary folder left."""
+    """The merge is up to date by its ledger entry, which records no weights to compare (a ledger that
+    does records them, and redoes the merge: tests/faults/test_resume.py), but its folder was damaged
+    since: the calibration, which reads that folder layer by layer, is refused in one line naming file
+    and tensor, before any calibrated folder is written (the stale one of the earlier λ is gone), with
+    no temporary folder left."""
     out = tmp_path / "run"
     shutil.copytree(run_dir, out)
+    ledger = json.loads((out / "stages.json").read_text())
+    (out / "stages.json").write_text(json.dumps({k: {**v, "weights": None} for k, v in ledger.items()}))
     merged_file = out / "ta" / "model.safetensors"
     tensors = load_file(str(merged_file))
     tensors["encoder.layers.1.mlp.fc1.weight"][0, 0] = float("nan")
