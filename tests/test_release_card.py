@@ -115,6 +115,8 @@ def test_local_refs_stay_out_of_hub_metadata(tmp_path):
 def test_bad_repo_id_and_templates_give_featcal_errors(ta8, tmp_path):
     with pytest.raises(FeatcalError, match="not a valid Hub repository id"):
         render_card(ta8, repo_id="no//good")
+    with pytest.raises(FeatcalError, match="it needs a namespace"):  # push would refuse it: so does the card
+        render_card(ta8, repo_id="tiny-featcal")
     with pytest.raises(FeatcalError, match="does not exist"):
         render_card(ta8, template=tmp_path / "missing.j2")
     broken = tmp_path / "broken.md.j2"

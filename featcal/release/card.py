@@ -284,7 +284,7 @@ def render_card(
     for a sweep (``featcal sweep``): its table, and ``sweep_plot``.
     """
     if repo_id is not None:
-        check_repo_id(repo_id)
+        check_repo_id(repo_id, namespace=True)
     env, source = _environment(template)
     try:
         context = _context(

@@ -152,7 +152,7 @@ def export_release(
     """
     run = read_run(run_dir)
     if repo_id is not None:
-        check_repo_id(repo_id)
+        check_repo_id(repo_id, namespace=True)
     out = Path(out_dir).expanduser() if out_dir is not None else run.path / RELEASE_DIR
     _check_replaceable(out)
     with atomic_folder(out) as tmp:
