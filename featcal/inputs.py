@@ -166,13 +166,13 @@ def check_labels(task: Task, dataset, split: str) -> None:
     import pyarrow.compute as pc
 
     column = dataset.data.column(task.dataset.label_column)
-    if not pa.types.is_integer(column.type):
+    if not (pa.types.is_integer(column.type) or pa.types.is_boolean(column.type)):  # PatchCamelyon's are bool
         raise DatasetInputError(
             task.name,
             task.dataset.path,
             f"Task {task.name!r}: the {split} split of {task.dataset.path} has labels of type {column.type} in "
-            f"column {task.dataset.label_column!r}; class indices must be integers: fix 'label_column' in the "
-            "tasks file or the dataset.",
+            f"column {task.dataset.label_column!r}; class indices must be integers (or booleans): fix "
+            "'label_column' in the tasks file or the dataset.",
         )
     bounds = pc.min_max(column).as_py()
     low, high = int(bounds["min"]), int(bounds["max"])
