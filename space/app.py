@@ -5,6 +5,8 @@ variables MODEL_ID, BASE_MODEL_ID and TASKS_FILE. Run it locally with `featcal s
 """
 
 import logging
+import signal
+import sys
 from pathlib import Path
 
 from featcal.space import SpaceSettings, create_space
@@ -15,6 +17,9 @@ space = create_space(settings)
 demo = space.demo  # for `gradio app.py` (reload mode)
 
 if __name__ == "__main__":
+    # A stop request (SIGTERM) ends the launch like Ctrl-C, so that close() removes the temporary folder of
+    # example images gathered from the test splits.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # Address and port come from GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (set by Hugging Face Spaces).
     try:
         space.launch()

@@ -8,6 +8,7 @@ what it receives. It is not the Hub: it checks the client's requests, not the Hu
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -100,11 +101,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_app_starts_from_a_copy_of_the_pushed_files(staged, tmp_path):
-    copy = tmp_path / "space"
-    for f in staged.files:
-        (copy / f.path_in_repo).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(staged.folder / f.path_in_repo, copy / f.path_in_repo)
+@contextlib.contextmanager
+def _served_app(copy: Path, tmp_path: Path, **variables: str):
+    """``python app.py`` in ``copy`` on a free port, its temporary files in ``tmp_path/tmp``; a client to it.
+    Stopped with SIGTERM on the way out, as a Space restart or ``docker stop`` stops it."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "PYTHONDONTWRITEBYTECODE"}}
     # The Hub ids of space_config.json are swapped for the fixture's folders through the Space variables.
@@ -116,7 +116,10 @@ def test_the_app_starts_from_a_copy_of_the_pushed_files(staged, tmp_path):
         "GRADIO_SERVER_PORT": str(port),
         "GRADIO_ANALYTICS_ENABLED": "False",
         "FEATCAL_CACHE": str(tmp_path / "cache"),
+        "TMPDIR": str(tmp_path / "tmp"),
+        **variables,
     }
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     log = (tmp_path / "app.log").open("w")
     app = subprocess.Popen([sys.executable, "app.py"], cwd=copy, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -129,14 +132,29 @@ def test_the_app_starts_from_a_copy_of_the_pushed_files(staged, tmp_path):
                 if app.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"the app did not start:\n{(tmp_path / 'app.log').read_text()[-3000:]}")
                 time.sleep(0.5)
-        reply = client.predict(
-            gradio_client.handle_file(str(copy / "examples" / "t2.png")), "all", 5, False, api_name="/predict"
-        )
+        yield client
     finally:
         app.terminate()
         app.wait(timeout=20)
         log.close()
+
+
+def _copy_staged(staged, copy: Path) -> None:
+    for f in staged.files:
+        (copy / f.path_in_repo).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(staged.folder / f.path_in_repo, copy / f.path_in_repo)
+
+
+def test_the_app_starts_from_a_copy_of_the_pushed_files(staged, tmp_path):
+    copy = tmp_path / "space"
+    _copy_staged(staged, copy)
+    with _served_app(copy, tmp_path) as client:
+        reply = client.predict(
+            gradio_client.handle_file(str(copy / "examples" / "t2.png")), "all", 5, False, api_name="/predict"
+        )
     assert reply["error"] is None and list(reply["results"]) == ["t0", "t1", "t2"]
+    # every example shipped: the app made no temporary example folder, so a stop leaves none behind
+    assert not list((tmp_path / "tmp").glob("featcal-space-examples-*"))
     settings = SpaceSettings(
         model_id=str(MODEL),
         base_model_id=str(FIXTURE / "base"),
@@ -150,6 +168,18 @@ def test_the_app_starts_from_a_copy_of_the_pushed_files(staged, tmp_path):
     assert reply["results"]["t2"]["model"] == pytest.approx(expected["t2"], abs=2e-6)
     # It ran the featcal shipped in the Space (Python left bytecode there), not the installed one.
     assert list((copy / "featcal" / "space" / "__pycache__").glob("ui.*.pyc"))
+
+
+def test_a_stopped_app_removes_the_examples_it_gathered(staged, tmp_path):
+    """Without shipped examples the app takes one image per task from the (here local) test splits into
+    a temporary folder; SIGTERM ends it through its clean-up, which removes that folder."""
+    copy = tmp_path / "space"
+    _copy_staged(staged, copy)
+    shutil.rmtree(copy / "examples")
+    with _served_app(copy, tmp_path, TASKS_FILE=str(FIXTURE / "tasks.json")):
+        gathered = list((tmp_path / "tmp").glob("featcal-space-examples-*"))
+        assert len(gathered) == 1 and sorted(p.name for p in gathered[0].iterdir()) == ["t0.png", "t1.png", "t2.png"]
+    assert not gathered[0].exists()
 
 
 class HubDouble(BaseHTTPRequestHandler):

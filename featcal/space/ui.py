@@ -173,6 +173,9 @@ def create_space(settings: SpaceSettings, *, progress: bool = True) -> Space:
     cache = Path(tempfile.mkdtemp(prefix="featcal-space-examples-"))
     try:
         examples = collect_examples(list(model.tasks.values()), cache, shipped=shipped, progress=progress)
+        if not any(cache.iterdir()):  # every example shipped: no temporary folder to keep and remove
+            cache.rmdir()
+            return Space(build_demo(model, examples), model, [shipped])
         return Space(build_demo(model, examples), model, [shipped, cache], scratch=cache)
     except BaseException:
         shutil.rmtree(cache, ignore_errors=True)
