@@ -124,6 +124,19 @@ class ReleaseError(InputError):
     """A release folder that is incomplete or differs from what export wrote."""
 
 
+class OutputPathError(FeatcalError):
+    """An output path that cannot be written, or whose writing would destroy something else.
+
+    Args:
+        path: The output path as the user gave it.
+        message: One line naming the path and the fix.
+    """
+
+    def __init__(self, path: str | Path, message: str) -> None:
+        self.path = str(path)
+        super().__init__(message)
+
+
 class HubError(FeatcalError):
     """The Hub refused a request, or could not be reached; nothing was published.
 

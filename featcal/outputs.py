@@ -13,26 +13,13 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from featcal.errors import FeatcalError, InvalidParameterError
+from featcal.errors import InvalidParameterError, OutputPathError
 
 # What `featcal merge` / `featcal calibrate` write, and what a folder may hold to be replaced by them.
 MODEL_FOLDER_FILES = re.compile(
     r"(config\.json|metrics\.json|model\.safetensors|model\.safetensors\.index\.json"
     r"|model-\d+-of-\d+\.safetensors|generation_config\.json)"
 )
-
-
-class OutputPathError(FeatcalError):
-    """An output path that cannot be written, or whose writing would destroy something else.
-
-    Args:
-        path: The output path as the user gave it.
-        message: One line naming the path and the fix.
-    """
-
-    def __init__(self, path: str | Path, message: str) -> None:
-        self.path = str(path)
-        super().__init__(message)
 
 
 def _writable_parent(path: Path, shown: str | Path) -> None:

@@ -25,7 +25,7 @@ from featcal.calibration.streaming import featcal_calibrate_folder
 from featcal.data import TestImages, calibration_pixels
 from featcal.diagnostics.report import CALIBRATED, MERGED
 from featcal.distributed import SINGLE, World
-from featcal.errors import DatasetInputError, FeatcalError
+from featcal.errors import DatasetInputError, FeatcalError, InvalidParameterError
 from featcal.evaluation import IMAGE_PROCESSOR, ZeroShotClassifier, default_eval_batch_size, load_base_clip
 from featcal.fingerprints import digest, folder_fingerprint
 from featcal.inputs import (
@@ -273,6 +273,12 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
     out = Path(spec.output_dir)
     with world.main_first("checking the inputs"):
         check_run_output_folder(out)
+        merged_from = Path(spec.ta_model_path).resolve() if spec.skip_ta else None
+        if merged_from is not None and out.resolve() in (merged_from, *merged_from.parents):
+            raise InvalidParameterError(
+                "ta_model_path", spec.ta_model_path, "a folder outside the output folder, whose stage folders the run "
+                "replaces (run without skip_ta to reuse the run's own merge, or copy the folder elsewhere)",
+            )  # fmt: skip
         torch.manual_seed(spec.seed)
         need_experts = not (spec.skip_ta and spec.skip_featcal and not spec.eval_experts)
         inputs = resolve_inputs(spec, need_experts=need_experts)
@@ -556,8 +562,13 @@ class _Run:
 
     def _clear_unrecorded(self) -> None:
         """Stage folders of an earlier run that recorded no ledger (or was forced): all redone."""
-        old = read_json(self.out / RUN_CONFIG)
-        methods = {self.spec.merge_method, (old.get("merge") or {}).get("method", self.spec.merge_method)}
+        try:
+            old = read_json(self.out / RUN_CONFIG)
+        except ValueError:  # damaged: replaced under --force like any other run
+            old = {}
+        old = old if isinstance(old, dict) else {}
+        merge = old.get("merge") if isinstance(old.get("merge"), dict) else {}
+        methods = {self.spec.merge_method, merge.get("method", self.spec.merge_method)}
         names = {ZERO_SHOT_DIR, EXPERTS_DIR, RELEASE_DIR}
         names |= {merged_stage_name(m) for m in methods} | {calibrated_stage_name(m) for m in methods}
         for name in sorted(names):
@@ -600,7 +611,8 @@ class _Run:
 
     def _export_identity(self) -> str:
         return digest("export", __version__, self.run_id, sorted(
-            (name, entry.get("identity")) for name, entry in self.ledger.done.items() if name != "export"
+            (name, entry.get("identity"), entry.get("weights"))
+            for name, entry in self.ledger.done.items() if name != "export"
         ))  # fmt: skip
 
     def _export(self) -> bool:

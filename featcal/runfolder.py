@@ -505,8 +505,9 @@ class StageLedger:
     Kept in ``<run>/stages.json`` as ``{stage: {"identity": …, "outputs": [relative paths], "weights":
     {relative path: [size, sha256]}}}``. A stage whose recorded identity equals the one a new run
     computes, and whose weight files (``*.safetensors`` among its outputs) are still those it wrote, is
-    skipped; a stage whose identity changed, whose weights were damaged or removed since, or that the
-    new run cannot produce, has its outputs removed and is redone.
+    skipped (an entry without ``weights`` is judged by its identity alone); a stage whose identity
+    changed, whose weights were damaged or removed since, or that the new run cannot produce, has its
+    outputs removed and is redone.
     With ``writes`` False (the processes of a torchrun run other than rank 0) it is kept in memory
     only: the same decisions, no file touched.
     """
@@ -514,7 +515,7 @@ class StageLedger:
     run: Path
     done: dict[str, dict[str, Any]] = field(default_factory=dict)
     writes: bool = True
-    _hashes: dict[tuple, str] = field(default_factory=dict, repr=False)
+    _hashes: dict[tuple, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def read(cls, run: Path, *, writes: bool = True) -> StageLedger:
@@ -537,7 +538,9 @@ class StageLedger:
     def mark(self, stage: str, identity: str, outputs: list[str]) -> None:
         """Record ``stage`` as finished from inputs ``identity``, having written ``outputs``."""
         self.done[stage] = {"identity": identity, "outputs": outputs}
-        weights = self._weights(outputs)
+        # A process that does not write (torchrun ranks but 0) never reads this entry back in this run;
+        # hashing there could race rank 0's rename of the folder into place.
+        weights = self._weights(outputs) if self.writes else {}
         if weights:
             self.done[stage]["weights"] = weights
         self._write()

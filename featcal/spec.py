@@ -279,8 +279,8 @@ class RunSpec:
     command-line values with :func:`build_spec`.
 
     Raises:
-        InvalidParameterError: when a value has the wrong type or lies outside its range, or when
-            ``skip_ta`` is set without ``ta_model_path``.
+        InvalidParameterError: when a value has the wrong type or lies outside its range, when
+            ``skip_ta`` and ``ta_model_path`` are not given together, or when a task is named twice.
     """
 
     output_dir: str | None = option(

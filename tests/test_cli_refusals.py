@@ -10,9 +10,9 @@ import pytest
 
 from featcal.cli import main
 from featcal.cli.errors import hide_secrets
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, OutputPathError
 from featcal.io import replace_dir
-from featcal.outputs import OutputPathError, check_output_file, check_output_folder
+from featcal.outputs import check_output_file, check_output_folder
 
 CPU = ["--device", "cpu"]
 
@@ -53,8 +53,19 @@ def test_merge_into_the_base_folder_is_refused(world, tmp_path, capsys):
     code, err = run_error(
         capsys, ["merge", "--tasks-file", str(root / "tasks.json"), "--output", str(root / "base"), *CPU]
     )
-    assert code == 2 and len(err) == 1 and "would replace the input" in err[0]
+    # refused before the inputs are resolved (and downloaded): the base holds files no merged model has
+    assert code == 2 and len(err) == 1 and "tokenizer" in err[0] and "choose another output folder" in err[0]
     assert tree(root / "base") == before
+
+
+def test_merge_into_an_expert_folder_is_refused(world, tmp_path, capsys):
+    """An expert folder holds only what a merged model does: the check against the resolved inputs refuses it."""
+    root = copy_world(world, tmp_path)
+    expert = root / "experts" / world["tasks"][0]
+    before = tree(expert)
+    code, err = run_error(capsys, ["merge", "--tasks-file", str(root / "tasks.json"), "--output", str(expert), *CPU])
+    assert code == 2 and len(err) == 1 and "would replace the input" in err[0]
+    assert tree(expert) == before
 
 
 def test_calibrate_onto_its_own_merged_folder_is_refused(world, tmp_path, capsys):
@@ -124,6 +135,12 @@ def test_evaluate_does_not_overwrite_a_run_s_metrics(world, tmp_path, capsys):
     assert main(["-q", *argv, "--eval-num-workers", "0", "--output", str(tmp_path / "m.json")]) == 0
     assert "average" in json.loads((tmp_path / "m.json").read_text())
     assert (run / "featcal-ta" / "metrics.json").read_text() == '{"the": "run s own"}'
+    release = tmp_path / "release"  # a release folder: its metrics.json is what push publishes
+    shutil.copytree(world["root"] / "experts" / world["tasks"][0], release)
+    (release / "release_manifest.json").write_text("{}")
+    code, err = run_error(capsys, ["evaluate", "--model", str(release), "--tasks-file", str(world["tasks_file"]), *CPU])
+    assert code == 2 and len(err) == 1 and "a release's record" in err[0]
+    assert not (release / "metrics.json").exists()
 
 
 def test_sweep_refuses_a_file_where_its_folder_goes(tmp_path, capsys):
@@ -149,6 +166,17 @@ def test_a_damaged_expert_file_is_one_line(world, tmp_path, capsys, damage):
     assert code == 2 and len(err) == 1
     assert str(path) in err[0] and "not a readable safetensors file" in err[0]
     assert not (tmp_path / "m").exists()
+
+
+def test_a_shard_index_naming_a_missing_shard_is_one_line(world, tmp_path, capsys):
+    root = copy_world(world, tmp_path)
+    folder = root / "experts" / world["tasks"][0]
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    names = {"vision_model.a": "model-00001-of-00002.safetensors", "vision_model.b": "model-00002-of-00002.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    argv = ["merge", "--tasks-file", str(root / "tasks.json"), "--output", str(tmp_path / "m"), *CPU]
+    code, err = run_error(capsys, argv)
+    assert code == 2 and len(err) == 1 and "model-00002-of-00002.safetensors" in err[0] and "missing" in err[0]
 
 
 def test_a_shard_index_naming_a_pickle_is_refused_unread(world, tmp_path, capsys):
@@ -219,14 +247,16 @@ def test_calibrate_asks_for_the_flag_before_using_fewer_images(world, tmp_path, 
 
 
 def test_hide_secrets_masks_tokens_bearers_and_url_passwords():
+    token = "hf_" + "aB3" * 11 + "x"  # the shape of a Hub token: hf_ and 34 letters and digits
     message = (
-        "502 from https://user:s3cret@hub.example/api (upstream said: Bearer hf_abcdefghijklmnop; "
-        "token my-own-token-value; hf_ZYXWVUTSRQPONM)"
+        "502 from https://user:s3cret@hub.example/api (upstream said: Bearer abc.def; "
+        f"token my-own-token-value; {token}) for /data/hf_checkpoints/model.safetensors"
     )
     hidden = hide_secrets(message, ["my-own-token-value", None, ""])
-    for secret in ("s3cret", "hf_abcdefghijklmnop", "my-own-token-value", "hf_ZYXWVUTSRQPONM"):
+    for secret in ("s3cret", "abc.def", "my-own-token-value", token):
         assert secret not in hidden
     assert "https://***@hub.example/api" in hidden and "Bearer ***" in hidden
+    assert hidden.endswith("for /data/hf_checkpoints/model.safetensors")  # paths are not tokens
 
 
 def test_an_error_echoing_the_token_does_not_print_it(monkeypatch, capsys):
@@ -368,3 +398,14 @@ def test_an_empty_merge_parameter_value_is_refused(world, tmp_path, capsys):
     code, err = run_error(capsys, [*argv, "--output", str(tmp_path / "m"), *CPU])
     assert code == 2 and len(err) == 1 and "--merge-param" in err[0]
     assert not (tmp_path / "m").exists()
+
+
+def test_skip_ta_from_a_folder_inside_the_run_folder_is_refused(world, tmp_path, capsys):
+    common = ["--tasks-file", str(world["tasks_file"]), *CPU]
+    assert main(["-q", "merge", "--output", str(tmp_path / "run" / "ta"), *common]) == 0
+    (tmp_path / "run" / "run_config.json").write_text("{}")  # a run folder holding the merge to start from
+    before = tree(tmp_path / "run" / "ta")
+    argv = ["run", "--skip-ta", "--ta-model-path", str(tmp_path / "run" / "ta"), "--output-dir", str(tmp_path / "run")]
+    code, err = run_error(capsys, [*argv, *common])
+    assert code == 2 and len(err) == 1 and "--ta-model-path" in err[0] and "outside the output folder" in err[0]
+    assert tree(tmp_path / "run" / "ta") == before

@@ -57,15 +57,17 @@ def _check_options(args: argparse.Namespace) -> None:
         FeatcalError: naming the option and what it must be.
     """
     from featcal.demo import demo_run_spec
-    from featcal.errors import FeatcalError
+    from featcal.errors import InvalidParameterError
     from featcal.inputs import resolve_device
     from featcal.merging import get_method
     from featcal.outputs import check_run_output_folder
 
     if args.zoo_seed < 0:
-        raise FeatcalError(f"--zoo-seed {args.zoo_seed} is invalid: it must be a whole number >= 0.")
-    spec = demo_run_spec(Path(args.output_dir), args.output_dir, device=args.device, progress=False)
-    spec.replace(threads=args.threads)
+        raise InvalidParameterError("zoo_seed", args.zoo_seed, "a whole number >= 0")
+    # Built to be checked, not kept: the zoo's folder does not exist yet, and no field here depends on it.
+    demo_run_spec(Path(args.output_dir), args.output_dir, device=args.device, progress=False).replace(
+        threads=args.threads
+    )
     resolve_device(args.device)
     get_method("task_arithmetic").resolved_params(scaling_factor=args.ta_scaling_factor)
     check_run_output_folder(Path(args.output_dir))

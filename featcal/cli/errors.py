@@ -7,8 +7,10 @@ from collections.abc import Iterable
 
 from featcal.errors import FeatcalError, InvalidParameterError
 
-# Parameters of the publishing API (push_release, push_space) and the flags that set them.
-PUBLISH_FLAGS = {
+# Parameters outside the run options (the publishing API's, push_release and push_space, and the demo's)
+# and the flags that set them.
+NON_RUN_FLAGS = {
+    "zoo_seed": "--zoo-seed",
     "repo_id": "--repo",
     "token": "--token",
     "endpoint": "--endpoint",
@@ -25,7 +27,7 @@ def flag_for(name: str) -> str | None:
     try:
         return flag(name)
     except KeyError:
-        return PUBLISH_FLAGS.get(name)
+        return NON_RUN_FLAGS.get(name)
 
 
 def word_error(exc: FeatcalError) -> str:
@@ -47,7 +49,7 @@ def word_error(exc: FeatcalError) -> str:
 
 # What a message must never show: Hub tokens (``hf_…``), bearer credentials a server echoed back, and
 # the user:password part of a URL.
-_TOKEN_LIKE = re.compile(r"\bhf_[A-Za-z0-9]{8,}")
+_TOKEN_LIKE = re.compile(r"\bhf_[A-Za-z0-9]{30,}")  # a Hub token: hf_ and 34 letters and digits
 _BEARER = re.compile(r"(Bearer\s+)\S+", re.IGNORECASE)
 _URL_CREDENTIALS = re.compile(r"(\w+://)[^/\s@]+@")
 

@@ -64,7 +64,8 @@ def _input_paths(inputs) -> list[Path]:
 def _metrics_output(output: str | None, model: str | None) -> Path | None:
     """Where `featcal evaluate` writes its metrics, checked: ``--output``, else the model folder's
     ``metrics.json``, which is refused where it is a run's or a release's own record."""
-    from featcal.outputs import OutputPathError, check_output_file
+    from featcal.errors import OutputPathError
+    from featcal.outputs import check_output_file
     from featcal.release.manifest import MANIFEST
     from featcal.runfolder import METRICS, RUN_CONFIG
 
@@ -91,16 +92,17 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from featcal.pipeline import merge
 
     spec = spec_from_args(args)
+    output = check_output_folder(args.output, kind="merged model")  # before any download
     with session(spec.device, spec.dist_timeout) as world:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec)
-            check_output_folder(args.output, kind="merged model", inputs=_input_paths(inputs))
+            check_output_folder(output, kind="merged model", inputs=_input_paths(inputs))
         with compute_settings(spec, inputs):
             state = merge(inputs, spec.merge_method, device, world=world)
     if not world.is_main:
         return 0
-    folder = save_vision_model(state, inputs.vision_config, args.output)
+    folder = save_vision_model(state, inputs.vision_config, output)
     print(path_line(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts)", folder))
     return 0
 
@@ -113,11 +115,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from featcal.pipeline import calibrate
 
     spec = spec_from_args(args)
+    output = check_output_folder(args.output, kind="calibrated model", inputs=[args.merged])  # before any download
     with session(spec.device, spec.dist_timeout) as world:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec)
-            check_output_folder(args.output, kind="calibrated model", inputs=[*_input_paths(inputs), args.merged])
+            check_output_folder(output, kind="calibrated model", inputs=[*_input_paths(inputs), args.merged])
             validate_datasets(
                 inputs.tasks,
                 splits=("train",),
@@ -128,12 +131,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             _, _, processor = load_base_clip(inputs.base_folder)
         with compute_settings(spec, inputs):
             calibrate(
-                inputs, args.merged, args.output if world.is_main else None, spec.featcal, seed=spec.seed,
+                inputs, args.merged, output if world.is_main else None, spec.featcal, seed=spec.seed,
                 device=device, processor=processor, progress=spec.progress, world=world, precision=spec.precision,
             )  # fmt: skip
     if not world.is_main:
         return 0
-    print(path_line("Calibrated model", Path(args.output)))
+    print(path_line("Calibrated model", output))
     return 0
 
 
@@ -225,7 +228,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model", default=None, metavar="DIR", help="CLIPVisionModel folder (default: the base model's own tower)"
     )
-    p.add_argument("--output", default=None, metavar="FILE", help="metrics JSON (default DIR/metrics.json)")
+    p.add_argument(
+        "--output",
+        default=None,
+        metavar="FILE",
+        help="metrics JSON (default DIR/metrics.json; needed where DIR is a stage of a run or a release, whose "
+        "metrics.json is their record)",
+    )
     add_spec_options(p, groups=(TASKS, EVALUATION, RUNTIME), exclude=("expert_model_format", "seed"))
     p.set_defaults(func=cmd_evaluate)
 

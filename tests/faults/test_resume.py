@@ -160,6 +160,8 @@ def test_a_run_folder_with_a_damaged_run_config_is_refused_unless_forced(world, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is damaged (not a JSON object)" in err[0] and "--force" in err[0]
     assert (out / "run_config.json").read_text() == '{"tasks": ['
+    assert main([*argv, "--no-export", "--skip-featcal", "--force"]) == 0  # what the message offers works
+    assert json.loads((out / "run_config.json").read_text())["tasks"] == world["tasks"]
 
 
 @pytest.mark.parametrize("kind", ["file", "foreign folder"])
