@@ -147,7 +147,7 @@ def test_refuses_to_replace_a_folder_that_is_not_a_release(exported, tmp_path):
     run, _, _ = exported
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("precious")
-    with pytest.raises(FeatcalError, match="not part of a release"):
+    with pytest.raises(FeatcalError, match="not a release.s"):
         export_release(run, tmp_path / "mine")
     assert (tmp_path / "mine" / "thesis.tex").read_text() == "precious"
 

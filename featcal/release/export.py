@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from featcal import __version__
 from featcal.errors import FeatcalError
 from featcal.hub import check_repo_id, is_hub_id, local_path, resolve_model_folder
 from featcal.io import atomic_folder, atomic_write_json
+from featcal.outputs import check_output_folder
 from featcal.release import DEFAULT_LICENSE
 from featcal.release.card import write_card_files
 from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, write_manifest
@@ -25,6 +27,7 @@ logger = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
 REQUIRED_FILES = ("config.json", WEIGHTS, "preprocessor_config.json", "README.md", METRICS, RUN_CONFIG, MANIFEST)
 RELEASE_FILES = frozenset({*REQUIRED_FILES, PLOT_FILE, DIAGNOSTICS_PLOT, SWEEP_PLOT})
+RELEASE_NAMES = re.compile("|".join(map(re.escape, sorted(RELEASE_FILES))))
 
 
 def load_vision_model(folder: Path, what: str):
@@ -101,19 +104,6 @@ def _write_processor(run: RunFolder, out: Path) -> None:
     processor.save_pretrained(str(out))
 
 
-def _check_replaceable(out: Path) -> None:
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise FeatcalError(f"Release folder {out} exists and is not a folder: choose another output.")
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in RELEASE_FILES)
-    if foreign:
-        raise FeatcalError(
-            f"{out} exists and holds files that are not part of a release ({', '.join(foreign[:5])}): "
-            "choose another output folder, or remove them."
-        )
-
-
 def export_release(
     run_dir: str | Path,
     out_dir: str | Path | None = None,
@@ -148,13 +138,13 @@ def export_release(
     Raises:
         RunFolderError: when the run folder is incomplete, damaged or edited after the run.
         ModelInputError: when the released weights or the base's image processor do not load.
-        FeatcalError: when ``out_dir`` holds files that are not part of a release.
+        OutputPathError: when ``out_dir`` is a file or holds files that are not part of a release.
     """
     run = read_run(run_dir)
     if repo_id is not None:
         check_repo_id(repo_id, namespace=True)
     out = Path(out_dir).expanduser() if out_dir is not None else run.path / RELEASE_DIR
-    _check_replaceable(out)
+    check_output_folder(out, kind="release", allowed=RELEASE_NAMES)
     with atomic_folder(out) as tmp:
         published = published_config(run.config)
         tensors = _write_weights(run, tmp, published)
