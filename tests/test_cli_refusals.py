@@ -409,3 +409,18 @@ def test_skip_ta_from_a_folder_inside_the_run_folder_is_refused(world, tmp_path,
     code, err = run_error(capsys, [*argv, *common])
     assert code == 2 and len(err) == 1 and "--ta-model-path" in err[0] and "outside the output folder" in err[0]
     assert tree(tmp_path / "run" / "ta") == before
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["run", "--lambda-ratio"], "argument --lambda-ratio: expected one argument (`featcal run --help`"),
+        (["methods", "-q"], "unrecognized arguments: -q"),
+        (["space", "push"], "required: --repo (`featcal space push --help`"),
+    ],
+)
+def test_an_argument_error_is_one_line(capsys, argv, said):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("featcal: error: ") and said in err[0]

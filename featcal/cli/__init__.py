@@ -11,6 +11,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Iterator, Sequence
+from typing import NoReturn
 
 from featcal import __version__, progress
 from featcal.allocator import keep_freed_memory_for_reuse
@@ -32,10 +33,18 @@ COMMAND_MODULES = (
 )
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``featcal: error: …``, like featcal's own (exit 2),
+    pointing at ``--help`` instead of printing the usage; its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"featcal: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="featcal",
         description="Merge task experts, calibrate the merge with FeatCal, evaluate it zero-shot and release it.",
     )
