@@ -91,11 +91,20 @@ def load_dataset_split(path: str, split: str, *, name: str | None = None, task: 
                 "or log in with `hf auth login` for a private or gated one."
             )
         raise DatasetInputError(task, path, f"Task {task!r}: {message}") from None
-    except (FileNotFoundError, ConnectionError) as exc:
-        raise DatasetInputError(
-            task, path, f"Task {task!r}: cannot load dataset {path!r}: {exc}. {OFFLINE_HINT}"
-        ) from None
     except Exception as exc:
+        if local is not None:  # nothing of the Hub's to blame or retry: the folder is not a parquet dataset
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DatasetInputError(
+                task,
+                path,
+                f"Task {task!r}: the dataset folder {path} does not load ({reason}): featcal reads a folder in "
+                "the Hub's parquet layout (data/<split>-00000-of-00001.parquet, as `Dataset.to_parquet` writes) "
+                "and never runs a dataset script.",
+            ) from None
+        if isinstance(exc, (FileNotFoundError, ConnectionError)):
+            raise DatasetInputError(
+                task, path, f"Task {task!r}: cannot load dataset {path!r}: {exc}. {OFFLINE_HINT}"
+            ) from None
         message = download_failure(exc, "dataset", path, repo_type="dataset")
         if message is None:
             raise

@@ -424,3 +424,19 @@ def test_an_argument_error_is_one_line(capsys, argv, said):
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("featcal: error: ") and said in err[0]
+
+
+@pytest.mark.parametrize("content", ["empty", "script"])
+def test_a_local_dataset_folder_that_does_not_load_is_one_line(world, tmp_path, capsys, content):
+    root = copy_world(world, tmp_path)
+    table = json.loads((root / "tasks.json").read_text())
+    task = world["tasks"][0]
+    folder = tmp_path / "not-a-dataset"
+    folder.mkdir()
+    if content == "script":
+        (folder / "not-a-dataset.py").write_text("raise SystemExit('a dataset script must never run')\n")
+    table["tasks"][task]["dataset"]["path"] = str(folder)
+    (root / "tasks.json").write_text(json.dumps(table))
+    code, err = run_error(capsys, ["evaluate", "--tasks-file", str(root / "tasks.json"), *CPU])
+    assert code == 2 and len(err) == 1 and f"the dataset folder {folder} does not load" in err[0]
+    assert "Hub" not in err[0].split("does not load")[0] and "never runs a dataset script" in err[0]
