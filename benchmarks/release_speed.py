@@ -14,7 +14,7 @@ in one process:
 5. the same push again (unchanged: no commit).
 
 The kernel's peak RSS is reset before each step (``/proc/self/clear_refs``), so each step's peak is its
-own. Nothing is downloaded.
+own; the resident set at the step's start is recorded beside it. Nothing is downloaded.
 
     .venv/bin/python benchmarks/release_speed.py --workdir /tmp/release_speed \
         --out benchmarks/results/release_speed.json
@@ -25,10 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
+
+from calibration_floor import environment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -78,10 +79,12 @@ def build_run(root: Path) -> Path:
 
 def timed(steps: dict, name: str, call):
     _reset_peak()
+    at_start = _status_gib("VmRSS")  # what the process already holds (the models' build leaves a varying part)
     start = time.perf_counter()
     result = call()
-    steps[name] = {"seconds": round(time.perf_counter() - start, 2), "peak_rss_gib": round(_status_gib("VmHWM"), 3)}
-    print(f"{name:<14} {steps[name]['seconds']:6.2f} s  peak RSS {steps[name]['peak_rss_gib']:.2f} GiB", flush=True)
+    seconds, peak = round(time.perf_counter() - start, 2), _status_gib("VmHWM")
+    steps[name] = {"seconds": seconds, "peak_rss_gib": round(peak, 3), "rss_at_start_gib": round(at_start, 3)}
+    print(f"{name:<14} {seconds:6.2f} s  peak RSS {peak:.2f} GiB (+{peak - at_start:.2f} over its start)", flush=True)
     return result
 
 
@@ -100,7 +103,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.workdir.mkdir(parents=True, exist_ok=False)
     _isolate_from_the_real_hub(args.workdir)
-    load_before = os.getloadavg()
+    before = environment(args.threads)  # machine, versions, threads and the load average now
     run = build_run(args.workdir)
     weights = (run / "featcal-ta" / "model.safetensors").stat().st_size
 
@@ -121,11 +124,8 @@ def main() -> None:
         "weights_bytes": weights,
         "release_files": sorted(p.relative_to(release).as_posix() for p in release.rglob("*") if p.is_file()),
         "commits": commits,
-        "load_average_before": load_before,
+        "environment": before,
         "load_average_after": os.getloadavg(),
-        "threads": args.threads,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
     }
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")

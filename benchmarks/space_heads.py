@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
+
+from calibration_floor import environment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -58,7 +59,7 @@ def main() -> None:
     prompts = [p for t in tasks for c in t.classnames for p in t.prompts(c)]
     lengths = [len(ids) for ids in tokenizer(prompts, truncation=True)["input_ids"]]
 
-    load_before = os.getloadavg()
+    before = environment(args.threads)  # machine, versions, threads and the load average now
     timings = {}
     for start in ("first_start", "next_start"):
         classifier = ZeroShotClassifier(model, tokenizer)
@@ -73,11 +74,8 @@ def main() -> None:
         "byte_tokens_per_prompt": {"mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
         "head_shapes": {name: list(head.shape) for name, head in heads.items()},
         "peak_rss_gib": round(_peak_rss_gib(), 3),
-        "load_average_before": load_before,
+        "environment": before,
         "load_average_after": os.getloadavg(),
-        "threads": args.threads,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
     }
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
