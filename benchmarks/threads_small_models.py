@@ -36,8 +36,9 @@ def _child(tasks_file: str, base: str | None, threads: int) -> None:
     torch.set_num_threads(threads)
     from featcal.calibration import featcal_calibrate
     from featcal.data import calibration_pixels
+    from featcal.devices import resolve_device
     from featcal.evaluation import ZeroShotClassifier, load_base_clip
-    from featcal.inputs import build_vision_model, resolve_device, resolve_inputs
+    from featcal.inputs import build_vision_model, resolve_inputs
     from featcal.pipeline import merge
     from featcal.spec import RunSpec
 

@@ -1,10 +1,5 @@
 """featcal: merge task experts, calibrate the merge with FeatCal, evaluate it and release it."""
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("featcal")
-except PackageNotFoundError:  # running from a source tree that was not installed
-    __version__ = "0.0.0+unknown"
+from featcal.version import __version__
 
 __all__ = ["__version__"]

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from featcal.devices import resolve_device
 from featcal.errors import DistributedError, InvalidParameterError
 
 if TYPE_CHECKING:
@@ -89,8 +90,6 @@ class World:
         """
         if self.device is not None:
             return self.device
-        from featcal.inputs import resolve_device
-
         return resolve_device(name)
 
     # -- shards ----------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from featcal.hub import resolve_model_folder
 from featcal.merging import get_method
 from featcal.runfolder import RUN_CONFIG
 from featcal.spec import RunSpec
-from featcal.tasks import Task, task_table
+from featcal.suites import task_table
+from featcal.tasks import Task
 
 
 @dataclass
@@ -45,26 +46,6 @@ class RunInputs:
         from transformers import CLIPVisionConfig
 
         return CLIPVisionConfig.from_pretrained(str(self.base_folder))
-
-
-def resolve_device(name: str) -> torch.device:
-    """The torch device ``name`` stands for (``auto``: CUDA when torch sees a GPU, else the CPU).
-
-    Raises:
-        InvalidParameterError: for a name that is not a device, or CUDA where torch sees no GPU.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise InvalidParameterError("device", name, "auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidParameterError("device", name, "cpu or auto, since torch sees no GPU")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        count = torch.cuda.device_count()
-        raise InvalidParameterError("device", name, f"cuda:0 to cuda:{count - 1}, since torch sees {count} GPU(s)")
-    return device
 
 
 def expert_ref(task: Task, pattern: str | None, table_pattern: str | None) -> str:

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from featcal import __version__
-from featcal.calibration import FeatCalParams
+from featcal.calibration.params import FeatCalParams
 from featcal.calibration.streaming import featcal_calibrate_folder
 from featcal.data import TestImages, calibration_pixels
 from featcal.diagnostics.report import CALIBRATED, MERGED
@@ -69,6 +68,7 @@ from featcal.spec import RunSpec
 from featcal.suites import DEFAULT_BACKBONE, DEFAULT_SUITE
 from featcal.tasks import Task
 from featcal.threads import choose_threads, torch_threads
+from featcal.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from featcal.spec import PRECISIONS
+PRECISIONS = ("float32", "tf32", "bf16")  # --precision; torch is imported only where one is applied
 
 T = TypeVar("T")
 
@@ -33,6 +34,8 @@ def forward_dtype(precision: str) -> torch.dtype | None:
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    import torch
+
     return torch.bfloat16 if precision == "bf16" else None
 
 
@@ -43,6 +46,8 @@ def without_callers_autocast(method: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs) -> T:
+        import torch
+
         with torch.autocast(device_type=self.device.type, enabled=False):
             return method(self, *args, **kwargs)
 
@@ -58,6 +63,8 @@ def autocast_forwards(device: torch.device, dtype: torch.dtype | None) -> Abstra
     """
     if dtype is None:
         return nullcontext()
+    import torch
+
     # No cast cache: the calibration rewrites weights in place between forwards (each expert's layer,
     # each solved layer), and a cache kept alive by an enclosing autocast would serve stale copies.
     return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)
@@ -73,6 +80,8 @@ def fixed_precision(precision: str) -> Iterator[None]:
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    import torch
+
     tf32 = precision == "tf32"
     matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
     if hasattr(matmul, "fp32_precision") and hasattr(conv, "fp32_precision"):  # torch >= 2.9

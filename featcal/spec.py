@@ -1,261 +1,30 @@
 """The one typed definition of a run: every option's name, type, default, range and help.
 
-Everything else derives from the dataclasses here: the command-line flags and their help
-(:mod:`featcal.cli.options`), the validation and type conversion of YAML recipes
-(:func:`load_recipe`, :func:`build_spec`), the FeatCal section of ``run_config.json``
-(:meth:`FeatCalParams.to_dict`) and the recipe table of the model card (:func:`option_of`).
-
-An option is a dataclass field whose ``metadata["option"]`` is an :class:`Option`. Values given as
-text are converted when the conversion is unambiguous (YAML 1.1 reads ``1e-8`` as a string; a recipe
-may say ``"false"``); anything else raises :class:`~featcal.errors.InvalidParameterError` naming the
-parameter and the value. This module imports neither torch nor transformers, so ``featcal --help``
-stays fast.
+Everything else derives from :class:`RunSpec` (its FeatCal parameters are
+:class:`~featcal.calibration.params.FeatCalParams`, defined beside the calibration): the
+command-line flags and their help (:mod:`featcal.cli.options`), the validation and type conversion
+of YAML recipes (:func:`load_recipe`, :func:`build_spec`), the run record and the recipe table of the
+model card. Options, their conversion and their error wording are :mod:`featcal.options`'. This
+module imports neither torch nor transformers, so ``featcal --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import types
-import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from featcal.calibration.params import GROUP as FEATCAL
+from featcal.calibration.params import FeatCalParams
 from featcal.errors import FeatcalError, InputError, InvalidParameterError, UnknownNameError
+from featcal.options import convert_field, flag_name, option, option_fields, validate
+from featcal.precision import PRECISIONS
 from featcal.suites import BACKBONE_NAMES, DEFAULT_BACKBONE, DEFAULT_SUITE, SUITE_NAMES
 
-PRECISIONS = ("float32", "tf32", "bf16")  # --precision; featcal.precision applies them
-
 OUTPUT_DIR_PATTERN = "outputs/clip-vit-{backbone}-{suite}"  # outputs/clip-vit-b32-ta8 by default
-TRUE_WORDS = frozenset({"true", "yes", "on"})
-FALSE_WORDS = frozenset({"false", "no", "off"})
-
-
-@dataclass(frozen=True)
-class Option:
-    """What a field means to users: its help, flag, allowed range and how the model card shows it.
-
-    Args:
-        help: One line for ``--help`` (the default is appended when there is one).
-        group: The ``--help`` section the flag is listed under.
-        metavar: The placeholder shown in ``--help``.
-        ge: The smallest allowed value (numbers).
-        gt: The value the number must exceed.
-        le: The largest allowed value (numbers).
-        symbol: The symbol used in the paper and the model card (``λ``).
-        card: The meaning shown in the model card's recipe table.
-        nargs: ``"+"`` for a list given as several words (``--tasks a b``).
-        recipe_key: The recipe key and flag name when it differs from the field name.
-        choices: The allowed values of a text option.
-    """
-
-    help: str
-    group: str
-    metavar: str | None = None
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    symbol: str = ""
-    card: str = ""
-    nargs: str | None = None
-    recipe_key: str | None = None
-    choices: tuple[str, ...] | None = None
-
-    def expected(self, kind: str) -> str:
-        """The allowed values in words, e.g. ``"a whole number >= 1"``."""
-        if self.choices:
-            return "one of " + ", ".join(self.choices)
-        bound = f" >= {self.ge:g}" if self.ge is not None else f" > {self.gt:g}" if self.gt is not None else ""
-        upper = f" and <= {int(self.le) if float(self.le).is_integer() else self.le}" if self.le is not None else ""
-        return f"{kind}{bound}{upper}"
-
-
-def option(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, **meta: Any) -> Any:
-    """A dataclass field that is a user-facing option (see :class:`Option` for ``meta``)."""
-    return field(default=default, default_factory=default_factory, metadata={"option": Option(**meta)})
-
-
-def option_of(f: dataclasses.Field) -> Option | None:
-    """The :class:`Option` of a dataclass field, None for internal fields."""
-    return f.metadata.get("option")
-
-
-def flag_name(f: dataclasses.Field) -> str:
-    """The field's name as a flag or recipe key, without dashes: ``lambda-ratio``, ``merge-param``."""
-    opt = option_of(f)
-    return (opt.recipe_key if opt and opt.recipe_key else f.name).replace("_", "-")
-
-
-# --- conversion of one value ---------------------------------------------------------------------
-
-
-def _base_type(annotation: Any) -> tuple[Any, bool]:
-    """``(type, optional)`` of an annotation such as ``int | None``."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return args[0], len(args) < len(typing.get_args(annotation))
-    return annotation, False
-
-
-def _as_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in TRUE_WORDS | FALSE_WORDS:
-        return value.strip().lower() in TRUE_WORDS
-    raise ValueError
-
-
-def _as_int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        return int(value.strip())
-    raise ValueError
-
-
-def _as_float(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError
-    if isinstance(value, (int, float)):
-        number = float(value)
-    elif isinstance(value, str):
-        number = float(value.strip())
-    else:
-        raise ValueError
-    if not math.isfinite(number):
-        raise ValueError
-    return number
-
-
-def _as_str(value: Any) -> str:
-    if isinstance(value, (str, Path)):
-        return str(value)
-    raise ValueError
-
-
-def _as_str_list(value: Any) -> list[str]:
-    items = [value] if isinstance(value, str) else value
-    if isinstance(items, Sequence) and items and all(isinstance(v, str) for v in items):
-        return list(items)
-    raise ValueError
-
-
-def _as_params(value: Any) -> dict[str, Any]:
-    """Method hyper-parameters: a mapping, or ``KEY=VALUE`` words (values read as YAML scalars)."""
-    import yaml
-
-    if isinstance(value, Mapping):
-        return {str(k).replace("-", "_"): v for k, v in value.items()}
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, Sequence):
-        raise ValueError
-    params: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = str(item).partition("=")
-        if not sep or not key.strip() or not text.strip():
-            raise ValueError
-        params[key.strip().replace("-", "_")] = yaml.safe_load(text)
-    return params
-
-
-_CONVERTERS: dict[Any, tuple[Any, str]] = {
-    bool: (_as_bool, "true or false"),
-    int: (_as_int, "a whole number"),
-    float: (_as_float, "a finite number"),
-    str: (_as_str, "a text"),
-    list[str]: (_as_str_list, "one or more names"),
-    dict[str, Any]: (_as_params, "a mapping of names to values, or KEY=VALUE items"),
-}
-
-
-def convert_value(f: dataclasses.Field, annotation: Any, value: Any, *, owner: str | None = None) -> Any:
-    """``value`` converted to the field's type and checked against its range.
-
-    Raises:
-        InvalidParameterError: naming the field (or ``owner``'s key) when the value does not fit.
-    """
-    kind, optional = _base_type(annotation)
-    opt = option_of(f)
-    name = flag_name(f) if owner else f.name
-    if value is None or (optional and isinstance(value, str) and value.strip().lower() in {"null", "none", "~"}):
-        if optional:
-            return None
-        raise InvalidParameterError(name, value, _CONVERTERS[kind][1], owner=owner)
-    converter, words = _CONVERTERS[kind]
-    expected = opt.expected(words) if opt else words
-    if optional:
-        expected += " (or null)"
-    try:
-        converted = converter(value)
-    except (ValueError, TypeError):
-        raise InvalidParameterError(name, value, expected, owner=owner) from None
-    if opt and opt.choices and converted not in opt.choices:
-        raise InvalidParameterError(name, value, expected, owner=owner)
-    if opt and ((opt.ge is not None and converted < opt.ge) or (opt.gt is not None and converted <= opt.gt)):
-        raise InvalidParameterError(name, value, expected, owner=owner)
-    if opt and opt.le is not None and converted is not None and converted > opt.le:
-        raise InvalidParameterError(name, value, expected, owner=owner)
-    return converted
-
-
-def _validate(obj: Any) -> None:
-    """Convert and check every option field of the dataclass ``obj`` in place."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        if option_of(f) is None:
-            continue
-        object.__setattr__(obj, f.name, convert_value(f, hints[f.name], getattr(obj, f.name)))
-
-
-# --- the run's options ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FeatCalParams:
-    """FeatCal hyper-parameters; the defaults are the published reference run's.
-
-    Raises:
-        InvalidParameterError: when a value has the wrong type or lies outside its range.
-    """
-
-    num_calibration_examples: int = option(
-        256, help="calibration images per task, from the train split", group="FeatCal", metavar="N", ge=1,
-        symbol="n", card="training images per task used for calibration",
-    )  # fmt: skip
-    calibration_batch_size: int = option(
-        16, help="images per forward batch while collecting statistics", group="FeatCal", metavar="B", ge=1,
-        card="images per forward batch while collecting statistics",
-    )  # fmt: skip
-    lambda_ratio: float = option(
-        0.05, help="ridge towards the anchor", group="FeatCal", metavar="λ", ge=0,
-        symbol="λ", card="strength of the pull towards the anchor weights",
-    )  # fmt: skip
-    anchor_blend_rho: float = option(
-        2.2, help="anchor ρ·merged + (1−ρ)·base", group="FeatCal", metavar="ρ",
-        symbol="ρ", card="anchor = ρ·merged + (1−ρ)·base",
-    )  # fmt: skip
-    teacher_interp_alpha: float = option(
-        0.25, help="teacher input α·expert + (1−α)·student", group="FeatCal", metavar="α",
-        symbol="α", card="teacher input = α·expert + (1−α)·merged features",
-    )  # fmt: skip
-    covariance_eps: float = option(
-        1e-8, help="ridge added to the covariance solves", group="FeatCal", metavar="ε", ge=0,
-        symbol="ε", card="ridge added to the covariance solves",
-    )  # fmt: skip
-
-    def __post_init__(self) -> None:
-        _validate(self)
-
-    def to_dict(self) -> dict[str, float | int]:
-        """The values by name, as ``run_config.json`` records them."""
-        return dataclasses.asdict(self)
 
 
 def default_eval_workers() -> int:
@@ -324,12 +93,12 @@ class RunSpec:
     )  # fmt: skip
     merge_params: dict[str, Any] = option(
         default_factory=dict, help="any other hyper-parameter of the merging method, repeatable", group=MERGING,
-        metavar="KEY=VALUE", recipe_key="merge_param",
+        metavar="KEY=VALUE", flag="merge_param",
     )  # fmt: skip
     featcal: FeatCalParams = field(default_factory=FeatCalParams)
     allow_fewer_calibration_examples: bool = option(
         False, help="use every train image of a task whose train split is smaller than the number asked for "
-        "(recorded in run_config.json, metrics and card); else that is an error", group="FeatCal",
+        "(recorded in run_config.json, metrics and card); else that is an error", group=FEATCAL,
     )  # fmt: skip
     eval_batch_size: int | None = option(
         None, help="test images per batch (default 256 on CUDA, 16 on the CPU)", group=EVALUATION, metavar="B", ge=1
@@ -381,7 +150,7 @@ class RunSpec:
     def __post_init__(self) -> None:
         if isinstance(self.featcal, Mapping):
             object.__setattr__(self, "featcal", FeatCalParams(**self.featcal))
-        _validate(self)
+        validate(self)
         if self.output_dir is None:
             object.__setattr__(self, "output_dir", OUTPUT_DIR_PATTERN.format(backbone=self.backbone, suite=self.suite))
         if self.skip_ta and not self.ta_model_path:
@@ -415,21 +184,9 @@ class RunSpec:
 # --- fields, recipes and layering ----------------------------------------------------------------
 
 
-def option_fields(cls: type = RunSpec) -> list[tuple[dataclasses.Field, Any, type]]:
-    """``(field, annotation, owner class)`` of every option of ``cls``, nested dataclasses flattened."""
-    hints = typing.get_type_hints(cls)
-    out: list[tuple[dataclasses.Field, Any, type]] = []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out.extend(option_fields(hints[f.name]))
-        elif option_of(f) is not None:
-            out.append((f, hints[f.name], cls))
-    return out
-
-
 def recipe_keys() -> dict[str, str]:
     """Every accepted recipe key (``lambda-ratio``) mapped to its field name (``lambda_ratio``)."""
-    return {flag_name(f): f.name for f, _, _ in option_fields()}
+    return {flag_name(f): f.name for f, _, _ in option_fields(RunSpec)}
 
 
 def load_recipe(path: str | Path) -> dict[str, Any]:
@@ -495,10 +252,10 @@ def build_spec(
     featcal_values: dict[str, Any] = {}
     layers = [(recipe or {}, f"recipe {recipe_source}" if recipe_source else "recipe"), (cli or {}, None)]
     for values, owner in layers:
-        for f, annotation, cls in option_fields():
+        for f, annotation, cls in option_fields(RunSpec):
             if f.name not in values:
                 continue
-            value = convert_value(f, annotation, values[f.name], owner=owner)
+            value = convert_field(f, annotation, values[f.name], owner=owner)
             target = featcal_values if cls is FeatCalParams else run_values
             if f.name == "merge_params":
                 value = {**target.get(f.name, {}), **value}

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from featcal.errors import UnknownNameError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from featcal.tasks import TaskTable
 
 SUITES_RESOURCE = "suites.json"
@@ -240,3 +242,31 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
         "single_model_reference_source": "FusionBench (docs/modelpool/clip_vit.md, 'The 20-Task Model Collections')",
         "source": {"repository": data["source"]["repository"], "commit": data["source"]["commit"]},
     }
+
+
+def task_table(
+    tasks_file: str | Path | None = None,
+    *,
+    replace: bool = False,
+    suite: str | None = None,
+    backbone: str | None = None,
+) -> TaskTable:
+    """The built-in table of ``suite`` on ``backbone``, extended (or replaced, with ``replace``) by a tasks file.
+
+    Args:
+        tasks_file: A JSON or YAML tasks file, or None for the built-in table alone.
+        replace: Use the tasks file's table instead of the built-in one.
+        suite: The built-in suite (``ta8``, ``ta14``, ``ta20``; see :mod:`featcal.suites`); None: ``ta8``.
+        backbone: The CLIP backbone whose base and experts the built-in table names (``b32``, ``b16``,
+            ``l14``); None: ``b32``.
+
+    Raises:
+        FeatcalError: for an invalid tasks file; ``UnknownNameError`` for an unknown suite or backbone.
+    """
+    from featcal.tasks import load_task_file
+
+    builtin = suite_table(suite, backbone)
+    if tasks_file is None:
+        return builtin
+    user = load_task_file(tasks_file)
+    return user if replace else builtin.merged_with(user)

@@ -217,31 +217,3 @@ def builtin_tasks() -> TaskTable:
     """The eight TA8 tasks of the FeatCal reference run."""
     text = resources.files("featcal.resources").joinpath(BUILTIN_TABLE).read_text(encoding="utf-8")
     return parse_task_table(json.loads(text), root=None, source="built-in TA8")
-
-
-def task_table(
-    tasks_file: str | Path | None = None,
-    *,
-    replace: bool = False,
-    suite: str | None = None,
-    backbone: str | None = None,
-) -> TaskTable:
-    """The built-in table of ``suite`` on ``backbone``, extended (or replaced, with ``replace``) by a tasks file.
-
-    Args:
-        tasks_file: A JSON or YAML tasks file, or None for the built-in table alone.
-        replace: Use the tasks file's table instead of the built-in one.
-        suite: The built-in suite (``ta8``, ``ta14``, ``ta20``; see :mod:`featcal.suites`); None: ``ta8``.
-        backbone: The CLIP backbone whose base and experts the built-in table names (``b32``, ``b16``,
-            ``l14``); None: ``b32``.
-
-    Raises:
-        FeatcalError: for an invalid tasks file; ``UnknownNameError`` for an unknown suite or backbone.
-    """
-    from featcal.suites import suite_table
-
-    builtin = suite_table(suite, backbone)
-    if tasks_file is None:
-        return builtin
-    user = load_task_file(tasks_file)
-    return user if replace else builtin.merged_with(user)

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from featcal.cli import main
+from featcal.devices import resolve_device
 from featcal.errors import InvalidParameterError
 from featcal.evaluation import IMAGE_PROCESSOR, ZeroShotClassifier, load_base_clip, load_image_processor
-from featcal.inputs import resolve_device
 from featcal.merging import available_methods, get_method
 from featcal.merging.registry import MethodRegistry, merge_method
 from featcal.precision import fixed_precision

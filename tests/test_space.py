@@ -23,7 +23,7 @@ from featcal.evaluation import ZeroShotClassifier, load_base_clip
 from featcal.inputs import load_vision_folder
 from featcal.space import SpaceModel, SpaceSettings, classify, create_space, resolve_model_source
 from featcal.space.model import base_model_ref
-from featcal.tasks import task_table
+from featcal.suites import task_table
 
 gradio_client = pytest.importorskip("gradio_client")
 

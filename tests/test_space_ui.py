@@ -13,7 +13,7 @@ from PIL import Image
 
 from featcal.data import load_task_split, to_rgb
 from featcal.space import SpaceSettings, create_space
-from featcal.tasks import task_table
+from featcal.suites import task_table
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = [

@@ -9,8 +9,9 @@ import pytest
 from featcal.cli import build_parser, main
 from featcal.cli.pipeline_commands import spec_from_args
 from featcal.errors import InvalidParameterError, UnknownNameError
+from featcal.options import option_fields
 from featcal.release.card import FEATCAL_PARAMS
-from featcal.spec import FeatCalParams, RunSpec, build_spec, load_recipe, option_fields, recipe_keys
+from featcal.spec import FeatCalParams, RunSpec, build_spec, load_recipe, recipe_keys
 
 
 def spec_for(argv: list[str]) -> RunSpec:
@@ -126,7 +127,7 @@ def test_the_python_api_names_parameters_not_flags(tmp_path) -> None:
 
 
 def test_run_config_and_card_derive_from_the_spec() -> None:
-    featcal_fields = [f.name for f, _, cls in option_fields() if cls is FeatCalParams]
+    featcal_fields = [f.name for f, _, _ in option_fields(FeatCalParams)]
     assert list(FeatCalParams().to_dict()) == featcal_fields == list(FEATCAL_PARAMS)
     assert FEATCAL_PARAMS["lambda_ratio"] == ("λ", "strength of the pull towards the anchor weights")
 

@@ -22,8 +22,9 @@ from featcal.suites import (
     suite_table,
     suite_task_names,
     suites_data,
+    task_table,
 )
-from featcal.tasks import builtin_tasks, task_table
+from featcal.tasks import builtin_tasks
 
 RESOURCES = Path(__file__).parents[1] / "featcal" / "resources"
 # The number of classes of each task in FusionBench (fusion_bench/tasks/clip_classification/*.py).

@@ -290,7 +290,8 @@ def _report(run_id="abc", parameter=None, sizes=(8, 16)):
 
 def test_sweep_json_round_trips_and_a_stale_sweep_is_ignored(tmp_path):
     from featcal.errors import RunFolderError
-    from featcal.sweep.report import SWEEP_FILE, SweepReport, read_sweep, write_sweep
+    from featcal.sweep.plot import write_sweep
+    from featcal.sweep.report import SWEEP_FILE, SweepReport, read_sweep
 
     report = dataclasses.replace(_report(parameter="lambda_ratio"), precision="bf16")
     folder = write_sweep(tmp_path, report)

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from featcal.errors import FeatcalError
-from featcal.tasks import builtin_tasks, load_task_file, task_table
+from featcal.suites import task_table
+from featcal.tasks import builtin_tasks, load_task_file
 
 
 def test_builtin_ta8_matches_the_reference_table():

@@ -23,6 +23,7 @@ from torch import nn
 
 from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter, TokenWeighting
 from featcal.calibration.layer_state import LayerPlan, LayerState, Recorder, StopForward, plan_layer
+from featcal.calibration.params import FeatCalParams
 from featcal.calibration.solves import anchor
 from featcal.calibration.statistics import product_dtype
 from featcal.calibration.workspace import Workspace
@@ -33,7 +34,6 @@ from featcal.io import fault_point
 from featcal.memory import trim_heap
 from featcal.precision import autocast_forwards, without_callers_autocast
 from featcal.progress import Progress
-from featcal.spec import FeatCalParams
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from torch import nn
 
 from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter
 from featcal.calibration.driver import FeatCalibrator, StateDict, _load_params
+from featcal.calibration.params import FeatCalParams
 from featcal.checkpoint import Checkpoint
 from featcal.errors import FeatcalError
 from featcal.io import streamed_vision_model
 from featcal.safetensors_writer import SafetensorsWriter
-from featcal.spec import FeatCalParams
 
 if TYPE_CHECKING:
     from transformers import CLIPVisionConfig

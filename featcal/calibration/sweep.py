@@ -36,12 +36,12 @@ from torch import nn
 from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter, TokenWeighting
 from featcal.calibration.driver import FeatCalibrator, StateDict, _load_params, fold_task
 from featcal.calibration.layer_state import LayerState, Recorder, StopForward
+from featcal.calibration.params import FeatCalParams
 from featcal.calibration.workspace import Workspace
 from featcal.errors import FeatcalError
 from featcal.memory import trim_heap
 from featcal.precision import autocast_forwards, without_callers_autocast
 from featcal.progress import Progress
-from featcal.spec import FeatCalParams
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,12 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
-from featcal import __version__, progress
+from featcal import progress
 from featcal.allocator import keep_freed_memory_for_reuse
 from featcal.cli import processes
 from featcal.distributed import launched as launched_world
 from featcal.errors import DistributedError, FeatcalError
+from featcal.version import __version__
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 

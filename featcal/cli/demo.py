@@ -57,8 +57,8 @@ def _check_options(args: argparse.Namespace) -> None:
         FeatcalError: naming the option and what it must be.
     """
     from featcal.demo import demo_run_spec
+    from featcal.devices import resolve_device
     from featcal.errors import InvalidParameterError
-    from featcal.inputs import resolve_device
     from featcal.merging import get_method
     from featcal.outputs import check_run_output_folder
 

@@ -32,9 +32,9 @@ def drift_table(report: DriftReport, *, column: int = 16) -> str:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
+    from featcal.devices import resolve_device
     from featcal.diagnostics.run import diagnose_run
     from featcal.evaluation import default_eval_batch_size
-    from featcal.inputs import resolve_device
     from featcal.precision import fixed_precision
     from featcal.runfolder import RELEASE_DIR
 

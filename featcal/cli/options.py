@@ -12,23 +12,16 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from featcal.spec import (
-    DIAGNOSTICS,
-    EVALUATION,
-    MERGING,
-    RUNTIME,
-    STAGES,
-    TASKS,
-    option_fields,
-    option_of,
-)
-from featcal.spec import flag_name as _flag_name
+from featcal.calibration.params import GROUP as FEATCAL
+from featcal.options import flag_name as _flag_name
+from featcal.options import option_fields, option_of
+from featcal.spec import DIAGNOSTICS, EVALUATION, MERGING, RUNTIME, STAGES, TASKS, RunSpec
 
 GROUP_TITLES = {
     "output": "output",
     TASKS: "tasks and models",
     MERGING: "merging",
-    "FeatCal": "FeatCal (defaults: the published reference run)",
+    FEATCAL: "FeatCal (defaults: the published reference run)",
     EVALUATION: "evaluation",
     RUNTIME: "runtime",
     STAGES: "stages",
@@ -48,7 +41,7 @@ def _default_text(f: dataclasses.Field) -> str:
 
 def flag(field_name: str) -> str:
     """The flag of the run option ``field_name`` (``lambda_ratio`` → ``--lambda-ratio``)."""
-    for f, _, _ in option_fields():
+    for f, _, _ in option_fields(RunSpec):
         if f.name == field_name:
             return f"--{_flag_name(f)}"
     raise KeyError(field_name)
@@ -70,7 +63,7 @@ def add_spec_options(
         renamed: Field name → flag, for a subcommand that spells an option differently (``--method``).
     """
     sections: dict[str, argparse._ArgumentGroup] = {}
-    for f, annotation, _ in option_fields():
+    for f, annotation, _ in option_fields(RunSpec):
         opt = option_of(f)
         assert opt is not None
         if opt.group not in groups or f.name in exclude:
@@ -92,5 +85,5 @@ def add_spec_options(
 
 def given_values(args: argparse.Namespace) -> dict[str, Any]:
     """The run options the user typed, by field name (flags not typed are absent)."""
-    names = {f.name for f, _, _ in option_fields()}
+    names = {f.name for f, _, _ in option_fields(RunSpec)}
     return {name: value for name, value in vars(args).items() if name in names}

@@ -6,7 +6,7 @@ import argparse
 
 from featcal.cli.common import path_line
 from featcal.cli.tables import file_table
-from featcal.release import DEFAULT_LICENSE
+from featcal.release.options import DEFAULT_LICENSE
 
 
 def _add_card_options(parser: argparse.ArgumentParser) -> None:

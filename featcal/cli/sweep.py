@@ -8,7 +8,8 @@ from pathlib import Path
 
 from featcal.cli.common import path_line, show_progress
 from featcal.cli.options import add_spec_options, given_values
-from featcal.spec import option_fields
+from featcal.options import option_fields
+from featcal.spec import RunSpec
 
 # The run options `featcal sweep` takes; everything else comes from the run folder's run_config.json.
 SWEEP_RUN_OPTIONS = (
@@ -114,6 +115,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="calibrate at most K settings at once (each holds a model copy, its feature streams and its "
         "layer statistics in memory; default: all)",
     )
-    names = {f.name for f, _, _ in option_fields()}
+    names = {f.name for f, _, _ in option_fields(RunSpec)}
     add_spec_options(p, exclude=names - set(SWEEP_RUN_OPTIONS))
     p.set_defaults(func=cmd_sweep)

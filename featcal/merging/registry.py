@@ -10,15 +10,14 @@ Hyper-parameters are the function's keyword-only arguments. Their annotations gi
 (``float``, ``int``, ``bool``, ``str`` or ``Literal[...]`` choices), optionally bounded by a
 :class:`Range` (``Annotated[float, Range(gt=0, le=100)]``); their defaults are the method's
 defaults. The registry validates and converts the values given before the method runs, so methods
-check none themselves.
+check none themselves. Values are converted, checked and worded by :mod:`featcal.options`, as every
+other option of featcal is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
-import numbers
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,55 +29,13 @@ from featcal.distributed import SINGLE, World
 from featcal.errors import InvalidParameterError, UnknownNameError
 from featcal.merging.common import StateDict
 from featcal.merging.driver import KERNEL_INPUTS, merge_tensorwise
+from featcal.options import Option, Range, convert, with_annotation_limits
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+__all__ = ["Range"]  # methods write their bounds as Annotated[float, Range(...)]
 
-@dataclass(frozen=True)
-class Range:
-    """Bounds of a numeric hyper-parameter, written ``Annotated[float, Range(gt=0, le=100)]``.
-
-    Args:
-        gt: The value must be greater than this.
-        ge: The value must be at least this.
-        lt: The value must be less than this.
-        le: The value must be at most this.
-
-    Raises:
-        TypeError: If no bound is given, or both bounds of one side.
-    """
-
-    gt: float | None = None
-    ge: float | None = None
-    lt: float | None = None
-    le: float | None = None
-
-    def __post_init__(self) -> None:
-        lower = [bound for bound in (self.gt, self.ge) if bound is not None]
-        upper = [bound for bound in (self.lt, self.le) if bound is not None]
-        if not lower + upper or len(lower) > 1 or len(upper) > 1:
-            raise TypeError(f"{self!r}: give one or two bounds, at most one of gt, ge and one of lt, le")
-
-    def __contains__(self, value: float) -> bool:
-        return (
-            (self.gt is None or value > self.gt)
-            and (self.ge is None or value >= self.ge)
-            and (self.lt is None or value < self.lt)
-            and (self.le is None or value <= self.le)
-        )
-
-    def __str__(self) -> str:
-        """``in (0, 100]`` when bounded on both sides, ``> 0`` or ``>= 0`` (etc.) when on one."""
-        low = self.gt if self.gt is not None else self.ge
-        high = self.lt if self.lt is not None else self.le
-        if low is not None and high is not None:
-            return f"in {'(' if self.gt is not None else '['}{low:g}, {high:g}{')' if self.lt is not None else ']'}"
-        if low is not None:
-            return f"{'>' if self.gt is not None else '>='} {low:g}"
-        return f"{'<' if self.lt is not None else '<='} {high:g}"
-
-
-_NOUNS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
+_KINDS = (bool, int, float, str)
 
 
 @dataclass(frozen=True)
@@ -89,22 +46,29 @@ class HyperParameter:
         name: The argument's name.
         type: ``float``, ``int``, ``bool`` or ``str``.
         default: The argument's default, converted to ``type``.
-        choices: The allowed values, from a ``Literal[...]`` annotation.
-        range: The bounds, from a :class:`Range` in an ``Annotated[...]`` annotation.
+        option: Its choices (from a ``Literal[...]`` annotation) and range (from a :class:`Range` in an
+            ``Annotated[...]`` annotation).
     """
 
     name: str
     type: type
     default: Any
-    choices: tuple[Any, ...] | None = None
-    range: Range | None = None
+    option: Option = Option()
+
+    @property
+    def choices(self) -> tuple[Any, ...] | None:
+        """The allowed values, when the annotation lists them."""
+        return self.option.choices
+
+    @property
+    def range(self) -> Range | None:
+        """The allowed numbers, when the annotation bounds them."""
+        return self.option.range
 
     @property
     def expected(self) -> str:
         """What a value must be, as error messages say it, e.g. ``"a finite number in (0, 100]"``."""
-        if self.choices is not None:
-            return "one of " + ", ".join(map(repr, self.choices))
-        return _NOUNS[self.type] + (f" {self.range}" if self.range else "")
+        return self.option.expected(self.type)
 
     def __str__(self) -> str:
         """The parameter as ``featcal methods`` lists it, e.g. ``top_k: float in (0, 100] = 20.0``."""
@@ -126,40 +90,7 @@ class HyperParameter:
             InvalidParameterError: If the value has the wrong type (a bool is not a number), is not
                 among the choices, or is out of range.
         """
-        converted = _converted(value, self.type)
-        if (
-            converted is _INVALID
-            or (self.choices is not None and converted not in self.choices)
-            or (self.range is not None and converted not in self.range)
-        ):
-            raise InvalidParameterError(self.name, value, self.expected, owner=owner)
-        return converted
-
-
-_INVALID = object()
-
-
-def _converted(value: Any, kind: type) -> Any:
-    """``value`` as ``kind``, numbers written as text read as numbers; ``_INVALID`` if it is none."""
-    if kind is bool or kind is str:
-        return value if isinstance(value, kind) else _INVALID
-    if isinstance(value, bool):
-        return _INVALID
-    if isinstance(value, str):
-        try:
-            value = int(value)
-        except ValueError:
-            try:
-                value = float(value)  # "1e-4", or an integer written "4e2"
-            except ValueError:
-                return _INVALID
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-        return _INVALID
-    if kind is float:
-        return float(value)
-    if isinstance(value, numbers.Integral) or float(value).is_integer():
-        return int(value)
-    return _INVALID
+        return convert(value, self.type, self.option, self.name, owner=owner)
 
 
 @dataclass(frozen=True)
@@ -374,51 +305,21 @@ def _hyper_parameter(p: inspect.Parameter, annotation: Any, where: str) -> Hyper
     """The hyper-parameter that keyword-only argument ``p`` (annotated ``annotation``) declares."""
     if p.default is inspect.Parameter.empty or annotation is None:
         raise TypeError(f"{where}: hyper-parameter {p.name} needs a type annotation and a default")
-    kind, bounds, choices = annotation, None, None
-    if typing.get_origin(kind) is Annotated:
-        kind, *extras = typing.get_args(kind)
-        bounds = next((extra for extra in extras if isinstance(extra, Range)), None)
-    if typing.get_origin(kind) is Literal:
-        choices = typing.get_args(kind)
+    kind = typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated else annotation
+    choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+    if choices is not None:
         kind = type(choices[0])
         if any(type(choice) is not kind for choice in choices):
             raise TypeError(f"{where}: the choices of {p.name} must all have one type; got {choices}")
-    if kind not in _NOUNS or (bounds is not None and kind not in (int, float)):
+    opt = with_annotation_limits(Option(), annotation)
+    if kind not in _KINDS or (opt.range is not None and kind not in (int, float)):
         raise TypeError(
             f"{where}: hyper-parameter {p.name} is annotated {annotation!r}; use float, int, bool, str or "
             "Literal[...], with Annotated[..., Range(...)] for bounds on a number"
         )
-    param = HyperParameter(p.name, kind, None, choices, bounds)
+    param = HyperParameter(p.name, kind, None, opt)
     try:
         default = param.check(p.default, owner=where)
     except InvalidParameterError as error:
         raise ValueError(error.message) from None
     return dataclasses.replace(param, default=default)
-
-
-def get_method(name: str) -> MergeMethod:
-    """The merging method registered as ``name``.
-
-    Args:
-        name: A registry name such as ``"task_arithmetic"`` or ``"ties"``.
-
-    Returns:
-        The method, callable as ``method(base, experts, **hyper_parameters)``.
-
-    Raises:
-        UnknownNameError: If no method has that name (``.known`` lists those that do).
-    """
-    from featcal import merging  # noqa: F401  (importing the package registers every method)
-
-    return METHODS.get(name)
-
-
-def available_methods() -> list[str]:
-    """The names of the registered merging methods, sorted.
-
-    Returns:
-        The names :func:`get_method` accepts.
-    """
-    from featcal import merging  # noqa: F401
-
-    return METHODS.names()

@@ -6,9 +6,8 @@ through this package.
 
 from featcal.lazy import lazy_attributes
 
-DEFAULT_LICENSE = "mit"  # the license of OpenAI's CLIP weights, which the TA8 base model carries
-
 _EXPORTS = {
+    "DEFAULT_LICENSE": "featcal.release.options",
     "render_card": "featcal.release.card",
     "write_card": "featcal.release.card",
     "Release": "featcal.release.check",
@@ -21,6 +20,6 @@ _EXPORTS = {
     "recipe_sha256": "featcal.runfolder",
 }
 
-__all__ = ["DEFAULT_LICENSE", *sorted(_EXPORTS)]
+__all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_attributes(__name__, _EXPORTS)

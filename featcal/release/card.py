@@ -18,19 +18,20 @@ import jinja2
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from featcal import __version__
+from featcal.calibration.params import FeatCalParams
 from featcal.errors import FeatcalError, ReleaseError
 from featcal.hub import check_repo_id, is_hub_id
 from featcal.io import atomic_write_text, read_text_input
-from featcal.release import DEFAULT_LICENSE
+from featcal.options import option_fields, option_of
 from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
+from featcal.release.options import DEFAULT_LICENSE
 from featcal.release.plot import PLOT_FILE, save_results_plot
 from featcal.release.published import LOCAL_MARK, is_published_local, local_name, published_config, published_ref
 from featcal.release.results import ResultRow, results_rows
 from featcal.runfolder import DIAGNOSTICS_PLOT, PROCESSES, RELEASE_DIR, RunFolder, merged_stage_name, read_run
-from featcal.spec import FeatCalParams, option_fields, option_of
 from featcal.sweep.report import SWEEP_DIR, SWEEP_PLOT, read_sweep
 from featcal.tasks import Task
+from featcal.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,7 @@ TEMPLATE = "model_card.md.j2"
 CARD_FILE = "README.md"
 TAGS = ["merge", "featcal", "model-merging", "clip", "vision", "image-classification"]
 # The recipe table's symbol and meaning of each FeatCal hyper-parameter, from the run spec.
-FEATCAL_PARAMS = {
-    f.name: (option_of(f).symbol, option_of(f).card) for f, _, cls in option_fields() if cls is FeatCalParams
-}
+FEATCAL_PARAMS = {f.name: (option_of(f).symbol, option_of(f).card) for f, _, _ in option_fields(FeatCalParams)}
 # What run_config.json's FeatCal section records beside the parameters, when it applies.
 FEATCAL_RECORDS = {
     "calibration_examples_used": ("", "train images of the tasks that had fewer than n; all of them were used"),

@@ -9,18 +9,18 @@ import re
 import struct
 from pathlib import Path
 
-from featcal import __version__
 from featcal.errors import FeatcalError
 from featcal.hub import check_repo_id, is_hub_id, local_path, resolve_model_folder
 from featcal.io import atomic_folder, atomic_write_json
 from featcal.outputs import check_output_folder
-from featcal.release import DEFAULT_LICENSE
 from featcal.release.card import write_card_files
 from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, write_manifest
+from featcal.release.options import DEFAULT_LICENSE
 from featcal.release.plot import PLOT_FILE
 from featcal.release.published import published_config
 from featcal.runfolder import DIAGNOSTICS_PLOT, METRICS, RELEASE_DIR, RUN_CONFIG, RunFolder, read_run, recipe_sha256
 from featcal.sweep.report import SWEEP_PLOT
+from featcal.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import featcal
 from featcal.errors import FeatcalError, InputError, InvalidParameterError
 from featcal.hub import HIDDEN_PATTERNS, HubFile, check_repo_id, hub_api, is_hub_id, local_files, publishing
 from featcal.io import atomic_write_json
@@ -24,6 +23,7 @@ from featcal.space.settings import CONFIG_FILE, DEFAULT_BASE_MODEL_ID, DEFAULT_M
 
 logger = logging.getLogger(__name__)
 
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the featcal package this module belongs to
 SOURCE_FILES = ("app.py", "requirements.txt")
 CARD = "README.md"
 PACKAGE_DIR = "featcal"
@@ -46,7 +46,7 @@ class SpacePushResult:
 
 def space_source() -> Path:
     """The ``space/`` folder of the featcal source tree (app.py, requirements.txt, README.md)."""
-    source = Path(featcal.__file__).resolve().parents[1] / "space"
+    source = PACKAGE_ROOT.parent / "space"
     missing = [name for name in (*SOURCE_FILES, CARD) if not (source / name).is_file()]
     if missing:
         raise FeatcalError(
@@ -101,7 +101,7 @@ def stage_space(
         shutil.copy2(tasks_path, out / shipped_tasks)
     settings = SpaceSettings(model_id=model_id, base_model_id=base_model_id, tasks_file=shipped_tasks, suite=suite)
     atomic_write_json(out / CONFIG_FILE, settings.to_config())
-    shutil.copytree(Path(featcal.__file__).resolve().parent, out / PACKAGE_DIR, ignore=shutil.ignore_patterns(*SKIPPED))
+    shutil.copytree(PACKAGE_ROOT, out / PACKAGE_DIR, ignore=shutil.ignore_patterns(*SKIPPED))
     if examples:
         found = collect_examples(tasks, out / EXAMPLES_DIR, remote=True, progress=progress)
         logger.info("Example images for %d of %d tasks", len(found), len(tasks))
@@ -153,7 +153,7 @@ def push_space(
 
 def _upload(api, folder: Path, repo_id: str, *, private: bool) -> tuple[str, str]:
     """Create the Space if needed and commit ``folder`` to it; returns the Space and commit URLs."""
-    from featcal import __version__
+    from featcal.version import __version__
 
     with publishing(api, repo_id):
         url = api.create_repo(repo_id, repo_type="space", space_sdk="gradio", private=private, exist_ok=True)

@@ -1,12 +1,14 @@
-"""The sweep's figure: average and per-task accuracy against n (log2 axis) or the swept parameter
-(matplotlib, optional extra ``plot``)."""
+"""The sweep's figure (average and per-task accuracy against n, on a log2 axis, or the swept
+parameter; matplotlib, optional extra ``plot``), and the sweep's folder written with it."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from featcal.sweep.report import PARAMETER_SYMBOLS, SweepPoint, SweepReport
+from featcal.calibration.params import symbol
+from featcal.io import atomic_folder, atomic_write_json
+from featcal.sweep.report import SWEEP_DIR, SWEEP_FILE, SWEEP_PLOT, SweepPoint, SweepReport
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +22,7 @@ def _series(report: SweepReport) -> tuple[str, list[tuple[str, list[SweepPoint]]
         keys = list(report.values) if report.parameter else [None]
         lines = [
             (
-                "" if key is None else f"{PARAMETER_SYMBOLS[report.parameter]}={key:g}",
+                "" if key is None else f"{symbol(report.parameter)}={key:g}",
                 [p for p in report.points if key is None or p.params[report.parameter] == key],
             )
             for key in keys
@@ -56,7 +58,7 @@ def save_sweep_plot(report: SweepReport, path: str | Path) -> bool:
     if report.merged is not None:
         left.axhline(100 * report.merged.average, color="#6a8fc7", linestyle="--",
                      label=f"merged ({report.merged_model}, no calibration)")  # fmt: skip
-    symbol = PARAMETER_SYMBOLS[axis]
+    axis_symbol = symbol(axis)
     for ax, title in ((left, "average over tasks"), (right, "per task")):
         if axis == "num_calibration_examples":
             ax.set_xscale("log", base=2)
@@ -64,7 +66,7 @@ def save_sweep_plot(report: SweepReport, path: str | Path) -> bool:
             ax.minorticks_off()
             ax.set_xlabel("n: calibration images per task (log2)")
         else:
-            ax.set_xlabel(f"{symbol} ({axis})")
+            ax.set_xlabel(f"{axis_symbol} ({axis})")
         ax.set_ylabel("zero-shot accuracy (%)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -74,3 +76,13 @@ def save_sweep_plot(report: SweepReport, path: str | Path) -> bool:
     fig.savefig(path, format="png", bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
     return True
+
+
+def write_sweep(run: Path, report: SweepReport) -> Path:
+    """Write ``<run>/sweep/`` (``sweep.json`` and, with matplotlib, ``sweep.png``) in a temporary
+    folder renamed into place, replacing an earlier sweep; returns the folder."""
+    final = Path(run) / SWEEP_DIR
+    with atomic_folder(final) as tmp:
+        atomic_write_json(tmp / SWEEP_FILE, report.to_json())
+        save_sweep_plot(report, tmp / SWEEP_PLOT)
+    return final

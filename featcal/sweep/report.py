@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from featcal.calibration.params import symbol
 from featcal.errors import RunFolderError
-from featcal.io import atomic_folder, atomic_write_json
 from featcal.runfolder import read_json_file
 
 logger = logging.getLogger(__name__)
@@ -20,13 +20,6 @@ SWEEP_DIR = "sweep"
 SWEEP_FILE = "sweep.json"
 SWEEP_PLOT = "sweep.png"
 SWEEP_FORMAT = "featcal-sweep/1"
-PARAMETER_SYMBOLS = {
-    "num_calibration_examples": "n",
-    "lambda_ratio": "λ",
-    "anchor_blend_rho": "ρ",
-    "teacher_interp_alpha": "α",
-    "covariance_eps": "ε",
-}
 
 
 @dataclass(frozen=True)
@@ -78,7 +71,7 @@ class SweepReport:
         """What distinguishes ``point`` from the others: ``n=32``, ``λ=0.1`` or ``n=32 λ=0.1``."""
         parts = [f"n={point.size}"] if len(self.sizes) > 1 or self.parameter is None else []
         if self.parameter is not None:
-            parts.append(f"{PARAMETER_SYMBOLS[self.parameter]}={point.params[self.parameter]:g}")
+            parts.append(f"{symbol(self.parameter)}={point.params[self.parameter]:g}")
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
@@ -139,18 +132,6 @@ def _point(data: Mapping[str, Any]) -> SweepPoint:
     if not all(math.isfinite(v) for v in [point.average, *point.tasks.values()]):
         raise ValueError("an accuracy is not finite")
     return point
-
-
-def write_sweep(run: Path, report: SweepReport) -> Path:
-    """Write ``<run>/sweep/`` (``sweep.json`` and, with matplotlib, ``sweep.png``) in a temporary
-    folder renamed into place, replacing an earlier sweep; returns the folder."""
-    from featcal.sweep.plot import save_sweep_plot
-
-    final = Path(run) / SWEEP_DIR
-    with atomic_folder(final) as tmp:
-        atomic_write_json(tmp / SWEEP_FILE, report.to_json())
-        save_sweep_plot(report, tmp / SWEEP_PLOT)
-    return final
 
 
 def read_sweep(run: Path, run_id: str) -> SweepReport | None:

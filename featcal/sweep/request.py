@@ -7,8 +7,9 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
+from featcal.calibration.params import FeatCalParams
 from featcal.errors import InvalidParameterError, UnknownNameError
-from featcal.spec import FeatCalParams, convert_value
+from featcal.options import convert_field
 
 DEFAULT_SIZES = (8, 16, 32, 64, 128, 256)
 # The parameters a sweep may vary besides n: those that change the solves or the teacher. The batch
@@ -39,7 +40,7 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         raise InvalidParameterError("num_calibration_examples", text, SIZES_EXPECTED)
     field = _FIELDS["num_calibration_examples"]
     try:
-        sizes = {convert_value(field, int, item) for item in items}
+        sizes = {convert_field(field, int, item) for item in items}
     except InvalidParameterError:
         raise InvalidParameterError("num_calibration_examples", text, SIZES_EXPECTED) from None
     return tuple(sorted(sizes))
@@ -68,7 +69,7 @@ def parse_parameter(text: str) -> SweptParameter:
     converted: list[float] = []
     for item in items:
         try:
-            value = convert_value(_FIELDS[name], _HINTS[name], item)
+            value = convert_field(_FIELDS[name], _HINTS[name], item)
         except InvalidParameterError as exc:
             raise InvalidParameterError(name, item, exc.expected, owner="sweep") from None
         if value not in converted:

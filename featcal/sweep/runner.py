@@ -14,19 +14,21 @@ from pathlib import Path
 
 import torch
 
-from featcal.calibration import FeatCalParams
+from featcal.calibration.params import FeatCalParams
 from featcal.calibration.sweep import featcal_calibrate_many
 from featcal.checkpoint import Checkpoint, check_compatible
 from featcal.data import calibration_pixels
+from featcal.devices import resolve_device
 from featcal.errors import InvalidParameterError, RunFolderError
 from featcal.evaluation import ZeroShotClassifier, check_clip_model_folder, load_base_clip
 from featcal.hub import resolve_model_folder
-from featcal.inputs import RunInputs, load_vision_folder, resolve_device, validate_datasets
+from featcal.inputs import RunInputs, load_vision_folder, validate_datasets
 from featcal.pipeline import check_finite
 from featcal.precision import PRECISIONS, fixed_precision, forward_dtype
 from featcal.progress import Progress
 from featcal.runfolder import RUN_CONFIG, RunFolder, RunLock, merged_stage_name, read_run, remove_leftovers
-from featcal.sweep.report import SweepPoint, SweepReport, write_sweep
+from featcal.sweep.plot import write_sweep
+from featcal.sweep.report import SweepPoint, SweepReport
 from featcal.sweep.request import DEFAULT_SIZES, SweptParameter, sweep_settings
 from featcal.threads import choose_threads, torch_threads
 

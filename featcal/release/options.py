@@ -1,0 +1,29 @@
+"""What a release's model card says of its publication: the repository it names, its license, its
+template (``featcal export`` and ``featcal card`` take these as flags). Imports nothing heavy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from featcal.options import option, validate
+
+DEFAULT_LICENSE = "mit"  # the license of OpenAI's CLIP weights, which the TA8 base model carries
+GROUP = "model card"
+
+
+@dataclass(frozen=True)
+class CardOptions:
+    """The model card's publication details.
+
+    Raises:
+        InvalidParameterError: when a value is not text.
+    """
+
+    repo_id: str | None = option(
+        None, help="Hub repository the card names (namespace/name)", group=GROUP, metavar="ID", flag="repo"
+    )
+    license: str = option(DEFAULT_LICENSE, help="license in the card", group=GROUP, metavar="LICENSE")
+    template: str | None = option(None, help="your own Jinja model card template", group=GROUP, metavar="FILE")
+
+    def __post_init__(self) -> None:
+        validate(self)
