@@ -31,7 +31,7 @@ from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.calibration import driver as driver_module
 from featcal.calibration.layer_state import LayerState
 from featcal.calibration.solves import LinearSystem
-from featcal.checkpoint import Checkpoint
+from featcal.families.clip_vision.folders import vision_checkpoint
 
 RESULTS = Path(__file__).parent / "results" / "calibration_phases.json"
 
@@ -96,8 +96,8 @@ def time_phases(workdir: Path, tasks: int, images: int, device: torch.device) ->
         start = time.perf_counter()
         featcal_calibrate(
             merged,
-            Checkpoint(workdir / "base"),
-            {n: Checkpoint(workdir / "experts" / n) for n in names},
+            vision_checkpoint(workdir / "base"),
+            {n: vision_checkpoint(workdir / "experts" / n) for n in names},
             pixels.__getitem__,
             params,
             device=device,

@@ -101,7 +101,7 @@ def run_point(
         out = plain_featcal(merged, base, experts, [_images(i, images, size) for i in range(tasks)])
     else:
         from featcal.calibration import FeatCalParams, featcal_calibrate
-        from featcal.checkpoint import Checkpoint
+        from featcal.families.clip_vision.folders import vision_checkpoint
 
         try:  # as every featcal command does; an older tree (--baseline-root) has no such module
             from featcal.allocator import keep_freed_memory_for_reuse
@@ -110,8 +110,8 @@ def run_point(
         except ImportError:
             pass
         params = FeatCalParams(num_calibration_examples=images, calibration_batch_size=batch_size)
-        base = Checkpoint(workdir / "base")
-        experts = {n: Checkpoint(workdir / "experts" / n) for n in names}
+        base = vision_checkpoint(workdir / "base")
+        experts = {n: vision_checkpoint(workdir / "experts" / n) for n in names}
         out = featcal_calibrate(
             merged,
             base,

@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 from featcal.demo import ZooConfig, build_zoo, demo_run_spec
 from featcal.pipeline import run_pipeline
 from featcal.precision import PRECISIONS
-from featcal.runfolder import calibrated_stage_name, merged_stage_name
+from featcal.runfolder.layout import calibrated_stage_name, merged_stage_name
 
 RESULTS = Path(__file__).parent / "results" / "forward_precision.json"
 METHOD = "task_arithmetic"
@@ -51,7 +51,7 @@ def vit_b32_differences(workdir: Path, tasks: int, images: int, precisions: list
     from transformers import CLIPVisionModel
 
     from featcal.calibration import FeatCalParams, featcal_calibrate
-    from featcal.checkpoint import Checkpoint
+    from featcal.families.clip_vision.folders import vision_checkpoint
     from featcal.precision import fixed_precision, forward_dtype
 
     build_models(workdir, tasks)
@@ -67,8 +67,8 @@ def vit_b32_differences(workdir: Path, tasks: int, images: int, precisions: list
             start = time.perf_counter()
             model = featcal_calibrate(
                 merged,
-                Checkpoint(workdir / "base"),
-                {n: Checkpoint(workdir / "experts" / n) for n in names},
+                vision_checkpoint(workdir / "base"),
+                {n: vision_checkpoint(workdir / "experts" / n) for n in names},
                 lambda task: _images(names.index(task), images, merged.config.image_size),
                 params,
                 device=device,

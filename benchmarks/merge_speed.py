@@ -92,15 +92,15 @@ def run_one(method: str, workdir: Path, params: dict, threads: int | None) -> di
     """Merge in this process and return its time and memory (called in a fresh subprocess)."""
     import torch
 
-    from featcal.checkpoint import Checkpoint
+    from featcal.families.clip_vision.folders import vision_checkpoint
     from featcal.merging import get_method
 
     if threads:
         torch.set_num_threads(threads)
 
     fn = get_method(method)
-    base = Checkpoint(workdir / "base")
-    experts = [Checkpoint(p) for p in sorted((workdir / "experts").iterdir())]
+    base = vision_checkpoint(workdir / "base")
+    experts = [vision_checkpoint(p) for p in sorted((workdir / "experts").iterdir())]
     before = _status_mib("RssAnon")
     peak = [before]
     done = threading.Event()

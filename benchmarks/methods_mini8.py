@@ -23,7 +23,7 @@ import torch
 from featcal.demo import ZooConfig, build_zoo, demo_run_spec
 from featcal.merging import available_methods, get_method
 from featcal.pipeline import run_pipeline
-from featcal.runfolder import calibrated_stage_name, merged_stage_name
+from featcal.runfolder.layout import calibrated_stage_name, merged_stage_name
 
 RESULTS = Path(__file__).parent / "results" / "methods_mini8.json"
 

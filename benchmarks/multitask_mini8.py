@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from featcal.demo import ZooConfig, build_zoo
 from featcal.demo.training import _cosine_lr, accuracy, image_embeddings, zero_shot_head
-from featcal.evaluation import load_base_clip
+from featcal.families.clip_vision.evaluation import load_base_clip
 from featcal.progress import Progress
 from featcal.tasks import load_task_file
 
@@ -33,7 +33,7 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def _pixels(processor, task, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from featcal.data import load_task_split
+    from featcal.families.clip_vision.images import load_task_split
 
     ds = load_task_split(task, split)
     images = [row["image"].convert("RGB") for row in ds]

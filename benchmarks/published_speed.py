@@ -15,7 +15,7 @@ phase, and reports wall and CPU time and the peak RSS (VmHWM) of each phase:
   ``load_expert_models``, ``CLIPFeatCalibrator(...).calibrate`` of the in-memory merge and
   ``save_vision_model`` of the result.
 - featcal (the library calls of ``featcal merge`` and ``featcal calibrate``): open and check the base
-  and experts (``Checkpoint``, ``check_compatible``, ``check_finite``), ``task_arithmetic``, check,
+  and experts (``Checkpoint``, ``check_compatible``, ``check_finite_state``), ``task_arithmetic``, check,
   ``save_vision_model``; then open and check them again, ``check_vision_folder`` of the merge and
   ``featcal_calibrate_folder`` (the merge's encoder layers read, calibrated and written one at a time).
 
@@ -208,11 +208,10 @@ def run_featcal(workdir: Path, tasks: int, images: int, batch_size: int, out: Pa
     from featcal.allocator import keep_freed_memory_for_reuse
     from featcal.calibration import FeatCalParams
     from featcal.calibration.streaming import featcal_calibrate_folder
-    from featcal.checkpoint import Checkpoint, check_compatible
-    from featcal.inputs import check_vision_folder
-    from featcal.io import save_vision_model
+    from featcal.checkpoint import Checkpoint, check_compatible, check_finite_state
+    from featcal.families.clip_vision import FAMILY
+    from featcal.families.clip_vision.folders import check_vision_folder, save_vision_model, vision_checkpoint
     from featcal.merging import get_method
-    from featcal.pipeline import check_finite
 
     keep_freed_memory_for_reuse()  # as every featcal command does
     names = _task_names(tasks)
@@ -221,9 +220,9 @@ def run_featcal(workdir: Path, tasks: int, images: int, batch_size: int, out: Pa
 
     def open_inputs() -> tuple[Checkpoint, dict[str, Checkpoint]]:
         """The model part of ``resolve_inputs``: open and check the base and the experts."""
-        base = Checkpoint(workdir / "base", name="base model")
+        base = vision_checkpoint(workdir / "base", name="base model")
         base.check_finite()
-        experts = {n: Checkpoint(workdir / "experts" / n, name=f"Expert for task {n!r}") for n in names}
+        experts = {n: vision_checkpoint(workdir / "experts" / n, name=f"Expert for task {n!r}") for n in names}
         check_compatible(base, experts)
         for expert in experts.values():
             expert.check_finite()
@@ -234,7 +233,7 @@ def run_featcal(workdir: Path, tasks: int, images: int, batch_size: int, out: Pa
         method = get_method("task_arithmetic")
         params = method.resolved_params(scaling_factor=SCALING_FACTOR)
         state = method(base, [experts[n] for n in names], device=device, **params)
-        check_finite(state, "The task_arithmetic merge")
+        check_finite_state(state, "The task_arithmetic merge")
         save_vision_model(state, CLIPVisionConfig.from_pretrained(str(workdir / "base")), out / "ta")
 
     def calibrate() -> None:
@@ -242,13 +241,14 @@ def run_featcal(workdir: Path, tasks: int, images: int, batch_size: int, out: Pa
         check_vision_folder(out / "ta", base)
         params = FeatCalParams(num_calibration_examples=images, calibration_batch_size=batch_size)
         featcal_calibrate_folder(  # one encoder layer in memory at a time, written as it is done
+            FAMILY,
             out / "ta",
             out / "featcal-ta",
             base,
             experts,
             lambda name: _images(names.index(name), images, size),
             params,
-            vision_config=CLIPVisionConfig.from_pretrained(str(workdir / "base")),
+            config=CLIPVisionConfig.from_pretrained(str(workdir / "base")),
             device=device,
             progress=False,
         )

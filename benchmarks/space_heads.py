@@ -41,7 +41,7 @@ def main() -> None:
     import torch
     from transformers import CLIPConfig, CLIPModel
 
-    from featcal.evaluation import ZeroShotClassifier
+    from featcal.families.clip_vision.evaluation import ZeroShotClassifier
     from featcal.space.heads import task_heads
     from featcal.suites import suite_table
     from tests.support.builders import byte_level_tokenizer

@@ -43,11 +43,11 @@ def _calibrate(workdir: Path, tasks: int, sizes: list[int], way: str, threads: i
 
     from featcal.calibration import FeatCalParams, featcal_calibrate
     from featcal.calibration.sweep import featcal_calibrate_many
-    from featcal.checkpoint import Checkpoint
+    from featcal.families.clip_vision.folders import vision_checkpoint
 
     torch.set_num_threads(threads)
-    base = Checkpoint(workdir / "base")
-    experts = {f"t{i}": Checkpoint(workdir / "experts" / f"t{i}") for i in range(tasks)}
+    base = vision_checkpoint(workdir / "base")
+    experts = {f"t{i}": vision_checkpoint(workdir / "experts" / f"t{i}") for i in range(tasks)}
     merged = CLIPVisionModel.from_pretrained(str(workdir / "merged")).eval()
     generator = torch.Generator().manual_seed(0)
     pixels = {task: torch.randn(max(sizes), 3, 224, 224, generator=generator) for task in experts}

@@ -312,7 +312,7 @@ def _first(lines: list[tuple[float, str]], pattern: str, nth: int = 0) -> float 
 def stage_windows(result: dict, timings: dict[str, float], merge_method: str = "task_arithmetic") -> list[dict]:
     """[start, end) of each stage on the child's clock, from the progress lines that end the
     evaluations, the calibration and the export, and the durations in ``timings.json``."""
-    from featcal.runfolder import calibrated_stage_name, merged_stage_name
+    from featcal.runfolder.layout import calibrated_stage_name, merged_stage_name
 
     lines, end = result["stderr"], result["wall_s"]
     merged, calibrated = merged_stage_name(merge_method), calibrated_stage_name(merge_method)

@@ -35,11 +35,12 @@ def _child(tasks_file: str, base: str | None, threads: int) -> None:
 
     torch.set_num_threads(threads)
     from featcal.calibration import featcal_calibrate
-    from featcal.data import calibration_pixels
     from featcal.devices import resolve_device
-    from featcal.evaluation import ZeroShotClassifier, load_base_clip
-    from featcal.inputs import build_vision_model, resolve_inputs
+    from featcal.families.clip_vision.evaluation import ZeroShotClassifier, load_base_clip
+    from featcal.families.clip_vision.folders import build_vision_model
+    from featcal.families.clip_vision.images import calibration_pixels
     from featcal.pipeline import merge
+    from featcal.resolve import resolve_inputs
     from featcal.spec import RunSpec
 
     spec = RunSpec(tasks_file=tasks_file, base_model_id=base, eval_num_workers=0, progress=False)

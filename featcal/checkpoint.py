@@ -1,7 +1,8 @@
-"""Memory-mapped, read-only access to the vision-tower tensors of a safetensors checkpoint.
+"""Memory-mapped, read-only access to the tensors of a safetensors checkpoint.
 
 A :class:`Checkpoint` reads one tensor at a time, so merging methods and the calibration engine can
-stream experts without ever holding a whole model in memory.
+stream experts without ever holding a whole model in memory. A model family names the part of a
+checkpoint it merges by a key prefix (CLIP's vision tower is ``vision_model.`` in a ``CLIPModel``).
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from featcal.errors import FeatcalError, ModelInputError
+from featcal.files.model_folders import WEIGHTS, WEIGHTS_INDEX
 
-VISION_PREFIX = "vision_model."
-_INDEX_NAME = "model.safetensors.index.json"
-_SINGLE_NAME = "model.safetensors"
+StateDict = Mapping[str, torch.Tensor]  # a dict of tensors, or a Checkpoint read lazily
 
 
 def _weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a `save_pretrained` folder (single file or sharded)."""
-    index = folder / _INDEX_NAME
+    index = folder / WEIGHTS_INDEX
     if index.is_file():
         try:
             names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
@@ -41,7 +42,7 @@ def _weight_files(folder: Path) -> list[Path]:
                 "reads safetensors only and never loads pickles: save the model again with `save_pretrained`.",
             )
         return files
-    single = folder / _SINGLE_NAME
+    single = folder / WEIGHTS
     if single.is_file():
         return [single]
     if folder.is_file() and folder.suffix == ".safetensors":
@@ -57,17 +58,21 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 class Checkpoint(Mapping[str, torch.Tensor]):
-    """The vision-tower tensors of a checkpoint, keyed without the ``vision_model.`` prefix.
+    """The tensors of a checkpoint (those under ``prefix``, keyed without it, when it has any).
 
-    Accepts a `CLIPModel` or `CLIPVisionModel` folder, or a bare ``.safetensors`` file. Tensors are
+    Accepts a ``save_pretrained`` folder (one weights file or shards with an index), or a bare
+    ``.safetensors`` file. With ``prefix`` (CLIP's ``"vision_model."``) a checkpoint that has keys
+    under it is read as that part alone (a ``CLIPModel``'s vision tower), and one that has none as it
+    is (a ``CLIPVisionModel``). Tensors are
     read lazily, one at a time; nothing is cached. A file is open (memory-mapped) only while it is
     read: by one ``ckpt[key]``, or for the whole of a ``with ckpt.reading():`` block. Pages a
     long-lived mapping has touched count in the process's RSS, so a checkpoint kept for a whole run
     would hold every tensor it ever read (3 GB for a base and eight ViT-B/32 experts).
     """
 
-    def __init__(self, path: str | Path, *, name: str | None = None) -> None:
+    def __init__(self, path: str | Path, *, name: str | None = None, prefix: str = "", part: str = "tensors") -> None:
         self.path = Path(path)
+        self.part = part  # what the tensors are, for messages ("vision tower")
         self.name = name or str(path)
         self.files = _weight_files(self.path)
         raw: dict[str, int] = {}
@@ -84,13 +89,13 @@ class Checkpoint(Mapping[str, torch.Tensor]):
                     f"{self.name}: {file} is not a readable safetensors file ({exc}); it may be truncated or "
                     "damaged: download or save it again.",
                 ) from None
-        has_prefix = any(k.startswith(VISION_PREFIX) for k in raw)
+        has_prefix = bool(prefix) and any(k.startswith(prefix) for k in raw)
         self._where: dict[str, tuple[int, str]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         for key, i in raw.items():
-            if has_prefix and not key.startswith(VISION_PREFIX):
+            if has_prefix and not key.startswith(prefix):
                 continue
-            name = key[len(VISION_PREFIX) :] if has_prefix else key
+            name = key[len(prefix) :] if has_prefix else key
             self._where[name] = (i, key)
             self._shapes[name] = shapes[key]
         if not self._where:
@@ -155,11 +160,11 @@ def _finite(tensor: torch.Tensor) -> bool:
 
 
 def check_same_architecture(base: Checkpoint, shapes: Mapping[str, tuple[int, ...]], what: str, ref: str) -> None:
-    """Raise naming ``what`` when its tensor names or shapes differ from the base's vision tower.
+    """Raise naming ``what`` when its tensor names or shapes differ from the base's.
 
     Args:
-        base: The base model's vision tower.
-        shapes: The other model's tensor shapes by name (without the ``vision_model.`` prefix).
+        base: The base model's tensors (the part its family merges).
+        shapes: The other model's tensor shapes by name (as the base's are keyed).
         what: How to name the other model, e.g. ``"Expert for task 'mnist' (…)"``.
         ref: The other model's path or id, carried by the error.
 
@@ -172,7 +177,7 @@ def check_same_architecture(base: Checkpoint, shapes: Mapping[str, tuple[int, ..
         extra = sorted(keys - base_keys)[:3]
         raise ModelInputError(
             ref,
-            f"{what} does not match the base model's vision tower: missing {missing}, unexpected {extra}. "
+            f"{what} does not match the base model's {base.part}: missing {missing}, unexpected {extra}. "
             "It must be fine-tuned or merged from the base model (same architecture and parameter names).",
         )
     for key in sorted(base_keys):
@@ -189,3 +194,36 @@ def check_compatible(base: Checkpoint, experts: Mapping[str, Checkpoint]) -> Non
     for expert in experts.values():
         shapes = {key: expert.shape(key) for key in expert}
         check_same_architecture(base, shapes, expert.name, str(expert.path))
+
+
+def check_finite_state(state: Mapping[str, torch.Tensor], what: str) -> None:
+    """Raise naming the first non-finite tensor of a result computed from finite inputs (a merge, a calibration).
+
+    Raises:
+        FeatcalError: naming ``what`` and the tensor.
+    """
+    for key, value in state.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise FeatcalError(f"{what}: tensor {key!r} is not finite, although every input is.")
+
+
+@contextmanager
+def reading_state(source: StateDict) -> Iterator[StateDict]:
+    """``source`` for a block of reads: a :class:`Checkpoint`'s files stay mapped for the block and
+    are unmapped after, so memory stays flat in the number of experts."""
+    if isinstance(source, Checkpoint):
+        with source.reading():
+            yield source
+    else:
+        yield source
+
+
+def load_params(module: nn.Module, source: StateDict, prefix: str) -> None:
+    """Copy ``source[prefix + name]`` into each parameter and buffer of ``module`` (strict)."""
+    with reading_state(source) as tensors:
+        with torch.no_grad():
+            for name, current in module.state_dict().items():
+                key = prefix + name
+                if key not in tensors:
+                    raise FeatcalError(f"Checkpoint has no tensor {key!r} needed for calibration.")
+                current.copy_(tensors[key])

@@ -1,36 +1,30 @@
-"""Task datasets and their images as tensors: loading, calibration subsets and evaluation loaders.
+"""Task datasets: one split of a Hub dataset or a local parquet folder, and the calibration subset's rows.
 
 A task's dataset is a Hub dataset id or a local folder in the Hub's parquet layout; which one it is,
-and whether the Hub may be asked, is decided by :mod:`featcal.hub`.
+and whether the Hub may be asked, is decided by :mod:`featcal.hub`. What a family reads from a split's
+rows (images and labels, texts) is the family's.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
-from PIL import Image
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
-from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError
-from featcal.hub import (
-    OFFLINE_HINT,
-    download_failure,
-    gated_repo_message,
-    hub_reachable,
-    is_hub_id,
-    is_offline,
-    local_path,
-    retry_transient,
-)
-from featcal.tasks import Task
+from featcal.fingerprints import dataset_fingerprint
+from featcal.hub.connection import OFFLINE_HINT, hub_reachable, is_offline
+from featcal.hub.downloads import download_failure, gated_repo_message
+from featcal.hub.refs import is_hub_id, local_path
+from featcal.hub.retries import retry_transient
+
+if TYPE_CHECKING:
+    from featcal.families.base import ModelFamily
+    from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
-
-ImageProcessor = Callable[..., dict]
 
 
 def load_dataset_split(path: str, split: str, *, name: str | None = None, task: str = "?"):
@@ -111,228 +105,52 @@ def load_dataset_split(path: str, split: str, *, name: str | None = None, task: 
         raise DatasetInputError(task, path, f"Task {task!r}: {message}") from None
 
 
-def load_task_split(task: Task, split: str):
-    """The ``train`` or ``test`` split of a task's dataset, with its columns checked."""
-    spec = task.dataset
-    split_name = spec.train_split if split == "train" else spec.test_split
-    ds = load_dataset_split(spec.path, split_name, name=spec.name, task=task.name)
-    missing = [c for c in (spec.image_column, spec.label_column) if c not in ds.column_names]
-    if missing:
-        raise DatasetInputError(
-            task.name,
-            spec.path,
-            f"Task {task.name!r}: dataset {spec.path!r} split {split_name!r} has no column(s) {missing}; "
-            f"it has {ds.column_names}. Set image_column/label_column in the tasks file.",
-        )
-    if len(ds) == 0:
-        raise DatasetInputError(
-            task.name, spec.path, f"Task {task.name!r}: split {split_name!r} of {spec.path!r} is empty."
-        )
-    return with_decoded_images(ds, spec.image_column)
-
-
-def with_decoded_images(ds, column: str):
-    """``ds`` with its image column decoded as PIL images.
-
-    Parquet written by ``datasets`` records the column as an ``Image`` feature; parquet written by
-    pyarrow directly (or other tools) holds the same ``{bytes, path}`` structs without that record.
-    """
-    import datasets
-
-    feature = ds.features[column]
-    if isinstance(feature, dict) and set(feature) == {"bytes", "path"}:
-        return ds.cast_column(column, datasets.Image())
-    return ds
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """Any PIL image (grayscale, palette, RGBA, CMYK, 16-bit) as 8-bit RGB."""
-    if image.mode == "RGB":
-        return image
-    if image.mode in {"I;16", "I;16B", "I;16L", "I"}:
-        arr = torch.from_numpy(np.asarray(image, dtype=np.float32))
-        hi = float(arr.max()) or 1.0
-        image = Image.fromarray((arr / hi * 255).clamp(0, 255).byte().numpy())
-    if image.mode in {"RGBA", "LA", "P", "PA"}:
-        rgba = image.convert("RGBA")
-        canvas = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(canvas, rgba).convert("RGB")
-    return image.convert("RGB")
-
-
-def pixel_values(processor: ImageProcessor, images: list[Image.Image]) -> torch.Tensor:
-    """Pixel tensors [N, C, H, W] for a list of PIL images."""
-    return processor(images=[to_rgb(im) for im in images], return_tensors="pt")["pixel_values"]
-
-
 def calibration_indices(num_rows: int, n: int, seed: int) -> list[int]:
     """The first ``n`` rows of the split after one shuffle with ``seed``."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randperm(num_rows, generator=generator)[:n].tolist()
 
 
-def calibration_pixels(
-    task: Task, processor: ImageProcessor, n: int, seed: int, batch_size: int = 64, *, world: World = SINGLE
-) -> torch.Tensor:
-    """The calibration images of a task, from its train split only, as pixel tensors.
+@dataclass
+class DatasetFacts:
+    """What validation learnt about the tasks' datasets: each split's identity, and the calibration
+    images each task will use when its train split holds fewer than asked for."""
 
-    Args:
-        task: The task.
-        processor: The base's image processor.
-        n: Images to use (all of the split when it has fewer).
-        seed: The seed of the shuffle that picks them.
-        batch_size: Images per call of the processor.
-        world: Under torchrun, this process's contiguous part of the images (:meth:`World.part`).
+    fingerprints: dict[str, dict[str, str]]
+    calibration_counts: dict[str, int]
 
-    Returns:
-        ``[n, 3, H, W]`` pixels, or this process's part of them.
+
+def validate_datasets(
+    family: ModelFamily,
+    tasks: list[Task],
+    splits: tuple[str, ...] = ("train", "test"),
+    *,
+    calibration_examples: int | None = None,
+    allow_fewer: bool = False,
+) -> DatasetFacts:
+    """Load each task's splits once, so a missing split or column, an example the family cannot read
+    (a label outside the task's classes), or a train split smaller than ``calibration_examples`` fails
+    before anything is written.
 
     Raises:
-        DatasetInputError: the split cannot be loaded, or has fewer images than there are processes.
+        DatasetInputError: naming the task, the split and the fix.
     """
-    ds = load_task_split(task, "train")
-    if n > len(ds) and world.is_main:
-        logger.warning(
-            "Task %s: asked for %d calibration images, the train split has %d; using all.", task.name, n, len(ds)
-        )
-    rows = calibration_indices(len(ds), n, seed)
-    if len(rows) < world.size:
-        raise DatasetInputError(
-            task.name,
-            task.dataset.path,
-            f"Task {task.name!r}: its {len(rows)} calibration image(s) cannot be split over {world.size} processes; "
-            f"start at most {len(rows)} processes.",
-        )
-    rows = rows[world.part(len(rows))]
-    column = task.dataset.image_column
-    chunks = []
-    for start in range(0, len(rows), batch_size):
-        batch = ds.select(rows[start : start + batch_size])[column]
-        chunks.append(pixel_values(processor, batch))
-    return torch.cat(chunks)
-
-
-class LabelledImages(Dataset):
-    """(image, label) pairs from a Hub-format dataset split; :class:`PixelBatch` makes the pixels."""
-
-    def __init__(self, dataset, image_column: str, label_column: str) -> None:
-        self.dataset = dataset
-        self.image_column = image_column
-        self.label_column = label_column
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
-        row = self.dataset[index]
-        return row[self.image_column], int(row[self.label_column])
-
-
-class PixelBatch:
-    """The collate function: one call of the image processor on the whole batch, and the labels.
-
-    Runs in the data-loading workers when there are any; picklable for them.
-    """
-
-    def __init__(self, processor: ImageProcessor) -> None:
-        self.processor = processor
-
-    def __call__(self, rows: list[tuple[Image.Image, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        images, labels = zip(*rows)
-        return pixel_values(self.processor, list(images)), torch.tensor(labels, dtype=torch.int64)
-
-
-# Worker processes cost about a second to start and pay off only on larger test sets.
-MIN_IMAGES_FOR_WORKERS = 1024
-
-
-class _TaskBatches(Sampler[list[int]]):
-    """Batches of one task's rows of a :class:`ConcatDataset`, in order; the task is switchable.
-
-    Under torchrun, batch ``i`` of a task is rank ``i mod world size``'s: each process sees the very
-    batches one process would, so per-batch results do not depend on the number of processes.
-    """
-
-    def __init__(self, offsets: Sequence[int], sizes: Sequence[int], batch_size: int, world: World = SINGLE) -> None:
-        self.offsets, self.sizes, self.batch_size, self.world = list(offsets), list(sizes), batch_size, world
-        self.task = 0
-
-    def _all(self, task: int) -> Iterator[tuple[int, list[int]]]:
-        start, size = self.offsets[task], self.sizes[task]
-        for index, first in enumerate(range(0, size, self.batch_size)):
-            yield index, list(range(start + first, start + min(first + self.batch_size, size)))
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return (rows for index, rows in self._all(self.task) if self.world.owns(index))
-
-    def __len__(self) -> int:
-        return sum(1 for index, _ in self._all(self.task) if self.world.owns(index))
-
-    def rows(self, task: int) -> int:
-        """How many of ``task``'s images this process sees."""
-        return sum(len(rows) for index, rows in self._all(task) if self.world.owns(index))
-
-
-class TestImages:
-    """Every task's test images (the first ``max_samples`` of each) behind one data loader.
-
-    Its worker processes start once and serve every evaluation of a run (zero-shot, experts, merged,
-    calibrated), instead of once per task and stage; below :data:`MIN_IMAGES_FOR_WORKERS` images in
-    all, the main process loads them itself. With ``pin_memory`` (a CUDA device) batches arrive in
-    page-locked memory for non-blocking copies.
-
-    Args:
-        tasks: The tasks; each one's test split is loaded and checked once.
-        processor: The image processor, applied to a batch at a time in the loader.
-        batch_size: Images per batch (a batch never mixes tasks).
-        num_workers: Data-loading worker processes for large test sets.
-        max_samples: Only the first N test images of each task.
-        pin_memory: Page-locked batches.
-        world: Under torchrun, this process's batches only (every ``world.size``-th batch of a task).
-    """
-
-    def __init__(
-        self,
-        tasks: Sequence[Task],
-        processor: ImageProcessor,
-        *,
-        batch_size: int,
-        num_workers: int = 0,
-        max_samples: int | None = None,
-        pin_memory: bool = False,
-        world: World = SINGLE,
-    ) -> None:
-        parts = []
-        for task in tasks:
-            ds = load_task_split(task, "test")
-            if max_samples is not None:
-                ds = ds.select(range(min(max_samples, len(ds))))
-            parts.append(LabelledImages(ds, task.dataset.image_column, task.dataset.label_column))
-        self.index = {task.name: i for i, task in enumerate(tasks)}
-        sizes = [len(part) for part in parts]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.sizes = dict(zip(self.index, sizes))
-        self._batches = _TaskBatches(offsets, sizes, batch_size, world)
-        workers = num_workers if sum(sizes) >= MIN_IMAGES_FOR_WORKERS else 0
-        self.loader = DataLoader(
-            ConcatDataset(parts),
-            batch_sampler=self._batches,
-            num_workers=workers,
-            collate_fn=PixelBatch(processor),
-            pin_memory=pin_memory,
-            persistent_workers=workers > 0,
-        )
-
-    @property
-    def batch_size(self) -> int:
-        """Test images per batch."""
-        return self._batches.batch_size
-
-    def local_size(self, task: Task) -> int:
-        """How many of ``task``'s test images this process evaluates (all of them for one process)."""
-        return self._batches.rows(self.index[task.name])
-
-    def batches(self, task: Task) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``(pixels, labels)`` batches of ``task``'s test images (this process's), in order."""
-        self._batches.task = self.index[task.name]
-        return iter(self.loader)
+    fingerprints: dict[str, dict[str, str]] = {}
+    fewer: dict[str, int] = {}
+    for task in tasks:
+        for split in splits:
+            dataset = family.load_split(task, split)
+            family.check_split(task, dataset, split)
+            fingerprints.setdefault(task.name, {})[split] = dataset_fingerprint(dataset)
+            if split == "train" and calibration_examples is not None and len(dataset) < calibration_examples:
+                if not allow_fewer:
+                    raise DatasetInputError(
+                        task.name,
+                        task.dataset.path,
+                        f"Task {task.name!r}: the train split of {task.dataset.path} has {len(dataset)} "
+                        f"{family.noun}s, fewer than the {calibration_examples} calibration {family.noun}s asked for: "
+                        "lower "
+                        "`num_calibration_examples`, or set `allow_fewer_calibration_examples` to use them all.",
+                    )
+                fewer[task.name] = len(dataset)
+    return DatasetFacts(fingerprints, fewer)

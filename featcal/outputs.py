@@ -1,6 +1,6 @@
 """Checks of where a command will write, made before any heavy work.
 
-Every folder featcal writes appears whole, replacing what was there (:func:`featcal.io.atomic_folder`).
+Every folder featcal writes appears whole, replacing what was there (:func:`featcal.files.atomic.atomic_folder`).
 So a command checks first that what it would replace is its own kind of output: a missing or empty
 folder, or one holding only the files that kind of output has; never a file, never one of the
 command's own inputs, never a folder that holds or lies inside an input.
@@ -115,7 +115,7 @@ def check_run_output_folder(out: Path) -> None:
     """
     if out.exists() and not out.is_dir():
         raise InvalidParameterError("output_dir", str(out), "a folder, not an existing file")
-    from featcal.runfolder import RUN_CONFIG
+    from featcal.runfolder.layout import RUN_CONFIG
 
     if out.is_dir() and not (out / RUN_CONFIG).is_file():
         visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))

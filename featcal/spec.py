@@ -201,7 +201,7 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     """
     import yaml
 
-    from featcal.io import read_text_input
+    from featcal.files.reading import read_text_input
 
     path = Path(path).expanduser()
     text = read_text_input(path, "Recipe")

@@ -18,12 +18,11 @@ from typing import Any
 import yaml
 
 from featcal.errors import FeatcalError, UnknownNameError
-from featcal.hub import local_path
-from featcal.io import read_text_input
+from featcal.files.reading import read_text_input
+from featcal.hub.refs import local_path
+from featcal.metrics import RESERVED_TASK_NAMES
 
 BUILTIN_TABLE = "ta8_tasks.json"
-# The keys a metrics report keeps beside its tasks (featcal.runfolder.REPORT_KEYS).
-RESERVED_TASK_NAMES = frozenset({"average", "model_info", "run_id", "calibration_examples_used"})
 
 
 @dataclass(frozen=True)
@@ -38,9 +37,13 @@ class DatasetSpec:
     label_column: str = "label"
 
 
+DEFAULT_FAMILY = "clip_vision"  # the model family of a task whose entry names none
+
+
 @dataclass(frozen=True)
 class Task:
-    """One classification task: its data, zero-shot prompts and (optionally) its expert."""
+    """One task: its data, its family's description of it (for CLIP: class names and zero-shot
+    prompts) and (optionally) its expert."""
 
     name: str
     dataset: DatasetSpec
@@ -49,6 +52,7 @@ class Task:
     expert: str | None = None
     reference_accuracy: Mapping[str, float] = field(default_factory=dict)
     reference_source: str | None = None
+    family: str = DEFAULT_FAMILY
 
     def prompts(self, classname: str) -> list[str]:
         """The task's templates filled with one class name."""
@@ -62,6 +66,8 @@ class Task:
         data["reference_accuracy"] = dict(self.reference_accuracy)
         if self.reference_source is None:  # absent rather than null: tables without one record as before
             data.pop("reference_source")
+        if self.family == DEFAULT_FAMILY:  # likewise: a CLIP task's entry names no family
+            data.pop("family")
         return data
 
 
@@ -118,7 +124,9 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     where = f"task {name!r} in {source}"
     if not isinstance(entry, Mapping):
         raise FeatcalError(f"{where}: expected a mapping, got {type(entry).__name__}.")
-    unknown = set(entry) - {"dataset", "classnames", "templates", "expert", "reference_accuracy", "reference_source"}
+    unknown = set(entry) - {
+        "dataset", "classnames", "templates", "expert", "reference_accuracy", "reference_source", "family"
+    }  # fmt: skip
     if unknown:
         raise FeatcalError(f"{where}: unknown field(s) {sorted(unknown)}.")
     dataset = entry.get("dataset")
@@ -158,7 +166,11 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     source = entry.get("reference_source")
     if source is not None and not isinstance(source, str):
         raise FeatcalError(f"{where}: 'reference_source' must say in words where the reference accuracies come from.")
+    family = entry.get("family", DEFAULT_FAMILY)
+    if not isinstance(family, str):
+        raise FeatcalError(f"{where}: 'family' must name a model family (e.g. {DEFAULT_FAMILY}).")
     return Task(
+        family=family,
         name=name,
         dataset=spec,
         classnames=tuple(classnames),

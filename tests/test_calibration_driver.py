@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 from transformers import CLIPImageProcessor, CLIPVisionModel
 
 from featcal.calibration import FeatCalParams, featcal_calibrate
-from featcal.checkpoint import Checkpoint
-from featcal.data import calibration_pixels
+from featcal.families.clip_vision.folders import vision_checkpoint
+from featcal.families.clip_vision.images import calibration_pixels
 from featcal.merging import get_method
 from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
@@ -23,8 +23,8 @@ PUBLISHED_NOISE = 3.4e-4
 @pytest.fixture(scope="module")
 def fixture_run():
     table = load_task_file(FIXTURE / "tasks.json")
-    base = Checkpoint(FIXTURE / "base")
-    experts = {t: Checkpoint(FIXTURE / "experts" / t) for t in table.tasks}
+    base = vision_checkpoint(FIXTURE / "base")
+    experts = {t: vision_checkpoint(FIXTURE / "experts" / t) for t in table.tasks}
     merged_state = get_method("task_arithmetic")(base, list(experts.values()), scaling_factor=0.3)
     merged = CLIPVisionModel.from_pretrained(str(FIXTURE / "experts" / "t0"))
     merged.load_state_dict(merged_state)
@@ -132,9 +132,9 @@ def test_in_place_calibration_gives_the_copy_s_weights_in_the_model_itself(fixtu
 def test_bf16_forwards_autocast_the_layers_alone(fixture_run, device, monkeypatch):
     """With forward_dtype=bfloat16 every layer forward runs under autocast, and the statistics products,
     task folds and solves never do; the weights move by a few percent of the update at most."""
-    from featcal.calibration.adapters import CLIPVisionAdapter
     from featcal.calibration.layer_state import LayerState
     from featcal.calibration.solves import LinearSystem
+    from featcal.families.clip_vision.adapter import CLIPVisionAdapter
 
     merged = fixture_run[2]
     device_type = torch.device(device).type

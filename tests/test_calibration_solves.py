@@ -1,9 +1,10 @@
 """FeatCal statistics and closed-form solves against analytic cases."""
 
+import pytest
 import torch
 
-from featcal.calibration.solves import LayerNormSystem, LinearSystem, anchor
-from featcal.calibration.statistics import LayerNormMoments, LinearMoments
+from featcal.calibration.solves import LayerNormSystem, LinearSystem, ScaleNormSystem, anchor
+from featcal.calibration.statistics import LinearMoments, NormMoments
 
 torch.manual_seed(0)
 
@@ -68,6 +69,44 @@ def test_weight_matches_lstsq_on_stacked_tasks():
     torch.testing.assert_close(weight, expected, atol=1e-9, rtol=1e-9)
 
 
+def layer_norm(dim: int, eps: float):
+    """A LayerNorm's normalisation without its affine, as an adapter describes it."""
+    return lambda x: torch.nn.functional.layer_norm(x, (dim,), eps=eps)
+
+
+def rms_norm(eps: float):
+    """An RMSNorm's normalisation without its scale: x / sqrt(mean(x²) + eps)."""
+    return lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_scale_norm_solve_matches_least_squares_per_dimension(offset):
+    """An RMSNorm's scale (γ = offset + w, Gemma's form with offset 1) against a per-dimension least-squares
+    oracle in float64, token weights (padding at 0) included."""
+    dim, lam, rho = 5, 0.2, 2.2
+    w_m, w_0 = torch.randn(dim, dtype=torch.float64), torch.randn(dim, dtype=torch.float64)
+    system = ScaleNormSystem.empty(dim, device="cpu")
+    rows, targets = [], []
+    for _ in range(3):
+        x = torch.randn(4, 7, dim, dtype=torch.float64) * 2 + 0.5
+        weights = (torch.rand(4, 7, dtype=torch.float64) > 0.3).double()  # some tokens are padding
+        m = NormMoments.zeros(dim)
+        m.add(x, rms_norm(1e-6), weights)
+        w_t = torch.randn(dim, dtype=torch.float64)
+        system.add_task(m, w_t + offset)
+        z = rms_norm(1e-6)(x).reshape(-1, dim)
+        root = (weights.reshape(-1, 1) / weights.sum()).sqrt()
+        rows.append(z * root)
+        targets.append(z * root * (w_t + offset))
+    a_w = anchor(w_m, w_0, rho)
+    weight = system.solve(a_w + offset, lam=lam, eps=0.0) - offset
+    for j in range(dim):  # min Σ_t E_w[(γ z − γ_t z)²] + λ (γ − A(γ))², with γ = offset + w
+        a = torch.cat([*(r[:, j : j + 1] for r in rows), lam**0.5 * torch.ones(1, 1, dtype=torch.float64)])
+        y = torch.cat([*(t[:, j] for t in targets), lam**0.5 * (a_w[j : j + 1] + offset)])
+        gamma = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze()
+        torch.testing.assert_close(weight[j], gamma - offset, atol=1e-9, rtol=1e-9)
+
+
 def test_layernorm_solve_matches_least_squares_per_dimension():
     dim, lam, rho = 5, 0.2, 2.0
     g_m, g_0, b_m, b_0 = (torch.randn(dim, dtype=torch.float64) for _ in range(4))
@@ -75,8 +114,8 @@ def test_layernorm_solve_matches_least_squares_per_dimension():
     zs, gammas, betas = [], [], []
     for _ in range(2):
         x = torch.randn(3, 20, dim, dtype=torch.float64) * 3 + 1
-        m = LayerNormMoments.zeros(dim)
-        m.add(x, 1e-5)
+        m = NormMoments.zeros(dim)
+        m.add(x, layer_norm(dim, 1e-5))
         g_t, b_t = torch.randn(dim, dtype=torch.float64), torch.randn(dim, dtype=torch.float64)
         system.add_task(m, g_t, b_t)
         zs.append(torch.nn.functional.layer_norm(x, (dim,), eps=1e-5).reshape(-1, dim))
@@ -102,11 +141,11 @@ def test_statistics_are_additive_across_batches():
     parts = moments(xs[:2], xe[:2], w) + moments(xs[2:5], xe[2:5], w) + moments(xs[5:], xe[5:], w)
     for name in ("sum_w", "sum_xs", "sum_xe", "sum_ss", "sum_se"):
         torch.testing.assert_close(getattr(parts, name), getattr(whole, name), rtol=1e-6, atol=1e-5)
-    ln_whole = LayerNormMoments.zeros(4)
-    ln_whole.add(xs, 1e-5, w)
-    ln_parts = LayerNormMoments.zeros(4)
+    ln_whole = NormMoments.zeros(4)
+    ln_whole.add(xs, layer_norm(4, 1e-5), w)
+    ln_parts = NormMoments.zeros(4)
     for chunk in (slice(0, 1), slice(1, 6)):
-        ln_parts.add(xs[chunk], 1e-5, w)
+        ln_parts.add(xs[chunk], layer_norm(4, 1e-5), w)
     torch.testing.assert_close(ln_parts.sum_z2, ln_whole.sum_z2, rtol=1e-6, atol=1e-5)
 
 

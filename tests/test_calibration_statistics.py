@@ -18,7 +18,7 @@ from featcal.calibration.statistics import (
     triangle_blocks,
 )
 from featcal.calibration.workspace import Workspace
-from featcal.checkpoint import Checkpoint
+from featcal.families.clip_vision.folders import vision_checkpoint
 from tests.support.builders import FIXTURE
 
 torch.manual_seed(0)
@@ -118,8 +118,8 @@ def test_the_general_solve_takes_lu_then_the_pseudo_inverse():
 def test_chunk_and_flush_sizes_do_not_change_the_result(monkeypatch, device):
     """Tiny statistics chunks (several products per task) and a flush after every chunk match one
     chunk per task to float32 rounding; so does another forward batch size."""
-    base = Checkpoint(FIXTURE / "base")
-    experts = {t: Checkpoint(FIXTURE / "experts" / t) for t in ("t0", "t1")}
+    base = vision_checkpoint(FIXTURE / "base")
+    experts = {t: vision_checkpoint(FIXTURE / "experts" / t) for t in ("t0", "t1")}
     merged = CLIPVisionModel.from_pretrained(str(FIXTURE / "experts" / "t2")).eval()
     gen = torch.Generator().manual_seed(0)
     pixels = {t: torch.randn(10, 3, 32, 32, generator=gen) for t in experts}
@@ -145,8 +145,8 @@ def test_tasks_with_different_image_counts_match_the_plain_implementation(device
 
     from tests.support.reference_featcal import plain_featcal
 
-    base = Checkpoint(FIXTURE / "base")
-    experts = {t: Checkpoint(FIXTURE / "experts" / t) for t in ("t0", "t1")}
+    base = vision_checkpoint(FIXTURE / "base")
+    experts = {t: vision_checkpoint(FIXTURE / "experts" / t) for t in ("t0", "t1")}
     merged = CLIPVisionModel.from_pretrained(str(FIXTURE / "experts" / "t2")).eval()
     gen = torch.Generator().manual_seed(1)
     pixels = {"t0": torch.randn(3, 3, 32, 32, generator=gen), "t1": torch.randn(11, 3, 32, 32, generator=gen)}

@@ -9,14 +9,14 @@ from safetensors.torch import load_file, save_file
 from transformers import CLIPImageProcessor, CLIPVisionModel
 
 from featcal.calibration import FeatCalParams, featcal_calibrate
-from featcal.calibration.adapters import CLIPVisionAdapter
 from featcal.calibration.streaming import CheckpointLayers, featcal_calibrate_folder
-from featcal.checkpoint import Checkpoint
-from featcal.data import calibration_pixels
 from featcal.errors import FeatcalError
-from featcal.io import save_vision_model, streamed_vision_model
+from featcal.families.clip_vision import FAMILY
+from featcal.families.clip_vision.adapter import CLIPVisionAdapter
+from featcal.families.clip_vision.folders import save_vision_model, streamed_vision_model, vision_checkpoint
+from featcal.families.clip_vision.images import calibration_pixels
+from featcal.files.safetensors_writer import SafetensorsWriter
 from featcal.merging import get_method
-from featcal.safetensors_writer import SafetensorsWriter
 from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
 
@@ -27,8 +27,8 @@ PARAMS = FeatCalParams(num_calibration_examples=12, calibration_batch_size=4)
 def merged_folder(tmp_path_factory):
     """The fixture's Task Arithmetic merge saved as a folder, with its experts and calibration images."""
     table = load_task_file(FIXTURE / "tasks.json")
-    base = Checkpoint(FIXTURE / "base")
-    experts = {t: Checkpoint(FIXTURE / "experts" / t) for t in table.tasks}
+    base = vision_checkpoint(FIXTURE / "base")
+    experts = {t: vision_checkpoint(FIXTURE / "experts" / t) for t in table.tasks}
     state = get_method("task_arithmetic")(base, list(experts.values()), scaling_factor=0.3)
     config = CLIPVisionModel.from_pretrained(str(FIXTURE / "base")).config
     folder = save_vision_model(state, config, tmp_path_factory.mktemp("merged") / "ta")
@@ -40,7 +40,7 @@ def merged_folder(tmp_path_factory):
 def _calibrate_folder(merged_folder, output, **kwargs):
     folder, config, base, experts, pixels = merged_folder
     featcal_calibrate_folder(
-        folder, output, base, experts, pixels.__getitem__, PARAMS, vision_config=config, progress=False, **kwargs
+        FAMILY, folder, output, base, experts, pixels.__getitem__, PARAMS, config=config, progress=False, **kwargs
     )
 
 
@@ -190,7 +190,8 @@ def test_a_layer_of_mixed_dtypes_is_loaded_tensor_by_tensor(tmp_path):
     save_file(values, str(tmp_path / "model.safetensors"))
     with torch.device("meta"):
         layer = Layer()
-    store = CheckpointLayers(Checkpoint(tmp_path / "model.safetensors"), None, torch.device("cpu"), CLIPVisionAdapter())
+    checkpoint = vision_checkpoint(tmp_path / "model.safetensors")
+    store = CheckpointLayers(checkpoint, None, torch.device("cpu"), CLIPVisionAdapter())
     store.load(0, layer)
     loaded = {f"encoder.layers.0.{k}": v for k, v in layer.state_dict().items()}
     assert all(torch.equal(loaded[k], values[k]) and loaded[k].dtype == values[k].dtype for k in values)

@@ -23,7 +23,8 @@ def weights(tmp_path) -> Path:
 
 
 def test_keys_shapes_and_reads_without_a_lasting_mapping(weights) -> None:
-    ckpt = Checkpoint(weights)
+    assert sorted(Checkpoint(weights)) == ["text.c", "vision_model.a", "vision_model.b"]
+    ckpt = Checkpoint(weights, prefix="vision_model.")  # the part under a prefix, keyed without it
     assert sorted(ckpt) == ["a", "b"] and ckpt.shape("a") == (4, 3)
     assert not mapped(weights)
     assert torch.equal(ckpt["a"], torch.ones(4, 3))

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import CLIPImageProcessor, CLIPVisionModel
 
 from featcal.cli import main
-from featcal.data import calibration_pixels
+from featcal.families.clip_vision.images import calibration_pixels
 from featcal.tasks import load_task_file
 
 FAST = [
@@ -330,6 +330,7 @@ def test_no_whole_model_is_held_during_a_run_s_calibration(run_dir, world, tmp_p
     import weakref
 
     import featcal.pipeline as pipeline
+    from featcal.families.clip_vision import ClipVisionFamily
 
     def live_towers() -> list:
         gc.collect()
@@ -344,14 +345,14 @@ def test_no_whole_model_is_held_during_a_run_s_calibration(run_dir, world, tmp_p
         whole_towers.extend(t for t in towers if all(p.device.type != "meta" for p in t.parameters()))
         return calibrate(*args, **kwargs)
 
-    checked, check_vision_folder = [], pipeline.check_vision_folder
+    checked, check_model_folder = [], ClipVisionFamily.check_model_folder
 
-    def recorded_check(path, base=None):
+    def recorded_check(family, path, base=None):
         checked.append(Path(path))
-        return check_vision_folder(path, base)
+        return check_model_folder(family, path, base)
 
     monkeypatch.setattr(pipeline, "calibrate", watched)
-    monkeypatch.setattr(pipeline, "check_vision_folder", recorded_check)
+    monkeypatch.setattr(ClipVisionFamily, "check_model_folder", recorded_check)
     argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(tmp_path / "run"), *FAST]
     argv += ["--device", "cpu", "--no-export"]
     if skip_ta:

@@ -11,7 +11,7 @@ import pytest
 from featcal.cli import main
 from featcal.cli.errors import hide_secrets
 from featcal.errors import FeatcalError, OutputPathError
-from featcal.io import replace_dir
+from featcal.files.atomic import replace_dir
 from featcal.outputs import check_output_file, check_output_folder
 
 CPU = ["--device", "cpu"]
@@ -272,12 +272,12 @@ def test_an_error_echoing_the_token_does_not_print_it(monkeypatch, capsys):
 
 
 def test_a_permission_error_is_one_line_with_status_2(world, tmp_path, capsys, monkeypatch):
-    import featcal.io
+    from featcal.families.clip_vision import folders
 
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(tmp_path / "m"))
 
-    monkeypatch.setattr(featcal.io, "save_vision_model", refuse)
+    monkeypatch.setattr(folders, "save_vision_model", refuse)
     code, err = run_error(
         capsys, ["merge", "--tasks-file", str(world["tasks_file"]), "--output", str(tmp_path / "m"), *CPU]
     )
@@ -363,7 +363,7 @@ def test_a_seed_too_large_for_the_generators_is_refused(tmp_path, capsys):
 
 
 def test_a_prompt_longer_than_the_text_tower_is_cut_to_its_positions(world):
-    from featcal.evaluation import ZeroShotClassifier, load_base_clip
+    from featcal.families.clip_vision.evaluation import ZeroShotClassifier, load_base_clip
 
     clip, tokenizer, _ = load_base_clip(world["base"])
     positions = clip.config.text_config.max_position_embeddings

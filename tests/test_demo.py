@@ -202,9 +202,10 @@ def micro_zoo(tmp_path_factory) -> Path:
 def test_zoo_layout_loads_with_featcal_loaders(micro_zoo):
     from transformers import CLIPModel, CLIPVisionModel
 
-    from featcal.checkpoint import Checkpoint, check_compatible
-    from featcal.data import load_task_split
-    from featcal.evaluation import load_base_clip
+    from featcal.checkpoint import check_compatible
+    from featcal.families.clip_vision.evaluation import load_base_clip
+    from featcal.families.clip_vision.folders import vision_checkpoint
+    from featcal.families.clip_vision.images import load_task_split
     from featcal.tasks import load_task_file
 
     table = load_task_file(micro_zoo / "tasks.json")
@@ -216,8 +217,8 @@ def test_zoo_layout_loads_with_featcal_loaders(micro_zoo):
         assert len(test) == MICRO.test_per_task and len(load_task_split(task, "train")) == MICRO.train_per_task
         assert test.features["label"].names == list(task.classnames)
         assert test[0]["image"].size == (32, 32)
-    base = Checkpoint(micro_zoo / "base")
-    check_compatible(base, {t: Checkpoint(micro_zoo / "experts" / t) for t in table.tasks})
+    base = vision_checkpoint(micro_zoo / "base")
+    check_compatible(base, {t: vision_checkpoint(micro_zoo / "experts" / t) for t in table.tasks})
     assert isinstance(CLIPVisionModel.from_pretrained(micro_zoo / "experts" / "digits"), CLIPVisionModel)
     clip, tokenizer, processor = load_base_clip(micro_zoo / "base")
     assert isinstance(clip, CLIPModel)

@@ -18,7 +18,12 @@ from safetensors.torch import load_file, save_file
 from featcal.cli import main
 from featcal.devices import resolve_device
 from featcal.errors import InvalidParameterError
-from featcal.evaluation import IMAGE_PROCESSOR, ZeroShotClassifier, load_base_clip, load_image_processor
+from featcal.families.clip_vision.evaluation import (
+    IMAGE_PROCESSOR,
+    ZeroShotClassifier,
+    load_base_clip,
+    load_image_processor,
+)
 from featcal.merging import available_methods, get_method
 from featcal.merging.registry import MethodRegistry, merge_method
 from featcal.precision import fixed_precision
@@ -59,10 +64,10 @@ def test_a_run_on_each_device_matches_the_cpu_run(world, tmp_path, cpu_run, devi
 
 @pytest.mark.parametrize("method", available_methods())
 def test_every_merging_method_computes_on_the_device(method: str, device) -> None:
-    from featcal.checkpoint import Checkpoint
+    from featcal.families.clip_vision.folders import vision_checkpoint
 
-    base = Checkpoint(FIXTURE / "base")
-    experts = [Checkpoint(FIXTURE / "experts" / f"t{i}") for i in range(3)]
+    base = vision_checkpoint(FIXTURE / "base")
+    experts = [vision_checkpoint(FIXTURE / "experts" / f"t{i}") for i in range(3)]
     params = {"iterations": 5} if method == "wudi" else {}
     on_cpu = get_method(method)(base, experts, **params)
     on_device = get_method(method)(base, experts, device=device, **params)

@@ -11,15 +11,16 @@ import pytest
 import torch
 from transformers import CLIPImageProcessor, CLIPVisionModel
 
-from featcal.calibration.adapters import CLIPVisionAdapter
-from featcal.checkpoint import Checkpoint
 from featcal.cli import main
-from featcal.data import calibration_pixels
 from featcal.diagnostics.drift import POOLED, measure_drift
 from featcal.diagnostics.report import CALIBRATED, MERGED, DriftReport, read_report
 from featcal.errors import FeatcalError, RunFolderError
+from featcal.families.clip_vision.adapter import CLIPVisionAdapter
+from featcal.families.clip_vision.folders import vision_checkpoint
+from featcal.families.clip_vision.images import calibration_pixels
 from featcal.release import check_release
-from featcal.runfolder import DIAGNOSTICS, DIAGNOSTICS_PLOT, RUN_CONFIG, read_run
+from featcal.runfolder.layout import DIAGNOSTICS, DIAGNOSTICS_PLOT, RUN_CONFIG
+from featcal.runfolder.reader import read_run
 from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
 
@@ -43,7 +44,7 @@ def run_dir(tmp_path_factory, device):
 
 @pytest.fixture(scope="module")
 def experts():
-    return {t: Checkpoint(FIXTURE / "experts" / t) for t in TASKS}
+    return {t: vision_checkpoint(FIXTURE / "experts" / t) for t in TASKS}
 
 
 def expert_model(task: str) -> CLIPVisionModel:
@@ -101,10 +102,10 @@ class CountingAdapter(CLIPVisionAdapter):
         self.num_images = num_images
         self.most = 0
 
-    def run_layer(self, layer, hidden):
+    def run_layer(self, layer, hidden, context=None):
         if hidden.storage_offset() == 0:  # the first batch of a layer: count then
             self.count()
-        return super().run_layer(layer, hidden)
+        return super().run_layer(layer, hidden, context)
 
     def count(self) -> None:
         streams = [

@@ -18,11 +18,14 @@ from safetensors.torch import load_file
 
 import featcal.calibration.driver as driver
 from featcal.cli import main
-from featcal.data import _TaskBatches
 from featcal.distributed import SINGLE, World, launched, start
 from featcal.errors import InvalidParameterError
+from featcal.families.clip_vision.images import _TaskBatches
 from featcal.release.card import render_card
-from featcal.runfolder import PROCESSES, RUN_CONFIG, StageLedger, read_run, recipe_sha256, write_run_config
+from featcal.runfolder.layout import RUN_CONFIG
+from featcal.runfolder.ledger import StageLedger
+from featcal.runfolder.reader import read_run
+from featcal.runfolder.record import PROCESSES, recipe_sha256, write_run_config
 from tests.support.builders import FIXTURE
 
 REPO = Path(__file__).parents[1]

@@ -15,16 +15,10 @@ import featcal.cli.space
 import featcal.hub
 from featcal.data import load_dataset_split
 from featcal.errors import DatasetInputError, HubError, InvalidParameterError, ModelInputError
-from featcal.hub import (
-    HubFile,
-    check_repo_id,
-    download_failure,
-    is_hub_id,
-    local_files,
-    local_path,
-    resolve_model_folder,
-    retry_transient,
-)
+from featcal.hub.downloads import download_failure, resolve_model_folder
+from featcal.hub.refs import check_repo_id, is_hub_id, local_path
+from featcal.hub.retries import retry_transient
+from featcal.hub.verification import HubFile, local_files
 from featcal.release import export_release, push_release
 from featcal.space.publish import push_space
 from tests.support.hub_double import Account, HubDouble, isolate_from_the_real_hub

@@ -77,7 +77,11 @@ def _lazy_exports(tree: ast.AST) -> Iterator[str]:
             and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets)
             and isinstance(node.value, ast.Dict)
         ):
-            yield from (v.value for v in node.value.values if isinstance(v, ast.Constant) and isinstance(v.value, str))
+            for value in node.value.values:  # "name": "module", or **dict.fromkeys(names, "module")
+                if isinstance(value, ast.Call) and value.args:
+                    value = value.args[-1]
+                if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    yield value.value
 
 
 def import_graph(root: Path = PACKAGE, *, at_import_time: bool = False) -> dict[str, set[str]]:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from featcal.allocator import glibc, keep_freed_memory_for_reuse
+from featcal.devices import default_eval_batch_size
 from featcal.errors import FeatcalError
-from featcal.evaluation import ZeroShotClassifier, default_eval_batch_size, load_base_clip
+from featcal.families.clip_vision.evaluation import ZeroShotClassifier, load_base_clip
 from featcal.memory import MemoryMeter, host_peak_bytes
 from featcal.spec import RunSpec
 from featcal.tasks import load_task_file
@@ -174,7 +175,7 @@ def test_saving_a_model_writes_what_a_materialised_model_writes(tmp_path):
     """The same files, byte for byte, as loading the state into a real model and saving that."""
     from transformers import CLIPVisionModel
 
-    from featcal.io import save_vision_model
+    from featcal.families.clip_vision.folders import save_vision_model
 
     state, config = _fixture_state_and_config()
     save_vision_model(state, config, tmp_path / "lean")
@@ -189,7 +190,7 @@ def test_saving_a_model_makes_no_second_copy_of_its_weights(tmp_path, monkeypatc
     """The model that writes the folder holds no weights of its own (meta device)."""
     from transformers import CLIPVisionModel
 
-    from featcal.io import save_vision_model
+    from featcal.families.clip_vision.folders import save_vision_model
 
     devices = []
     original = CLIPVisionModel.save_pretrained
@@ -205,7 +206,7 @@ def test_saving_a_model_makes_no_second_copy_of_its_weights(tmp_path, monkeypatc
 
 
 def test_saving_a_state_of_another_model_is_refused_and_writes_nothing(tmp_path):
-    from featcal.io import save_vision_model
+    from featcal.families.clip_vision.folders import save_vision_model
 
     state, config = _fixture_state_and_config()
     del state["encoder.layers.0.mlp.fc1.weight"]

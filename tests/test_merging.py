@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from featcal.checkpoint import Checkpoint
 from featcal.cli import main
 from featcal.errors import FeatcalError, InvalidParameterError, UnknownNameError
+from featcal.families.clip_vision.folders import vision_checkpoint
 from featcal.merging import Range, available_methods, get_method, merge_method
 from featcal.merging.iso_c import isotropic
 from featcal.merging.registry import MethodRegistry
@@ -25,7 +26,7 @@ ALL_METHODS = ["iso_c", "simple_average", "task_arithmetic", "ties", "tsv", "wud
 
 @pytest.fixture(scope="module")
 def fixture_models() -> tuple[Checkpoint, list[Checkpoint]]:
-    return Checkpoint(F / "base"), [Checkpoint(F / "experts" / f"t{i}") for i in range(3)]
+    return vision_checkpoint(F / "base"), [vision_checkpoint(F / "experts" / f"t{i}") for i in range(3)]
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from featcal.release import check_release, export_release, read_run
 from featcal.release import export as export_module
 from featcal.release.manifest import tensors_sha256
 from featcal.release.published import published_config
-from featcal.runfolder import recipe_sha256
+from featcal.runfolder.record import recipe_sha256
 from tests.support.release_runs import CALIBRATED_ACC, FIXTURE, MERGED_ACC, make_run
 
 

@@ -1,25 +1,19 @@
 """The run folder module: stage names, the typed metrics report, and reading good and damaged folders."""
 
+import dataclasses
 import json
 import math
 
 import pytest
 
 from featcal.errors import FeatcalError, RunFolderError
-from featcal.runfolder import (
-    METRICS,
-    RUN_CONFIG,
-    MetricsReport,
-    TaskMetrics,
-    calibrated_stage_name,
-    merged_stage_name,
-    read_run,
-    recipe_sha256,
-    write_run_config,
-    write_stage_report,
-)
+from featcal.metrics import MetricsReport, TaskMetrics
+from featcal.runfolder.layout import METRICS, RUN_CONFIG, calibrated_stage_name, merged_stage_name
+from featcal.runfolder.reader import read_run
+from featcal.runfolder.record import SCHEMA, RunRecord, read_run_config, recipe_sha256, write_run_config
+from featcal.runfolder.reports import write_stage_report
 from featcal.tasks import parse_task_table
-from tests.support.release_runs import CALIBRATED_ACC, MERGED_ACC, make_run
+from tests.support.release_runs import CALIBRATED_ACC, MERGED_ACC, make_run, tiny_config, with_run_id
 
 
 def test_stage_names_keep_the_reference_runs_folders() -> None:
@@ -48,10 +42,43 @@ def test_a_task_cannot_be_named_like_a_report_key() -> None:
             parse_task_table({"tasks": {name: entry}})
 
 
-def test_run_config_holds_its_own_hash(tmp_path) -> None:
-    run_id = write_run_config(tmp_path, {"b": 1, "a": [2]})
+def a_record(**changes) -> RunRecord:
+    """A run record of two tasks, as `featcal run` writes one."""
+    record = RunRecord.from_json(tiny_config(), "run_config.json")
+    return dataclasses.replace(record, **changes)
+
+
+def test_run_config_holds_its_own_hash_and_schema(tmp_path) -> None:
+    record = a_record()
+    run_id = write_run_config(tmp_path, record)
     config = json.loads((tmp_path / RUN_CONFIG).read_text())
-    assert config["run_id"] == run_id == recipe_sha256(config)
+    assert config["run_id"] == run_id == recipe_sha256(config) == record.run_id
+    assert (config["schema"], config["family"]) == (SCHEMA, "clip_vision")
+    read = read_run_config(tmp_path / RUN_CONFIG, "run")
+    assert read.record == record and read.recipe_sha256 == run_id
+
+
+def test_the_record_round_trips_every_field() -> None:
+    record = a_record(seed=7, precision="bf16", suite="ta14", backbone="b16")
+    assert RunRecord.from_json(record.to_json()) == record
+    assert record.merge.merged_from is None and record.featcal.params.lambda_ratio == 0.05
+
+
+def test_a_record_without_schema_is_read_as_schema_1_and_keeps_its_hash(tmp_path) -> None:
+    legacy = with_run_id(tiny_config())  # the layout written before the schema was recorded
+    assert "schema" not in legacy and "family" not in legacy
+    (tmp_path / RUN_CONFIG).write_text(json.dumps(legacy))
+    read = read_run_config(tmp_path / RUN_CONFIG, "run")
+    assert read.recipe_sha256 == legacy["run_id"]  # the run's id is the file's own hash
+    assert read.record.schema == SCHEMA and read.record.family == "clip_vision"
+    assert read.record.to_json() | {"schema": 1} != legacy  # converted, not the same bytes
+
+
+def test_a_newer_schema_is_refused_in_one_line(tmp_path) -> None:
+    config = a_record().to_json() | {"schema": SCHEMA + 1}
+    (tmp_path / RUN_CONFIG).write_text(json.dumps(config))
+    with pytest.raises(RunFolderError, match=f"record schema {SCHEMA + 1}, newer than this featcal's .*upgrade"):
+        read_run_config(tmp_path / RUN_CONFIG, "run")
 
 
 def test_reads_a_good_run(tmp_path) -> None:

@@ -17,10 +17,10 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from featcal.data import load_task_split, pixel_values, to_rgb
 from featcal.errors import FeatcalError
-from featcal.evaluation import ZeroShotClassifier, load_base_clip
-from featcal.inputs import load_vision_folder
+from featcal.families.clip_vision.evaluation import ZeroShotClassifier, load_base_clip
+from featcal.families.clip_vision.folders import load_vision_folder
+from featcal.families.clip_vision.images import load_task_split, pixel_values, to_rgb
 from featcal.space import SpaceModel, SpaceSettings, classify, create_space, resolve_model_source
 from featcal.space.model import base_model_ref
 from featcal.suites import task_table

@@ -26,7 +26,7 @@ import pytest
 
 import featcal.cli
 from featcal.errors import FeatcalError
-from featcal.hub import local_files as list_space_files
+from featcal.hub.verification import local_files as list_space_files
 from featcal.space import SpaceModel, SpaceSettings
 from featcal.space.publish import push_space, space_source
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from featcal.data import load_task_split, to_rgb
+from featcal.families.clip_vision.images import load_task_split, to_rgb
 from featcal.space import SpaceSettings, create_space
 from featcal.suites import task_table
 

@@ -154,7 +154,7 @@ def test_the_record_names_suite_and_backbone_only_when_chosen():
 
 
 def test_explicit_models_still_win_over_the_backbone():
-    from featcal.inputs import expert_ref
+    from featcal.resolve import expert_ref
 
     table = task_table(suite="ta14", backbone="b16")
     assert expert_ref(table.tasks["pcam"], "/my/experts/{task}", table.expert_model_pattern) == "/my/experts/pcam"

@@ -8,9 +8,9 @@ from transformers import CLIPImageProcessor, CLIPVisionModel
 
 from featcal.calibration import FeatCalParams, featcal_calibrate
 from featcal.calibration.sweep import featcal_calibrate_many, setting_groups
-from featcal.checkpoint import Checkpoint
-from featcal.data import calibration_pixels
 from featcal.errors import FeatcalError
+from featcal.families.clip_vision.folders import vision_checkpoint
+from featcal.families.clip_vision.images import calibration_pixels
 from featcal.merging import get_method
 from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
@@ -28,8 +28,8 @@ TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def fixture_run():
     table = load_task_file(FIXTURE / "tasks.json")
-    base = Checkpoint(FIXTURE / "base")
-    experts = {t: Checkpoint(FIXTURE / "experts" / t) for t in table.tasks}
+    base = vision_checkpoint(FIXTURE / "base")
+    experts = {t: vision_checkpoint(FIXTURE / "experts" / t) for t in table.tasks}
     merged_state = get_method("task_arithmetic")(base, list(experts.values()), scaling_factor=0.3)
     merged = CLIPVisionModel.from_pretrained(str(FIXTURE / "experts" / "t0"))
     merged.load_state_dict(merged_state)

@@ -1,15 +1,16 @@
-"""Architecture knowledge for FeatCal, one adapter per model family; the driver knows none of it.
+"""What the calibration needs to know about a model's architecture, and the batches it feeds it.
 
-An adapter says how to get the first layer's input, how to run one layer, which submodules of a
-layer are calibrated (in forward order), how tokens are weighted, how a layer's parameters are
-named in a checkpoint, and (for the feature-drift diagnostics) how the pooled output the zero-shot
-heads read is made from the last layer's output.
+The driver (:mod:`featcal.calibration.driver`), the sweep and the feature-drift meter know no model:
+a model family gives them a :class:`LayerAdapter` (how to reach layer 0's input, run one layer with
+its per-batch context, which submodules to solve in firing order and how norms normalise, how tokens
+weigh) and :class:`CalibrationBatch` objects (the examples' tensors and the context every layer reads).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -17,110 +18,124 @@ from torch import nn
 
 @dataclass(frozen=True)
 class TokenWeighting:
-    """Per-token weights for one submodule: ``key`` identifies the profile, ``weights`` has one entry
-    per sequence position (``None`` means every token weighs 1)."""
+    """Per-position weights for one submodule: ``key`` identifies the profile, ``weights`` has one entry
+    per sequence position (``None`` means every position weighs 1). They multiply the batch's own token
+    weights (:attr:`CalibrationBatch.token_weights`)."""
 
     key: str
     weights: torch.Tensor | None
 
 
-class ArchitectureAdapter(Protocol):
-    """What the calibration driver needs to know about a model family."""
+@dataclass(frozen=True)
+class Normalization:
+    """How a normalisation submodule maps its input ``x`` to ``z`` before its affine, and that affine.
 
-    def tower(self, model: nn.Module) -> nn.Module: ...
-
-    def layers(self, model: nn.Module) -> nn.ModuleList: ...
-
-    def stem(self, model: nn.Module) -> nn.Module: ...
-
-    def stem_prefixes(self) -> tuple[str, ...]: ...
-
-    def layer_prefix(self, index: int) -> str: ...
-
-    def run_stem(self, stem: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor: ...
-
-    def run_layer(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    def head(self, model: nn.Module) -> nn.Module: ...
-
-    def head_prefix(self) -> str: ...
-
-    def run_head(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    def calibrated_modules(self, layer: nn.Module) -> dict[str, nn.Module]: ...
-
-    def token_weighting(self, module_name: str, layer_index: int, num_layers: int, seq_len: int) -> TokenWeighting: ...
-
-
-class _CLIPStem(nn.Module):
-    """Patch/position embeddings followed by ``pre_layrnorm``: the input of encoder layer 0."""
-
-    def __init__(self, embeddings: nn.Module, pre_layrnorm: nn.Module) -> None:
-        super().__init__()
-        self.embeddings = embeddings
-        self.pre_layrnorm = pre_layrnorm
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.pre_layrnorm(self.embeddings(pixel_values))
-
-
-class CLIPVisionAdapter:
-    """`transformers.CLIPVisionModel` (transformers 4.x and 5.x layouts).
-
-    Token weights follow the FeatCal reference: in the last layer every patch token (all positions
-    but the CLS token) weighs ``patch_weight`` for every submodule except ``k_proj`` and ``v_proj``.
+    Attributes:
+        normalize: ``z`` from ``x`` ([..., d] to [..., d], float32 at least): LayerNorm without affine,
+            or ``x / rms(x)`` for an RMSNorm.
+        has_bias: The affine is ``γ·z + β`` (LayerNorm); else ``γ·z`` (RMSNorm).
+        scale_offset: The module's weight ``w`` scales by ``scale_offset + w`` (Gemma's RMSNorm: 1).
     """
 
-    def __init__(self, patch_weight: float = 0.01) -> None:
-        self.patch_weight = patch_weight
+    normalize: Callable[[torch.Tensor], torch.Tensor]
+    has_bias: bool = True
+    scale_offset: float = 0.0
 
-    @staticmethod
-    def tower(model: nn.Module) -> nn.Module:
-        """The vision transformer itself: ``model.vision_model`` of a `CLIPVisionModel`, or ``model``."""
-        return getattr(model, "vision_model", model)
+
+@dataclass
+class CalibrationBatch:
+    """Examples for the calibration, one row each: what the stem reads, and what every layer reads.
+
+    Attributes:
+        inputs: The stem's tensors by name (``pixel_values``; ``input_ids``), rows = examples. The
+            driver drops them once the first layer's input is computed.
+        context: Tensors every layer reads (``attention_mask``), rows = examples; kept through the layers.
+        token_weights: ``[rows, seq]``: each token's weight in the statistics (0 for padding), or None
+            when every token weighs 1.
+    """
+
+    inputs: Mapping[str, torch.Tensor]
+    context: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    token_weights: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        first = next(iter(self.inputs.values()), None)
+        if first is None:
+            first = next(iter(self.context.values()), None)
+        if first is None:
+            raise ValueError("a calibration batch holds no tensor")
+        return first.shape[0]
+
+    def rows(self, start: int, stop: int) -> CalibrationBatch:
+        """Examples ``start`` to ``stop`` (views, no copies)."""
+        return CalibrationBatch(
+            {k: v[start:stop] for k, v in self.inputs.items()},
+            {k: v[start:stop] for k, v in self.context.items()},
+            None if self.token_weights is None else self.token_weights[start:stop],
+        )
+
+    def for_layers(self, device: torch.device | str) -> CalibrationBatch:
+        """The context and token weights on ``device``, without the stem's inputs."""
+        return CalibrationBatch(
+            {},
+            {k: v.to(device) for k, v in self.context.items()},
+            None if self.token_weights is None else self.token_weights.to(device),
+        )
+
+
+def as_batch(value: CalibrationBatch | torch.Tensor, name: str = "pixel_values") -> CalibrationBatch:
+    """``value`` as a batch: a plain tensor is the stem's one input ``name``, every token weighing 1."""
+    return value if isinstance(value, CalibrationBatch) else CalibrationBatch({name: value})
+
+
+class LayerAdapter(Protocol):
+    """What the calibration driver, the sweep and the drift meter need to know about a model family.
+
+    A layer is run with the context of its batch: :meth:`layer_context` is called once per forward
+    batch with the model, the batch and its hidden states, and its result passed to :meth:`run_layer` for the student's
+    and the expert's layer alike (masks, positions, rotary embeddings, an encoder's output).
+    """
+
+    def tower(self, model: nn.Module) -> nn.Module:
+        """The module whose state dict the checkpoints' keys (as the family reads them) name."""
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
-        return self.tower(model).encoder.layers
+        """The calibrated layers, in forward order."""
 
     def stem(self, model: nn.Module) -> nn.Module:
-        tower = self.tower(model)
-        return _CLIPStem(tower.embeddings, tower.pre_layrnorm)
+        """What makes layer 0's input from the examples (its parameters are read from checkpoints)."""
 
-    def stem_prefixes(self) -> tuple[str, ...]:
-        return ("embeddings.", "pre_layrnorm.")
+    def stem_parts(self) -> Mapping[str, str]:
+        """The stem's submodules (their paths in :meth:`stem`'s module) and the key prefix of each in a
+        checkpoint: how an expert's stem is read."""
 
     def layer_prefix(self, index: int) -> str:
-        return f"encoder.layers.{index}."
+        """The key prefix of layer ``index`` (``encoder.layers.3.``)."""
 
-    def run_stem(self, stem: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
-        return stem(pixel_values)
+    def run_stem(self, stem: nn.Module, batch: CalibrationBatch) -> torch.Tensor:
+        """Layer 0's input ``[rows, seq, d]`` for a batch of examples."""
 
-    def run_layer(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        # transformers 5 returns a Tensor, 4.x a tuple; never index a Tensor output with [0].
-        out = layer(hidden, None)
-        return out[0] if isinstance(out, tuple) else out
+    def layer_context(self, model: nn.Module, batch: CalibrationBatch, hidden: torch.Tensor) -> Any:
+        """What every layer reads besides the hidden states ``hidden`` ``[rows, seq, d]`` of one forward
+        batch (None when nothing): masks, positions, rotary embeddings."""
+
+    def run_layer(self, layer: nn.Module, hidden: torch.Tensor, context: Any) -> torch.Tensor:
+        """One layer's output for ``hidden`` with the batch's ``context``."""
 
     def head(self, model: nn.Module) -> nn.Module:
-        return self.tower(model).post_layernorm
+        """The module after the last layer whose output the diagnostics compare (CLIP's post-LayerNorm)."""
 
     def head_prefix(self) -> str:
-        return "post_layernorm."
+        """The key prefix of :meth:`head`."""
 
-    def run_head(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """The pooled output (``pooler_output``): ``post_layernorm`` of the CLS token of the last layer."""
-        return head(hidden[:, 0])
+    def run_head(self, head: nn.Module, hidden: torch.Tensor, batch: CalibrationBatch) -> torch.Tensor:
+        """The pooled output ``[rows, d]`` the diagnostics compare, from the last layer's output."""
 
     def calibrated_modules(self, layer: nn.Module) -> dict[str, nn.Module]:
-        return {
-            name: module
-            for name, module in layer.named_modules()
-            if name and isinstance(module, (nn.Linear, nn.LayerNorm))
-        }
+        """The layer's solved submodules by name: each an ``nn.Linear`` or a normalisation."""
+
+    def normalization(self, module: nn.Module) -> Normalization | None:
+        """How a calibrated submodule normalises, when it is a normalisation; None for an ``nn.Linear``."""
 
     def token_weighting(self, module_name: str, layer_index: int, num_layers: int, seq_len: int) -> TokenWeighting:
-        last = layer_index == num_layers - 1
-        if not last or seq_len <= 1 or module_name.endswith(("k_proj", "v_proj")):
-            return TokenWeighting("ones", None)
-        weights = torch.full((seq_len,), self.patch_weight)
-        weights[0] = 1.0
-        return TokenWeighting(f"cls-{self.patch_weight}", weights)
+        """The per-position weights of a submodule's statistics in a layer."""

@@ -14,54 +14,41 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter, TokenWeighting
-from featcal.calibration.layer_state import LayerPlan, LayerState, Recorder, StopForward, plan_layer
+from featcal.calibration.adapters import CalibrationBatch, LayerAdapter, TokenWeighting, as_batch
+from featcal.calibration.layer_state import Group, LayerPlan, LayerState, Recorder, StopForward, plan_layer
 from featcal.calibration.params import FeatCalParams
 from featcal.calibration.solves import anchor
 from featcal.calibration.statistics import product_dtype
 from featcal.calibration.workspace import Workspace
-from featcal.checkpoint import Checkpoint
+from featcal.checkpoint import StateDict, load_params, reading_state
 from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError
-from featcal.io import fault_point
+from featcal.files.faults import fault_point
 from featcal.memory import trim_heap
 from featcal.precision import autocast_forwards, without_callers_autocast
 from featcal.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-StateDict = Mapping[str, torch.Tensor]
-
 STATISTICS_CHUNK_TOKENS = 4096  # rows per statistics product: large enough for full-speed matmuls
 
 
-@contextmanager
-def _reading(source: StateDict) -> Iterator[StateDict]:
-    """``source`` for one layer's reads: a :class:`Checkpoint`'s files stay mapped for the block and
-    are unmapped after, so memory stays flat in the number of experts."""
-    if isinstance(source, Checkpoint):
-        with source.reading():
-            yield source
-    else:
-        yield source
+@dataclass
+class Stream:
+    """One task's feature streams through the layers: the merged model's (``student``) and its expert's
+    (``expert``), ``[examples, seq, d]`` each, and the context its layers read (``batches``)."""
 
-
-def _load_params(module: nn.Module, source: StateDict, prefix: str) -> None:
-    """Copy ``source[prefix + name]`` into each parameter and buffer of ``module`` (strict)."""
-    with _reading(source) as tensors:
-        with torch.no_grad():
-            for name, current in module.state_dict().items():
-                key = prefix + name
-                if key not in tensors:
-                    raise FeatcalError(f"Checkpoint has no tensor {key!r} needed for calibration.")
-                current.copy_(tensors[key])
+    student: torch.Tensor
+    expert: torch.Tensor
+    batches: CalibrationBatch
 
 
 def _cat_params(modules: Mapping[str, nn.Module], names: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -88,9 +75,12 @@ def fold_task(state: LayerState, params: FeatCalParams, modules_e: Mapping[str, 
     """
     for i, group in enumerate(state.plan.groups):
         system, moments = state.systems[i], state.moments[i]
-        if group.kind == "layernorm":
+        if group.kind == "norm":
             module = modules_e[group.names[0]]
-            system.add_task(moments, module.weight, module.bias)
+            if group.norm.has_bias:
+                system.add_task(moments, module.weight, module.bias)
+            else:
+                system.add_task(moments, module.weight + group.norm.scale_offset)
         else:
             weight, bias = _cat_params(modules_e, group.names)
             system.add_task(
@@ -121,7 +111,7 @@ class FeatCalibrator:
         self,
         params: FeatCalParams,
         *,
-        adapter: ArchitectureAdapter | None = None,
+        adapter: LayerAdapter,
         device: torch.device | str = "cpu",
         stats_dtype: torch.dtype = torch.float64,
         progress: bool = True,
@@ -129,7 +119,7 @@ class FeatCalibrator:
         forward_dtype: torch.dtype | None = None,
     ) -> None:
         self.params = params
-        self.adapter = adapter or CLIPVisionAdapter()
+        self.adapter = adapter
         self.device = torch.device(device)
         self.stats_dtype = stats_dtype
         self.progress = progress
@@ -144,84 +134,96 @@ class FeatCalibrator:
     # -- streams ---------------------------------------------------------------------------
     @torch.no_grad()
     def _first_inputs(
-        self, model: nn.Module, expert: StateDict, pixels: torch.Tensor
+        self, model: nn.Module, expert: StateDict, batch: CalibrationBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         stem = self.adapter.stem(model)
         expert_stem = copy.deepcopy(stem)
-        for prefix in self.adapter.stem_prefixes():
-            _load_params(getattr(expert_stem, prefix.rstrip(".")), expert, prefix)
+        for part, prefix in self.adapter.stem_parts().items():
+            load_params(expert_stem.get_submodule(part), expert, prefix)
         bs = self.params.calibration_batch_size
         dtype = next(model.parameters()).dtype
         student = teacher = None
+        size = len(batch)
         if self.device.type == "cuda":  # page-locked, so each batch's copy to the GPU does not block
-            pixels = pixels.pin_memory()
-        for start in range(0, pixels.shape[0], bs):
-            px = pixels[start : start + bs].to(self.device, dtype, non_blocking=True)
+            batch = CalibrationBatch({k: v.pin_memory() for k, v in batch.inputs.items()})
+        for start in range(0, size, bs):
+            part = batch.rows(start, start + bs)
+            part = CalibrationBatch({k: self._to_device(v, dtype) for k, v in part.inputs.items()})
             with self.forwards():
-                s, t = self.adapter.run_stem(stem, px), self.adapter.run_stem(expert_stem, px)
+                s, t = self.adapter.run_stem(stem, part), self.adapter.run_stem(expert_stem, part)
             if student is None:  # in the model's dtype, whatever the forwards' autocast gave
-                student = s.new_empty(pixels.shape[0], *s.shape[1:], dtype=dtype)
-                teacher = t.new_empty(pixels.shape[0], *t.shape[1:], dtype=dtype)
+                student = s.new_empty(size, *s.shape[1:], dtype=dtype)
+                teacher = t.new_empty(size, *t.shape[1:], dtype=dtype)
             student[start : start + bs] = s
             teacher[start : start + bs] = t
         return student, teacher
 
+    def _to_device(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A stem input on the device: floating-point ones (pixels) in the model's dtype, token ids as they are."""
+        if tensor.is_floating_point():
+            return tensor.to(self.device, dtype, non_blocking=True)
+        return tensor.to(self.device, non_blocking=True)
+
     def _all_first_inputs(
-        self, model: nn.Module, experts: Mapping[str, StateDict], load_images: Callable[[str], torch.Tensor]
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Each task's student and expert streams at layer 0. The images are read here and dropped on
-        return: the layers need only the streams (at 256 images, 154 MB a task of pixels not kept)."""
-        streams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self, model: nn.Module, experts: Mapping[str, StateDict], load_inputs: Callable[[str], CalibrationBatch]
+    ) -> dict[str, Stream]:
+        """Each task's student and expert streams at layer 0, and the context its layers read. The stem's
+        inputs are read here and dropped on return: the layers need only the streams and the context (at 256
+        images, 154 MB a task of pixels not kept)."""
+        streams: dict[str, Stream] = {}
         for task in Progress(list(experts), desc="FeatCal: first-layer inputs", unit="tasks", enabled=self.progress):
-            pixels = load_images(task)
-            if pixels.shape[0] == 0:
-                raise FeatcalError(f"Task {task!r} has no calibration images (on process {self.world.rank}).")
-            streams[task] = self._first_inputs(model, experts[task], pixels)
+            batch = as_batch(load_inputs(task))
+            if len(batch) == 0:
+                raise FeatcalError(f"Task {task!r} has no calibration examples (on process {self.world.rank}).")
+            student, teacher = self._first_inputs(model, experts[task], batch)
+            streams[task] = Stream(student, teacher, batch.for_layers(self.device))
         return streams
 
     @torch.no_grad()
-    def _advance(self, layer: nn.Module, stream: torch.Tensor) -> None:
+    def _advance(self, model: nn.Module, layer: nn.Module, stream: torch.Tensor, batches: CalibrationBatch) -> None:
         """Replace ``stream`` in place by ``layer``'s output, batch by batch."""
         bs = self.params.calibration_batch_size
         for start in range(0, stream.shape[0], bs):
+            context = self.adapter.layer_context(model, batches.rows(start, start + bs), stream[start : start + bs])
             with self.forwards():
-                out = self.adapter.run_layer(layer, stream[start : start + bs])
+                out = self.adapter.run_layer(layer, stream[start : start + bs], context)
             stream[start : start + bs] = out
 
     # -- statistics ------------------------------------------------------------------------
     @torch.no_grad()
     def _discover(
         self,
+        model: nn.Module,
         layer: nn.Module,
         expert_layer: nn.Module,
-        student: torch.Tensor,
-        expert: torch.Tensor,
+        stream: Stream,
         weighting: Mapping[str, TokenWeighting],
     ) -> LayerPlan:
-        """The layer's plan, from one full forward of one image (the streams are left as they are)."""
+        """The layer's plan, from one full forward of one example (the streams are left as they are)."""
         rec_s = Recorder(self.adapter.calibrated_modules(layer))
         rec_e = Recorder(self.adapter.calibrated_modules(expert_layer), outputs=True)
+        context = self.adapter.layer_context(model, stream.batches.rows(0, 1), stream.student[:1])
         try:
             with self.forwards():
-                self.adapter.run_layer(layer, student[:1])
-                self.adapter.run_layer(expert_layer, expert[:1])
+                self.adapter.run_layer(layer, stream.student[:1], context)
+                self.adapter.run_layer(expert_layer, stream.expert[:1], context)
         finally:
             rec_s.remove()
             rec_e.remove()
-        return plan_layer(self.adapter.calibrated_modules(layer), rec_s, rec_e, weighting)
+        return plan_layer(self.adapter.calibrated_modules(layer), rec_s, rec_e, weighting, self.adapter.normalization)
 
     def _new_state(
         self,
         plan: LayerPlan,
-        streams: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        streams: Mapping[str, Stream],
         workspace: Workspace | None = None,
     ) -> LayerState:
         """Working memory for a layer; joint buffers hold whole forward batches, about
         STATISTICS_CHUNK_TOKENS rows, never more than the largest task's tokens. ``workspace``: the folds'
         and solves' buffers, shared with other states that solve one after another (None: the state
         lends its own joint buffers)."""
-        student = next(iter(streams.values()))[0]
-        num_images, seq_len = max(s.shape[0] for s, _ in streams.values()), student.shape[1]
+        student = next(iter(streams.values())).student
+        num_images, seq_len = max(s.student.shape[0] for s in streams.values()), student.shape[1]
         bs = min(self.params.calibration_batch_size, num_images)
         batches = max(1, STATISTICS_CHUNK_TOKENS // (bs * seq_len))
         capacity = min(batches, -(-num_images // bs)) * bs * seq_len
@@ -237,27 +239,29 @@ class FeatCalibrator:
 
     @torch.no_grad()
     def _collect(
-        self, layer: nn.Module, expert_layer: nn.Module, student: torch.Tensor, expert: torch.Tensor, state: LayerState
+        self, model: nn.Module, layer: nn.Module, expert_layer: nn.Module, stream: Stream, state: LayerState
     ) -> None:
         """One task's statistics for every calibrated submodule of one layer, folded into ``state``'s
-        systems with the expert's parameters; advances ``expert`` through its layer."""
+        systems with the expert's parameters; advances the expert stream through its layer."""
         p = self.params
         modules = self.adapter.calibrated_modules(layer)
         modules_e = self.adapter.calibrated_modules(expert_layer)
-        eps = {name: m.eps for name, m in modules.items() if isinstance(m, nn.LayerNorm)}
         rec_s, rec_e = Recorder(modules), Recorder(modules_e, outputs=True)
         rec_s.stop_at = state.plan.stop_at
         state.start_task()
         bs = p.calibration_batch_size
+        student, expert = stream.student, stream.expert
         try:
             for start in range(0, student.shape[0], bs):
+                batch = stream.batches.rows(start, start + bs)
+                context = self.adapter.layer_context(model, batch, student[start : start + bs])
                 with self.forwards():
                     try:
-                        self.adapter.run_layer(layer, student[start : start + bs])
+                        self.adapter.run_layer(layer, student[start : start + bs], context)
                     except StopForward:
                         pass
-                    out_e = self.adapter.run_layer(expert_layer, expert[start : start + bs])
-                state.add(out_e.shape[0] * student.shape[1], rec_s, rec_e, modules_e, eps)
+                    out_e = self.adapter.run_layer(expert_layer, expert[start : start + bs], context)
+                state.add(out_e.shape[0] * student.shape[1], rec_s, rec_e, modules_e, batch.token_weights)
                 rec_s.clear()
                 rec_e.clear()
                 expert[start : start + bs] = out_e
@@ -279,13 +283,14 @@ class FeatCalibrator:
         merged: nn.Module,
         base: StateDict,
         experts: Mapping[str, StateDict],
-        load_images: Callable[[str], torch.Tensor],
+        load_inputs: Callable[[str], CalibrationBatch | torch.Tensor],
         *,
         in_place: bool = False,
         layer_store: LayerStore | None = None,
     ) -> nn.Module:
         """A calibrated copy of ``merged`` (``merged`` itself, moved to the device, with ``in_place``: no
-        second copy of the model in memory); ``load_images(task)`` gives the task's calibration pixels.
+        second copy of the model in memory); ``load_inputs(task)`` gives the task's calibration examples
+        (a :class:`~featcal.calibration.adapters.CalibrationBatch`, or a tensor of pixels).
         An autocast the caller runs in is switched off: only ``forward_dtype`` decides the forwards'.
 
         With ``layer_store``, ``merged`` is calibrated in place (``in_place`` implied) and must already be
@@ -297,7 +302,7 @@ class FeatCalibrator:
         else:
             model = merged.eval()
         tasks = list(experts)
-        streams = self._all_first_inputs(model, experts, load_images)
+        streams = self._all_first_inputs(model, experts, load_inputs)
         layers = self.adapter.layers(model)
         num_layers = len(layers)
         expert_layer: nn.Module | None = None
@@ -310,37 +315,52 @@ class FeatCalibrator:
             if expert_layer is None:  # the experts' layers are read into a copy of the first
                 expert_layer = copy.deepcopy(layer)
             modules = self.adapter.calibrated_modules(layer)
-            seq_len = streams[tasks[0]][0].shape[1]
+            seq_len = streams[tasks[0]].student.shape[1]
             weighting = {n: self.adapter.token_weighting(n, index, num_layers, seq_len) for n in modules}
             for t, task in enumerate(
                 Progress(tasks, desc=f"layer {index}: statistics", unit="tasks", leave=False, enabled=self.progress)
             ):
-                _load_params(expert_layer, experts[task], prefix)
-                student, expert = streams[task]
+                load_params(expert_layer, experts[task], prefix)
                 if t == 0:
-                    plan = self._discover(layer, expert_layer, student, expert, weighting)
+                    plan = self._discover(model, layer, expert_layer, streams[task], weighting)
                     if state is not None and state.plan.key() == plan.key():
                         state.start_layer(plan)
                     else:
                         state = None  # free the previous layer's memory before allocating
                         state = self._new_state(plan, streams)
-                self._collect(layer, expert_layer, student, expert, state)
+                self._collect(model, layer, expert_layer, streams[task], state)
             trim_heap()  # the statistics' forward temporaries are free: their pages do not add to the solves'
             self._solve_into(modules, state, base, prefix)
             if index < num_layers - 1:
-                for student, _ in streams.values():
-                    self._advance(layer, student)
+                for stream in streams.values():
+                    self._advance(model, layer, stream.student, stream.batches)
             if layer_store is not None:
                 layer_store.store(index, layer)
             logger.debug("FeatCal: layer %d calibrated", index)
         return model
 
+    def _solve_scale(
+        self, module: nn.Module, group: Group, index: int, state: LayerState, base: StateDict, prefix: str
+    ) -> torch.Tensor:
+        """The weight of a scale-only normalisation (an RMSNorm): its effective scale ``offset + w`` solved
+        with the anchor ``offset + A(w)``, less the offset."""
+        p, offset = self.params, group.norm.scale_offset
+        dtype = product_dtype(module.weight.dtype)
+        base_w = base[f"{prefix}{group.names[0]}.weight"].to(self.device, dtype)
+        a_w = anchor(module.weight.to(dtype), base_w, p.anchor_blend_rho)
+        scale = state.systems[index].solve(a_w + offset, lam=p.lambda_ratio, eps=p.covariance_eps)
+        return scale - offset
+
     def _solve_into(self, modules: Mapping[str, nn.Module], state: LayerState, base: StateDict, prefix: str) -> None:
         """Solve every submodule of one layer from the un-updated values, then write all at once."""
         p = self.params
         solved: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        with _reading(base) as base_tensors:
+        with reading_state(base) as base_tensors:
             for i, group in enumerate(state.plan.groups):
+                if group.kind == "norm" and not group.norm.has_bias:
+                    solved[group.names[0]] = (self._solve_scale(modules[group.names[0]], group, i, state, base_tensors,
+                                                                prefix), None)  # fmt: skip
+                    continue
                 merged_w, merged_b = _cat_params(modules, group.names)
                 dtype = product_dtype(merged_w.dtype)
                 base_w = torch.cat([base_tensors[f"{prefix}{n}.weight"] for n in group.names])
@@ -356,7 +376,7 @@ class FeatCalibrator:
                         ]
                     )
                     a_b = anchor(merged_b.to(dtype), base_b.to(self.device, dtype), p.anchor_blend_rho)
-                reuse = {} if group.kind == "layernorm" else {"workspace": state.workspace}
+                reuse = {} if group.kind == "norm" else {"workspace": state.workspace}
                 weight, bias = state.systems[i].solve(a_w, a_b, lam=p.lambda_ratio, eps=p.covariance_eps, **reuse)
                 sizes = [modules[n].weight.shape[0] for n in group.names]
                 biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
@@ -382,7 +402,12 @@ class FeatCalibrator:
         # Every process solved the same summed systems; rank 0's solution is made everyone's, so the
         # processes carry bit-identical weights into the next layer whatever their linear algebra.
         self.world.broadcast_(
-            [t for name in solved for t in (modules[name].weight, modules[name].bias) if t is not None],
+            [
+                t
+                for name in solved
+                for t in (modules[name].weight, getattr(modules[name], "bias", None))
+                if t is not None
+            ],
             what="FeatCal weights",
         )
 
@@ -391,25 +416,29 @@ def featcal_calibrate(
     merged: nn.Module,
     base: StateDict,
     experts: Mapping[str, StateDict],
-    load_images: Callable[[str], torch.Tensor],
+    load_inputs: Callable[[str], CalibrationBatch | torch.Tensor],
     params: FeatCalParams | None = None,
     *,
+    adapter: LayerAdapter | None = None,
     in_place: bool = False,
     **kwargs,
 ) -> nn.Module:
-    """FeatCal: re-solve every calibrated linear and LayerNorm of ``merged``, layer by layer.
+    """FeatCal: re-solve every calibrated linear and normalisation of ``merged``, layer by layer.
 
     Args:
-        merged: The merged vision tower (left unchanged).
-        base: The base model's vision-tower tensors (e.g. a lazily-read ``Checkpoint``).
+        merged: The merged model (left unchanged).
+        base: The base model's tensors as its family keys them (e.g. a lazily-read ``Checkpoint``).
         experts: Each task's expert tensors, by task name.
-        load_images: ``load_images(task)`` gives that task's calibration pixels, ``[n, 3, H, W]``.
+        load_inputs: ``load_inputs(task)`` gives that task's calibration examples: a
+            :class:`~featcal.calibration.adapters.CalibrationBatch`, or pixels ``[n, 3, H, W]``.
         params: Hyper-parameters (default: the published reference run's).
+        adapter: The architecture adapter (default: the one of ``merged``'s model family,
+            :func:`featcal.families.adapter_for`).
         in_place: Calibrate ``merged`` itself (moved to the device) instead of a copy, when the caller
             no longer needs the merged weights: one model in memory instead of two.
-        **kwargs: Passed to :class:`FeatCalibrator`: ``device``, ``progress``, ``adapter``, ``stats_dtype``,
-            ``world`` (under torchrun: ``load_images`` then gives this process's part of each task's
-            images, and the statistics are summed over the processes), ``forward_dtype`` (autocast
+        **kwargs: Passed to :class:`FeatCalibrator`: ``device``, ``progress``, ``stats_dtype``,
+            ``world`` (under torchrun: ``load_inputs`` then gives this process's part of each task's
+            examples, and the statistics are summed over the processes), ``forward_dtype`` (autocast
             the layers' forwards to it, e.g. ``torch.bfloat16``; statistics and solves stay float32+).
 
     Returns:
@@ -418,6 +447,10 @@ def featcal_calibrate(
     Raises:
         FeatcalError: when an expert lacks a tensor the calibration needs.
     """
-    return FeatCalibrator(params or FeatCalParams(), **kwargs).calibrate(
-        merged, base, experts, load_images, in_place=in_place
+    if adapter is None:
+        from featcal.families import adapter_for
+
+        adapter = adapter_for(merged)
+    return FeatCalibrator(params or FeatCalParams(), adapter=adapter, **kwargs).calibrate(
+        merged, base, experts, load_inputs, in_place=in_place
     )

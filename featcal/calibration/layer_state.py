@@ -9,15 +9,15 @@ accumulators, the current task's moments and the normal-equation systems over ta
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from featcal.calibration.adapters import TokenWeighting
-from featcal.calibration.solves import LayerNormSystem, LinearSystem
-from featcal.calibration.statistics import GramAccumulator, LayerNormMoments, LinearMoments, ProjectedLinearMoments
+from featcal.calibration.adapters import Normalization, TokenWeighting
+from featcal.calibration.solves import LayerNormSystem, LinearSystem, ScaleNormSystem
+from featcal.calibration.statistics import GramAccumulator, LinearMoments, NormMoments, ProjectedLinearMoments
 from featcal.calibration.workspace import Workspace, carved_bytes
 from featcal.errors import FeatcalError
 
@@ -64,10 +64,11 @@ class Recorder:
 
 @dataclass
 class Group:
-    """Submodules of one layer whose statistics are one set of sums: a LayerNorm alone, or the linears
-    that read the very same input with the same token weights (q, k, v). ``kind`` is ``"layernorm"``,
-    ``"linear"`` (crossed with the expert's inputs) or ``"projected"`` (one linear narrower than its
-    input, crossed with the expert's outputs). Linears are solved together: their outputs stack."""
+    """Submodules of one layer whose statistics are one set of sums: a normalisation alone, or the
+    linears that read the very same input with the same token weights (q, k, v). ``kind`` is ``"norm"``
+    (with its :class:`~featcal.calibration.adapters.Normalization`), ``"linear"`` (crossed with the
+    expert's inputs) or ``"projected"`` (one linear narrower than its input, crossed with the expert's
+    outputs). Linears are solved together: their outputs stack."""
 
     kind: str
     names: list[str]
@@ -76,6 +77,7 @@ class Group:
     out_features: int
     has_bias: bool
     weighting: TokenWeighting
+    norm: Normalization | None = None
 
 
 @dataclass
@@ -91,9 +93,14 @@ class LayerPlan:
 
 
 def plan_layer(
-    modules: Mapping[str, nn.Module], rec_s: Recorder, rec_e: Recorder, weighting: Mapping[str, TokenWeighting]
+    modules: Mapping[str, nn.Module],
+    rec_s: Recorder,
+    rec_e: Recorder,
+    weighting: Mapping[str, TokenWeighting],
+    normalization: Callable[[nn.Module], Normalization | None],
 ) -> LayerPlan:
-    """Group one layer's submodules from the inputs recorded in one full forward."""
+    """Group one layer's submodules from the inputs recorded in one full forward; ``normalization``
+    says how a submodule normalises (None for an ``nn.Linear``)."""
     missing = [name for name in modules if name not in rec_s.inputs or name not in rec_e.inputs]
     if missing:
         raise FeatcalError(
@@ -104,10 +111,16 @@ def plan_layer(
     shared: dict[tuple, Group] = {}
     for name in rec_s.inputs:  # firing order
         module = modules[name]
-        if isinstance(module, nn.LayerNorm):
-            dim = module.normalized_shape[0]
-            groups.append(Group("layernorm", [name], dim, 0, dim, True, weighting[name]))
+        norm = normalization(module)
+        if norm is not None:
+            dim = module.weight.shape[0]
+            groups.append(Group("norm", [name], dim, 0, dim, norm.has_bias, weighting[name], norm))
             continue
+        if not isinstance(module, nn.Linear):
+            raise FeatcalError(
+                f"Calibrated submodule {name!r} is a {type(module).__name__}, neither an nn.Linear nor a "
+                "normalisation the architecture adapter describes."
+            )
         key = (id(rec_s.inputs[name]), id(rec_e.inputs[name]), weighting[name].key)
         group = shared.get(key)
         if group is None:
@@ -136,8 +149,8 @@ class LayerState:
     stats_dtype: torch.dtype
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
     grams: dict[int, GramAccumulator] = field(default_factory=dict)
-    moments: dict[int, LinearMoments | ProjectedLinearMoments | LayerNormMoments] = field(default_factory=dict)
-    systems: dict[int, LinearSystem | LayerNormSystem] = field(default_factory=dict)
+    moments: dict[int, LinearMoments | ProjectedLinearMoments | NormMoments] = field(default_factory=dict)
+    systems: dict[int, LinearSystem | LayerNormSystem | ScaleNormSystem] = field(default_factory=dict)
     weights: dict[int, torch.Tensor | None] = field(default_factory=dict)
     roots: dict[int, torch.Tensor | None] = field(default_factory=dict)
     scratch: torch.Tensor | None = None
@@ -146,6 +159,11 @@ class LayerState:
     workspace: Workspace | None = None
     filled: int = 0
     flushed: set[int] = field(default_factory=set)  # groups whose moments hold this task's first flush
+    # Batches with token weights of their own (padding): each buffered row's root weight, and the
+    # weights not yet multiplied, per linear group; allocated with the first such batch.
+    row_roots: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending_weight: dict[int, torch.Tensor | float] = field(default_factory=dict)
+    weighted_rows: bool = False
 
     def __post_init__(self) -> None:
         kw = dict(device=self.device, dtype=self.stats_dtype)
@@ -158,9 +176,9 @@ class LayerState:
             w = g.weighting.weights
             self.weights[i] = None if w is None else w.to(device=self.device, dtype=self.dtype)
             self.roots[i] = None if w is None else self.weights[i].sqrt().repeat(self.capacity // self.seq_len)
-            if g.kind == "layernorm":
-                self.moments[i] = LayerNormMoments.zeros(g.dim, **kw)
-                self.systems[i] = LayerNormSystem.empty(g.dim, **kw)
+            if g.kind == "norm":
+                self.moments[i] = NormMoments.zeros(g.dim, **kw)
+                self.systems[i] = (LayerNormSystem if g.has_bias else ScaleNormSystem).empty(g.dim, **kw)
                 continue
             nbytes = self.capacity * (g.dim + g.cross) * self.dtype.itemsize
             self.buffers[i] = arena[offset : offset + nbytes].view(self.dtype).view(self.capacity, g.dim + g.cross)
@@ -183,11 +201,11 @@ class LayerState:
         to borrow between products (the fc2 system's float64 factor and float32 cast at ViT-B/32: 113 MB
         of the buffers' 135)."""
         joint = sum(
-            self.capacity * (g.dim + g.cross) * self.dtype.itemsize for g in self.plan.groups if g.kind != "layernorm"
+            self.capacity * (g.dim + g.cross) * self.dtype.itemsize for g in self.plan.groups if g.kind != "norm"
         )
         if not lend:
             return joint
-        dims = {g.dim for g in self.plan.groups if g.kind != "layernorm"}
+        dims = {g.dim for g in self.plan.groups if g.kind != "norm"}
         borrowed = [(d * d, self.stats_dtype) for d in dims] + [(1, torch.int32)]  # solves: factors, status
         if self.dtype != self.stats_dtype:  # folds: the projected groups' casts of C_ss
             borrowed += [(g.dim * g.dim, self.dtype) for g in self.plan.groups if g.kind == "projected"]
@@ -200,24 +218,36 @@ class LayerState:
             system.zero_()
 
     def start_task(self) -> None:
-        """Linear moments are overwritten by the task's first flush; LayerNorm sums start at zero."""
+        """Linear moments are overwritten by the task's first flush; normalisation sums start at zero."""
         self.flushed.clear()
+        self.pending_weight = {i: 0.0 for i in self.grams}
         for i, group in enumerate(self.plan.groups):
-            if group.kind == "layernorm":
+            if group.kind == "norm":
                 self.moments[i].zero_()
 
     def add(
-        self, rows: int, rec_s: Recorder, rec_e: Recorder, modules_e: Mapping[str, nn.Module], eps: Mapping[str, float]
+        self,
+        rows: int,
+        rec_s: Recorder,
+        rec_e: Recorder,
+        modules_e: Mapping[str, nn.Module],
+        token_weights: torch.Tensor | None = None,
     ) -> None:
-        """One forward batch of ``rows`` tokens: LayerNorm sums at once, linear inputs into the buffers."""
-        if self.filled + rows > self.capacity:
+        """One forward batch of ``rows`` tokens: normalisation sums at once, linear inputs into the buffers.
+
+        ``token_weights``: the batch's own ``[batch, seq]`` weights (0 for padding), multiplying each
+        group's per-position weights; None when every token weighs 1.
+        """
+        weighted = token_weights is not None
+        if self.filled + rows > self.capacity or (self.filled and weighted != self.weighted_rows):
             self.multiply()
         top = self.filled
         for i, g in enumerate(self.plan.groups):
             name = g.names[0]
             xs = rec_s.inputs[name]
-            if g.kind == "layernorm":
-                self.moments[i].add(xs, eps[name], self.weights[i])
+            weights = self._batch_weights(i, token_weights)
+            if g.kind == "norm":
+                self.moments[i].add(xs, g.norm.normalize, weights)
                 continue
             buf = self.buffers[i][top : top + rows]
             buf[:, : g.dim].copy_(xs.reshape(rows, g.dim))
@@ -228,9 +258,24 @@ class LayerState:
                     buf[:, g.dim :].sub_(bias)
             else:
                 buf[:, g.dim :].copy_(rec_e.inputs[name].reshape(rows, g.dim))
-            if self.roots[i] is not None:
+            if weighted:  # rows weigh by their batch: their roots are kept beside them
+                if i not in self.row_roots:
+                    self.row_roots[i] = torch.empty(self.capacity, device=self.device, dtype=self.dtype)
+                root = self.row_roots[i][top : top + rows]
+                torch.sqrt(weights.reshape(rows), out=root)
+                buf.mul_(root.unsqueeze(1))
+                self.pending_weight[i] = self.pending_weight[i] + weights.sum()  # on the device: no sync
+            elif self.roots[i] is not None:
                 buf.mul_(self.roots[i][:rows].unsqueeze(1))
         self.filled += rows
+        self.weighted_rows = weighted
+
+    def _batch_weights(self, i: int, token_weights: torch.Tensor | None) -> torch.Tensor | None:
+        """Group ``i``'s weights for one batch: its per-position weights times the batch's token weights."""
+        if token_weights is None:
+            return self.weights[i]
+        batch = token_weights.to(device=self.device, dtype=self.dtype)
+        return batch if self.weights[i] is None else batch * self.weights[i]
 
     def multiply(self) -> None:
         """The statistics products of everything buffered."""
@@ -238,12 +283,18 @@ class LayerState:
         if rows == 0:
             return
         for i, gram in self.grams.items():
-            weights, root = self.plan.groups[i].weighting.weights, self.roots[i]  # the adapter's, on the host
-            weight_sum = rows if weights is None else rows // self.seq_len * float(weights.sum())
-            gram.add(self.buffers[i][:rows], None if root is None else root[:rows], weight_sum, self.seq_len)
+            if self.weighted_rows:
+                root, weight_sum = self.row_roots[i][:rows], self.pending_weight[i]
+                self.pending_weight[i] = 0.0
+            else:
+                weights, root = self.plan.groups[i].weighting.weights, self.roots[i]  # the adapter's, on the host
+                weight_sum = rows if weights is None else rows // self.seq_len * float(weights.sum())
+                root = None if root is None else root[:rows]
+            gram.add(self.buffers[i][:rows], root, weight_sum, self.seq_len)
             if gram.rows >= FLUSH_TOKENS:
                 self._flush(i)
         self.filled = 0
+        self.weighted_rows = False
 
     def finish_task(self) -> None:
         self.multiply()

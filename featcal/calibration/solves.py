@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from featcal.calibration.statistics import LayerNormMoments, PairMoments, Sums
+from featcal.calibration.statistics import NormMoments, PairMoments, Sums
 from featcal.calibration.workspace import Workspace
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class LayerNormSystem(Sums):
         z = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)  # noqa: E731
         return cls(z(dim), z(dim), z(()), z(dim), z(dim))
 
-    def add_task(self, moments: LayerNormMoments, gamma: torch.Tensor, beta: torch.Tensor) -> None:
+    def add_task(self, moments: NormMoments, gamma: torch.Tensor, beta: torch.Tensor) -> None:
         dtype, device = self.energy.dtype, self.energy.device
         g, b = gamma.to(device=device, dtype=dtype), beta.to(device=device, dtype=dtype)
         e, m = moments.energy().to(dtype), moments.mean().to(dtype)
@@ -173,3 +173,32 @@ class LayerNormSystem(Sums):
         r2 = self.rhs_beta + lam * a_b
         det = (a11 * a22 - a12 * a12).clamp_min(eps)
         return (a22 * r1 - a12 * r2) / det, (a11 * r2 - a12 * r1) / det
+
+
+@dataclass
+class ScaleNormSystem(Sums):
+    """Per-dimension sums of the scale-only affine system of an RMSNorm (``γ·z``, no bias).
+
+    Minimising Σ_t E_w[(γ z − γ_t z)²] + λ(γ − A(γ))² per dimension gives
+    γ = (Σ_t e_t γ_t + λ A(γ)) / max(Σ_t e_t + λ, ε), with e_t = E_w[z²] of task t (not scaled by s_t,
+    as the LayerNorm's statistics are not). ``γ`` is the effective scale: ``scale_offset + weight``.
+    """
+
+    energy: torch.Tensor
+    rhs_gamma: torch.Tensor
+
+    @classmethod
+    def empty(cls, dim: int, *, device, dtype=torch.float64) -> ScaleNormSystem:
+        z = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)  # noqa: E731
+        return cls(z(dim), z(dim))
+
+    def add_task(self, moments: NormMoments, gamma: torch.Tensor) -> None:
+        dtype, device = self.energy.dtype, self.energy.device
+        e = moments.energy().to(dtype)
+        self.energy += e
+        self.rhs_gamma += e * gamma.to(device=device, dtype=dtype)
+
+    def solve(self, anchor_gamma: torch.Tensor, *, lam: float, eps: float) -> torch.Tensor:
+        dtype, device = self.energy.dtype, self.energy.device
+        a_g = anchor_gamma.to(device=device, dtype=dtype)
+        return (self.rhs_gamma + lam * a_g) / (self.energy + lam).clamp_min(eps)

@@ -10,10 +10,10 @@ x_sᵀx_s and flushes into the moments' own dtype (float64 by default).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
-import torch.nn.functional as F
 
 from featcal.calibration.workspace import Workspace
 
@@ -293,23 +293,29 @@ class GramAccumulator:
 
 
 @dataclass
-class LayerNormMoments(Sums):
-    """Sums for one LayerNorm's input: Σw, Σw·z, Σw·z² with z = LN(x_s) without affine."""
+class NormMoments(Sums):
+    """Sums for one normalisation's input: Σw, Σw·z, Σw·z² with z its input normalised without the
+    affine (``LN(x_s)`` for a LayerNorm, ``x_s / rms(x_s)`` for an RMSNorm)."""
 
     sum_w: torch.Tensor
     sum_z: torch.Tensor
     sum_z2: torch.Tensor
 
     @classmethod
-    def zeros(
-        cls, dim: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64
-    ) -> LayerNormMoments:
+    def zeros(cls, dim: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> NormMoments:
         return cls(*_zeros(device, dtype, (), dim, dim))
 
     @torch.no_grad()
-    def add(self, xs: torch.Tensor, eps: float, weights: torch.Tensor | None = None) -> None:
+    def add(
+        self,
+        xs: torch.Tensor,
+        normalize: Callable[[torch.Tensor], torch.Tensor],
+        weights: torch.Tensor | None = None,
+    ) -> None:
+        """Accumulate student inputs ``xs`` ([..., d]) normalised by ``normalize``, with per-token ``weights``
+        (per position, or per row and position)."""
         x = _flat(xs)
-        z = F.layer_norm(x, (x.shape[-1],), eps=eps)
+        z = normalize(x)
         w = _token_weights(xs, weights)
         group = xs.shape[-2] if xs.dim() > 2 else 1
         self.sum_w += z.shape[0] if w is None else w.sum()

@@ -1,14 +1,14 @@
-"""FeatCal from a merged model's folder to the calibrated model's folder, one encoder layer at a time.
+"""FeatCal from a merged model's folder to the calibrated model's folder, one layer at a time.
 
-The merged model is never whole in memory: its stem and final LayerNorm are read at the start, each
-encoder layer just before the calibration reaches it, and each calibrated layer is written into the
-output file and dropped as soon as the feature streams have moved past it. At ViT-B/32 this keeps
+The merged model is never whole in memory: what lies outside its layers (a CLIP's stem and final
+LayerNorm) is read at the start, each layer just before the calibration reaches it, and each
+calibrated layer is written into the output file and dropped as soon as the feature streams have
+moved past it. At ViT-B/32 this keeps
 0.33 GiB of the model out of the calibration's peak memory (benchmarks/README.md, "Streaming").
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -17,16 +17,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter
-from featcal.calibration.driver import FeatCalibrator, StateDict, _load_params
+from featcal.calibration.adapters import CalibrationBatch, LayerAdapter
+from featcal.calibration.driver import FeatCalibrator
 from featcal.calibration.params import FeatCalParams
-from featcal.checkpoint import Checkpoint
+from featcal.checkpoint import Checkpoint, StateDict, load_params
 from featcal.errors import FeatcalError
-from featcal.io import streamed_vision_model
-from featcal.safetensors_writer import SafetensorsWriter
+from featcal.files.safetensors_writer import SafetensorsWriter
 
 if TYPE_CHECKING:
-    from transformers import CLIPVisionConfig
+    from featcal.families.base import ModelFamily
 
 # Each tensor of a loaded layer starts where a fresh allocation would: CUDA's caching allocator hands
 # out 512-byte-aligned blocks, and a kernel chosen by pointer alignment must not differ between paths.
@@ -43,7 +42,7 @@ class CheckpointLayers:
         merged: Checkpoint,
         writer: SafetensorsWriter | None,
         device: torch.device,
-        adapter: ArchitectureAdapter,
+        adapter: LayerAdapter,
         key_prefix: str = "",
     ) -> None:
         self.merged, self.writer, self.device, self.adapter = merged, writer, device, adapter
@@ -52,7 +51,7 @@ class CheckpointLayers:
 
     def load(self, index: int, layer: nn.Module) -> None:
         self._materialise(layer)
-        _load_params(layer, self.merged, self.adapter.layer_prefix(index))
+        load_params(layer, self.merged, self.adapter.layer_prefix(index))
 
     def _materialise(self, layer: nn.Module) -> None:
         """Give ``layer``'s parameters and buffers memory: views of one block, reused for every layer
@@ -93,63 +92,35 @@ class CheckpointLayers:
         layer.to_empty(device="meta")
 
 
-def vision_skeleton(
-    vision_config: CLIPVisionConfig, merged: Checkpoint, device: torch.device, adapter: ArchitectureAdapter
-) -> nn.Module:
-    """A `CLIPVisionModel` with the merged stem and final LayerNorm on ``device`` and its encoder
-    layers on the meta device (no memory, no random initialisation of the layers).
-
-    Args:
-        vision_config: The model's configuration.
-        merged: The merged model's tensors, for the stem and the final LayerNorm.
-        device: Where those live.
-        adapter: The architecture adapter (where the layers are).
-
-    Returns:
-        The model, in eval mode.
-
-    Raises:
-        FeatcalError: when ``merged`` lacks a tensor of the stem or the final LayerNorm.
-    """
-    from transformers import CLIPVisionModel
-
-    with torch.device("meta"):
-        layers = adapter.layers(CLIPVisionModel(vision_config))
-    shallow = copy.deepcopy(vision_config)
-    shallow.num_hidden_layers = 0
-    model = CLIPVisionModel(shallow).to(device)
-    _load_params(adapter.tower(model), merged, "")  # every tensor but the layers'
-    adapter.layers(model).extend(layers)
-    return model.eval()
-
-
 def featcal_calibrate_folder(
+    family: ModelFamily,
     merged_folder: str | Path,
     output: str | Path | None,
     base: StateDict,
     experts: Mapping[str, StateDict],
-    load_images: Callable[[str], torch.Tensor],
+    load_inputs: Callable[[str], CalibrationBatch],
     params: FeatCalParams,
     *,
-    vision_config: CLIPVisionConfig,
+    config: Any,
     device: torch.device | str = "cpu",
     **kwargs: Any,
 ) -> None:
-    """FeatCal of the merged `CLIPVisionModel` in ``merged_folder``, written to ``output`` layer by layer.
+    """FeatCal of the merged model in ``merged_folder``, written to ``output`` layer by layer.
 
-    Gives the weights :func:`~featcal.calibration.featcal_calibrate` gives, with one encoder layer of
-    the model in memory instead of all of them.
+    Gives the weights :func:`~featcal.calibration.featcal_calibrate` gives, with one layer of the model
+    in memory instead of all of them.
 
     Args:
-        merged_folder: The merged model (a folder :class:`~featcal.checkpoint.Checkpoint` reads),
-            checked by the caller (architecture, finite values) or written from values it checked.
+        family: The model family (its skeleton, adapter and folder writer).
+        merged_folder: The merged model (a folder the family's checkpoint reads), checked by the caller
+            (architecture, finite values) or written from values it checked.
         output: The calibrated model's folder, which appears whole when the calibration ends and not
             at all when it fails; None calibrates without writing (the other processes of a torchrun).
-        base: The base model's vision-tower tensors.
+        base: The base model's tensors, as the family keys them.
         experts: Each task's expert tensors, by task name.
-        load_images: ``load_images(task)`` gives that task's calibration pixels.
+        load_inputs: ``load_inputs(task)`` gives the task's calibration examples.
         params: FeatCal's hyper-parameters.
-        vision_config: The `CLIPVisionConfig` written with the calibrated model (the base's).
+        config: The configuration written with the calibrated model (the base's).
         device: Where the calibration computes.
         **kwargs: Passed to :class:`~featcal.calibration.FeatCalibrator`: ``progress``, ``world``,
             ``forward_dtype``, ``stats_dtype``.
@@ -159,22 +130,19 @@ def featcal_calibrate_folder(
             non-finite weights.
         OSError: when the output folder cannot be written.
     """
-    from transformers import CLIPVisionConfig
-
     device = torch.device(device)
-    adapter = CLIPVisionAdapter()
-    merged = Checkpoint(merged_folder, name="merged model")
-    # The layers run as the merged folder's own config says (activation, LayerNorm eps), as they would
-    # loaded from it; the output is written with ``vision_config``.
-    model = vision_skeleton(CLIPVisionConfig.from_pretrained(str(merged_folder)), merged, device, adapter)
-    key_prefix = "vision_model." if hasattr(model, "vision_model") else ""
+    adapter = family.adapter()
+    merged = family.checkpoint(Path(merged_folder), name="merged model")
+    model = family.skeleton(Path(merged_folder), merged, device)
     tower = adapter.tower(model)
-    with streamed_vision_model(vision_config, output) if output is not None else nullcontext() as writer:
+    # The writer's keys are the model's state dict's: the tower's, under the prefix it has in the model.
+    key_prefix = next((f"{name}." for name, module in model.named_modules() if module is tower and name), "")
+    with family.streamed_model(config, output) if output is not None else nullcontext() as writer:
         if writer is not None:
             for name, tensor in tower.state_dict().items():
-                if tensor.device.type != "meta":  # the stem and final LayerNorm: the merged values
+                if tensor.device.type != "meta":  # everything but the layers: the merged values
                     writer.write(key_prefix + name, tensor)
         store = CheckpointLayers(merged, writer, device, adapter, key_prefix)
         FeatCalibrator(params, adapter=adapter, device=device, **kwargs).calibrate(
-            model, base, experts, load_images, layer_store=store
+            model, base, experts, load_inputs, layer_store=store
         )

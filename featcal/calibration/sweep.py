@@ -33,11 +33,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter, TokenWeighting
-from featcal.calibration.driver import FeatCalibrator, StateDict, _load_params, fold_task
+from featcal.calibration.adapters import CalibrationBatch, LayerAdapter, TokenWeighting, as_batch
+from featcal.calibration.driver import FeatCalibrator, Stream, fold_task
 from featcal.calibration.layer_state import LayerState, Recorder, StopForward
 from featcal.calibration.params import FeatCalParams
 from featcal.calibration.workspace import Workspace
+from featcal.checkpoint import StateDict, load_params
 from featcal.errors import FeatcalError
 from featcal.memory import trim_heap
 from featcal.precision import autocast_forwards, without_callers_autocast
@@ -61,7 +62,7 @@ class _Setting:
 
     calibrator: FeatCalibrator
     model: nn.Module
-    students: dict[str, torch.Tensor]
+    students: dict[str, Stream]
     state: LayerState | None = None
 
     @property
@@ -78,7 +79,7 @@ class SweepCalibrator:
 
     Args:
         settings: The settings; they must share ``calibration_batch_size``.
-        adapter: The architecture adapter (default: CLIP vision).
+        adapter: The architecture adapter (:meth:`featcal.families.ModelFamily.adapter`).
         device: The compute device.
         stats_dtype: The dtype of the statistics sums.
         progress: Show progress bars.
@@ -92,7 +93,7 @@ class SweepCalibrator:
         self,
         settings: Sequence[FeatCalParams],
         *,
-        adapter: ArchitectureAdapter | None = None,
+        adapter: LayerAdapter,
         device: torch.device | str = "cpu",
         stats_dtype: torch.dtype = torch.float64,
         progress: bool = True,
@@ -106,7 +107,7 @@ class SweepCalibrator:
                 f"The settings of a FeatCal sweep must share calibration_batch_size; got {sorted(batch_sizes)}."
             )
         self.settings = list(settings)
-        self.adapter = adapter or CLIPVisionAdapter()
+        self.adapter = adapter
         self.device = torch.device(device)
         self.stats_dtype = stats_dtype
         self.progress = progress
@@ -131,36 +132,41 @@ class SweepCalibrator:
         merged: nn.Module,
         base: StateDict,
         experts: Mapping[str, StateDict],
-        load_images: Callable[[str], torch.Tensor],
+        load_inputs: Callable[[str], CalibrationBatch | torch.Tensor],
     ) -> list[nn.Module]:
         """A calibrated copy of ``merged`` per setting, in the settings' order.
 
-        ``load_images(task)`` gives the task's calibration pixels for the largest n; the first n_v
-        rows must be the calibration images of a setting with n_v (nested subsets). An autocast the
+        ``load_inputs(task)`` gives the task's calibration examples for the largest n; the first n_v
+        rows must be the calibration examples of a setting with n_v (nested subsets). An autocast the
         caller runs in is switched off: only ``forward_dtype`` decides the forwards'.
         """
         largest = max(self.settings, key=lambda p: p.num_calibration_examples)
         shared = self._driver(largest)
         settings = [_Setting(self._driver(p), copy.deepcopy(merged).to(self.device).eval(), {}) for p in self.settings]
         tasks = list(experts)
-        expert_streams: dict[str, torch.Tensor] = {}
+        expert_streams: dict[str, Stream] = {}
         for task in Progress(tasks, desc="FeatCal sweep: first-layer inputs", unit="tasks", enabled=self.progress):
-            student, expert_streams[task] = shared._first_inputs(settings[0].model, experts[task], load_images(task))
+            batch = as_batch(load_inputs(task))
+            student, expert = shared._first_inputs(settings[0].model, experts[task], batch)
+            batches = batch.for_layers(self.device)
+            del batch  # the stem's inputs are not kept through the layers
+            expert_streams[task] = Stream(expert[:0], expert, batches)  # its students are the settings'
             for setting in settings:
-                setting.students[task] = student[: setting.size].clone()
+                rows = batches.rows(0, setting.size)
+                setting.students[task] = Stream(student[: setting.size].clone(), expert[: setting.size], rows)
             del student
         layers = [self.adapter.layers(s.model) for s in settings]
         num_layers = len(layers[0])
         expert_layer = copy.deepcopy(layers[0][0])
         for index in Progress(range(num_layers), desc="FeatCal sweep: layers", unit="layers", enabled=self.progress):
             prefix = self.adapter.layer_prefix(index)
-            seq_len = expert_streams[tasks[0]].shape[1]
+            seq_len = expert_streams[tasks[0]].expert.shape[1]
             names = self.adapter.calibrated_modules(layers[0][index])
             weighting = {n: self.adapter.token_weighting(n, index, num_layers, seq_len) for n in names}
             for t, task in enumerate(
                 Progress(tasks, desc=f"layer {index}: statistics", unit="tasks", leave=False, enabled=self.progress)
             ):
-                _load_params(expert_layer, experts[task], prefix)
+                load_params(expert_layer, experts[task], prefix)
                 if t == 0:
                     for setting, setting_layers in zip(settings, layers):
                         self._prepare(setting, setting_layers[index], expert_layer, expert_streams[task], weighting)
@@ -170,8 +176,9 @@ class SweepCalibrator:
                 modules = self.adapter.calibrated_modules(setting_layers[index])
                 setting.calibrator._solve_into(modules, setting.state, base, prefix)
                 if index < num_layers - 1:
-                    for student in setting.students.values():
-                        setting.calibrator._advance(setting_layers[index], student)
+                    layer = setting_layers[index]
+                    for stream in setting.students.values():
+                        setting.calibrator._advance(setting.model, layer, stream.student, stream.batches)
             logger.debug("FeatCal sweep: layer %d calibrated for %d settings", index, len(settings))
         return [s.model for s in settings]
 
@@ -180,58 +187,65 @@ class SweepCalibrator:
         setting: _Setting,
         layer: nn.Module,
         expert_layer: nn.Module,
-        expert: torch.Tensor,
+        expert: Stream,
         weighting: Mapping[str, TokenWeighting],
     ) -> None:
         """The setting's layer plan and working memory, as its own driver would make them."""
         first = next(iter(setting.students.values()))
-        plan = setting.calibrator._discover(layer, expert_layer, first, expert, weighting)
+        stream = Stream(first.student, expert.expert, first.batches)
+        plan = setting.calibrator._discover(setting.model, layer, expert_layer, stream, weighting)
         if setting.state is not None and setting.state.plan.key() == plan.key():
             setting.state.start_layer(plan)
         else:
             setting.state = None  # free the previous layer's memory before allocating
-            streams = {task: (student, student) for task, student in setting.students.items()}
-            setting.state = setting.calibrator._new_state(plan, streams, self.workspace)
+            setting.state = setting.calibrator._new_state(plan, setting.students, self.workspace)
 
     @torch.no_grad()
     def _collect(
         self,
         layers: Sequence[nn.Module],
         expert_layer: nn.Module,
-        expert: torch.Tensor,
+        stream: Stream,
         settings: Sequence[_Setting],
         task: str,
     ) -> None:
         """One task's statistics for every setting at one layer: each expert batch runs once and
-        feeds every setting whose calibration set reaches it; advances ``expert`` through its layer."""
+        feeds every setting whose calibration set reaches it; advances the expert stream through its layer."""
         modules_e = self.adapter.calibrated_modules(expert_layer)
         rec_e = Recorder(modules_e, outputs=True)
-        recorders, eps = [], []
+        recorders = []
         try:
             for setting, layer in zip(settings, layers):
-                modules = self.adapter.calibrated_modules(layer)
-                eps.append({name: m.eps for name, m in modules.items() if isinstance(m, nn.LayerNorm)})
-                recorder = Recorder(modules)
+                recorder = Recorder(self.adapter.calibrated_modules(layer))
                 recorder.stop_at = setting.state.plan.stop_at
                 recorders.append(recorder)
                 setting.state.start_task()
             bs = self.batch_size
+            expert = stream.expert
             seq_len = expert.shape[1]
             for start in range(0, expert.shape[0], bs):
+                batch = stream.batches.rows(start, start + bs)
+                context = self.adapter.layer_context(settings[0].model, batch, expert[start : start + bs])
                 with autocast_forwards(self.device, self.forward_dtype):
-                    out_e = self.adapter.run_layer(expert_layer, expert[start : start + bs])
-                for setting, layer, recorder, setting_eps in zip(settings, layers, recorders, eps):
-                    student = setting.students[task]
+                    out_e = self.adapter.run_layer(expert_layer, expert[start : start + bs], context)
+                for setting, layer, recorder in zip(settings, layers, recorders):
+                    student = setting.students[task].student
                     rows = min(bs, student.shape[0] - start)
                     if rows <= 0:
                         continue
+                    part = batch if rows == out_e.shape[0] else batch.rows(0, rows)
+                    part_context = (
+                        context
+                        if part is batch
+                        else self.adapter.layer_context(setting.model, part, student[start : start + rows])
+                    )
                     try:
                         with autocast_forwards(self.device, self.forward_dtype):
-                            self.adapter.run_layer(layer, student[start : start + rows])
+                            self.adapter.run_layer(layer, student[start : start + rows], part_context)
                     except StopForward:
                         pass
                     expert_rows = rec_e if rows == out_e.shape[0] else _FirstRows(rec_e, rows)
-                    setting.state.add(rows * seq_len, recorder, expert_rows, modules_e, setting_eps)
+                    setting.state.add(rows * seq_len, recorder, expert_rows, modules_e, part.token_weights)
                     recorder.clear()
                 rec_e.clear()
                 expert[start : start + bs] = out_e
@@ -259,23 +273,25 @@ def featcal_calibrate_many(
     merged: nn.Module,
     base: StateDict,
     experts: Mapping[str, StateDict],
-    load_images: Callable[[str], torch.Tensor],
+    load_inputs: Callable[[str], CalibrationBatch | torch.Tensor],
     settings: Sequence[FeatCalParams],
     *,
     together: int | None = None,
+    adapter: LayerAdapter | None = None,
     **kwargs,
 ) -> Iterator[tuple[int, nn.Module]]:
     """FeatCal of ``merged`` with each of ``settings``, calibrated together in groups.
 
     Args:
-        merged: The merged vision tower (left unchanged).
-        base: The base model's vision-tower tensors.
+        merged: The merged model (left unchanged).
+        base: The base model's tensors as its family keys them.
         experts: Each task's expert tensors, by task name.
-        load_images: ``load_images(task)`` gives the task's calibration pixels for the largest n of
+        load_inputs: ``load_inputs(task)`` gives the task's calibration examples for the largest n of
             the settings; the first n rows must be those of a setting with n (nested subsets).
         settings: The FeatCal settings; they must share ``calibration_batch_size``.
         together: At most this many settings are calibrated (and held in memory) at once; None: all.
-        **kwargs: Passed to :class:`SweepCalibrator`: ``device``, ``progress``, ``adapter``, ``stats_dtype``,
+        adapter: The architecture adapter (default: the one of ``merged``'s model family).
+        **kwargs: Passed to :class:`SweepCalibrator`: ``device``, ``progress``, ``stats_dtype``,
             ``forward_dtype``.
 
     Yields:
@@ -291,20 +307,24 @@ def featcal_calibrate_many(
     groups = list(setting_groups(settings, together))
     # Several groups read each task's pixels again: keep them (the largest n of every task, 0.6 MB an
     # image at 224 px). One group reads them once: keep nothing.
-    images: dict[str, torch.Tensor] = {}
+    if adapter is None:
+        from featcal.families import adapter_for
 
-    def cached(task: str) -> torch.Tensor:  # pixels of the largest n, sliced by smaller groups
+        adapter = adapter_for(merged)
+    inputs: dict[str, CalibrationBatch] = {}
+
+    def cached(task: str) -> CalibrationBatch:  # the examples of the largest n, sliced by smaller groups
         if len(groups) == 1:
-            return load_images(task)
-        if task not in images:
-            images[task] = load_images(task)
-        return images[task]
+            return as_batch(load_inputs(task))
+        if task not in inputs:
+            inputs[task] = as_batch(load_inputs(task))
+        return inputs[task]
 
     for group in groups:
         chosen = [settings[i] for i in group]
         largest = max(p.num_calibration_examples for p in chosen)
-        models = SweepCalibrator(chosen, **kwargs).calibrate(
-            merged, base, experts, lambda task, n=largest: cached(task)[:n]
+        models = SweepCalibrator(chosen, adapter=adapter, **kwargs).calibrate(
+            merged, base, experts, lambda task, n=largest: cached(task).rows(0, n)
         )
         for i in group:
             yield i, models.pop(0)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from featcal import progress
 
 if TYPE_CHECKING:
-    from featcal.runfolder import MetricsReport
+    from featcal.metrics import MetricsReport
 
 
 def format_results(

@@ -78,7 +78,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from featcal.demo import ZooConfig, build_zoo, demo_run_spec
     from featcal.pipeline import run_pipeline
-    from featcal.runfolder import EXPERTS_DIR, RELEASE_DIR, ZERO_SHOT_DIR, calibrated_stage_name, merged_stage_name
+    from featcal.runfolder.layout import (
+        EXPERTS_DIR,
+        RELEASE_DIR,
+        ZERO_SHOT_DIR,
+        calibrated_stage_name,
+        merged_stage_name,
+    )
 
     labels = {
         ZERO_SHOT_DIR: "zero-shot",

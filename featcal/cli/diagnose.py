@@ -32,24 +32,12 @@ def drift_table(report: DriftReport, *, column: int = 16) -> str:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from featcal.devices import resolve_device
     from featcal.diagnostics.run import diagnose_run
-    from featcal.evaluation import default_eval_batch_size
-    from featcal.precision import fixed_precision
-    from featcal.runfolder import RELEASE_DIR
+    from featcal.runfolder.layout import RELEASE_DIR
 
     try:
         spec = build_spec(cli=given_values(args), progress=show_progress(args))
-        device = resolve_device(spec.device)
-        with fixed_precision(spec.precision):
-            report, path, plot = diagnose_run(
-                args.run_dir,
-                split=spec.diagnose_split,
-                num_images=spec.diagnose_images,
-                device=device,
-                batch_size=spec.eval_batch_size or default_eval_batch_size(device),
-                progress=spec.progress,
-            )
+        report, path, plot = diagnose_run(args.run_dir, spec)
     except InvalidParameterError as exc:
         if exc.owner is None and exc.name in RENAMED:  # worded with this command's flag, not `featcal run`'s
             raise FeatcalError(f"{RENAMED[exc.name]} {exc.value!r} is invalid: it must be {exc.expected}.") from None

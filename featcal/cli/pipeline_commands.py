@@ -32,7 +32,7 @@ def compute_settings(spec: RunSpec, inputs) -> Iterator[None]:
     from featcal.precision import fixed_precision
     from featcal.threads import choose_threads, torch_threads
 
-    threads = choose_threads(spec.threads, inputs.vision_config.hidden_size)
+    threads = choose_threads(spec.threads, inputs.family.hidden_size(inputs.config))
     with fixed_precision(spec.precision), torch_threads(threads):
         yield
 
@@ -40,7 +40,7 @@ def compute_settings(spec: RunSpec, inputs) -> Iterator[None]:
 def cmd_run(args: argparse.Namespace) -> int:
     from featcal.distributed import session
     from featcal.pipeline import run_pipeline
-    from featcal.runfolder import RELEASE_DIR
+    from featcal.runfolder.layout import RELEASE_DIR
 
     spec = spec_from_args(args)
     with session(spec.device, spec.dist_timeout) as world:
@@ -56,18 +56,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _input_paths(inputs) -> list[Path]:
-    """The local folders a command reads: the base's and every expert's."""
-    return [inputs.base_folder, *(expert.path for expert in inputs.experts.values())]
-
-
 def _metrics_output(output: str | None, model: str | None) -> Path | None:
     """Where `featcal evaluate` writes its metrics, checked: ``--output``, else the model folder's
     ``metrics.json``, which is refused where it is a run's or a release's own record."""
     from featcal.errors import OutputPathError
     from featcal.outputs import check_output_file
     from featcal.release.manifest import MANIFEST
-    from featcal.runfolder import METRICS, RUN_CONFIG
+    from featcal.runfolder.layout import METRICS, RUN_CONFIG
 
     if output is not None:
         return check_output_file(output, kind="metrics file")
@@ -86,10 +81,9 @@ def _metrics_output(output: str | None, model: str | None) -> Path | None:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     from featcal.distributed import session
-    from featcal.inputs import resolve_inputs
-    from featcal.io import save_vision_model
     from featcal.outputs import check_output_folder
-    from featcal.pipeline import merge
+    from featcal.resolve import resolve_inputs
+    from featcal.stages import merge
 
     spec = spec_from_args(args)
     output = check_output_folder(args.output, kind="merged model")  # before any download
@@ -97,22 +91,22 @@ def cmd_merge(args: argparse.Namespace) -> int:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec)
-            check_output_folder(output, kind="merged model", inputs=_input_paths(inputs))
+            check_output_folder(output, kind="merged model", inputs=inputs.local_folders())
         with compute_settings(spec, inputs):
             state = merge(inputs, spec.merge_method, device, world=world)
     if not world.is_main:
         return 0
-    folder = save_vision_model(state, inputs.vision_config, output)
+    folder = inputs.family.save_model(state, inputs.config, output)
     print(path_line(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts)", folder))
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from featcal.data import validate_datasets
     from featcal.distributed import session
-    from featcal.evaluation import load_base_clip
-    from featcal.inputs import check_vision_folder, resolve_inputs, validate_datasets
     from featcal.outputs import check_output_folder
-    from featcal.pipeline import calibrate
+    from featcal.resolve import resolve_inputs
+    from featcal.stages import calibrate
 
     spec = spec_from_args(args)
     output = check_output_folder(args.output, kind="calibrated model", inputs=[args.merged])  # before any download
@@ -120,19 +114,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec)
-            check_output_folder(output, kind="calibrated model", inputs=[*_input_paths(inputs), args.merged])
+            family = inputs.family
+            check_output_folder(output, kind="calibrated model", inputs=[*inputs.local_folders(), args.merged])
             validate_datasets(
+                family,
                 inputs.tasks,
                 splits=("train",),
                 calibration_examples=spec.featcal.num_calibration_examples,
                 allow_fewer=spec.allow_fewer_calibration_examples,
             )
-            check_vision_folder(args.merged, inputs.base)
-            _, _, processor = load_base_clip(inputs.base_folder)
+            family.check_model_folder(Path(args.merged), inputs.base)
+            preprocessor = family.preprocessor(inputs.base_folder)
         with compute_settings(spec, inputs):
             calibrate(
                 inputs, args.merged, output if world.is_main else None, spec.featcal, seed=spec.seed,
-                device=device, processor=processor, progress=spec.progress, world=world, precision=spec.precision,
+                device=device, preprocessor=preprocessor, progress=spec.progress, world=world,
+                precision=spec.precision,
             )  # fmt: skip
     if not world.is_main:
         return 0
@@ -141,11 +138,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    from featcal.data import validate_datasets
     from featcal.distributed import session
-    from featcal.evaluation import ZeroShotClassifier, load_base_clip
-    from featcal.inputs import load_vision_folder, resolve_inputs, validate_datasets
-    from featcal.io import atomic_write_json
-    from featcal.runfolder import ZERO_SHOT_DIR
+    from featcal.files.atomic import atomic_write_json
+    from featcal.resolve import resolve_inputs
+    from featcal.runfolder.layout import ZERO_SHOT_DIR
 
     spec = spec_from_args(args)
     output = _metrics_output(args.output, args.model)
@@ -153,19 +150,18 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec, need_experts=False)
-            validate_datasets(inputs.tasks, splits=("test",))
-            clip, tokenizer, processor = load_base_clip(inputs.base_folder, device)
-            model = load_vision_folder(args.model, inputs.base) if args.model else clip.vision_model
+            family = inputs.family
+            validate_datasets(family, inputs.tasks, splits=("test",))
+            evaluator = family.evaluator(inputs.base_folder, device, world=world)
+            model = family.load_model(Path(args.model), inputs.base) if args.model else evaluator.base_model()
         with compute_settings(spec, inputs):
-            report = ZeroShotClassifier(clip, tokenizer, device, world=world).evaluate(
-                model,
+            data = evaluator.test_data(
                 inputs.tasks,
-                processor,
                 batch_size=spec.eval_batch_size,
                 num_workers=spec.eval_num_workers,
                 max_samples=spec.max_eval_samples,
-                progress=spec.progress,
             )
+            report = evaluator.evaluate(model, inputs.tasks, data=data, progress=spec.progress)
     if not world.is_main:
         return 0
     if output:
@@ -178,7 +174,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_methods(args: argparse.Namespace) -> int:
     from featcal.merging import available_methods, get_method
-    from featcal.runfolder import merged_stage_name
+    from featcal.runfolder.layout import merged_stage_name
     from featcal.suites import merged_reference, reference_source
 
     published = merged_reference(args.suite, args.backbone)

@@ -37,42 +37,19 @@ def format_sweep(report) -> str:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from featcal.errors import InvalidParameterError
     from featcal.outputs import check_output_folder
     from featcal.spec import build_spec
-    from featcal.sweep import parse_parameter, parse_sizes
+    from featcal.sweep import SweepRequest
     from featcal.sweep.report import SWEEP_DIR, SWEEP_FILE, SWEEP_PLOT
 
-    sizes = parse_sizes(args.sizes) if args.sizes is not None else None
-    parameter = parse_parameter(args.param) if args.param is not None else None
-    together = None
-    if args.together is not None:
-        try:
-            together = int(args.together)
-        except ValueError:
-            together = 0
-        if together < 1:
-            raise InvalidParameterError("together", args.together, "a whole number >= 1", owner="sweep")
+    request = SweepRequest.parse(args.sizes, args.param, args.together)
     spec = build_spec(cli=given_values(args), progress=show_progress(args))
     sweep_files = re.compile(f"{re.escape(SWEEP_FILE)}|{re.escape(SWEEP_PLOT)}")
     check_output_folder(Path(args.run_dir) / SWEEP_DIR, kind="sweep", allowed=sweep_files)
 
     from featcal.sweep.runner import run_sweep
 
-    report = run_sweep(
-        args.run_dir,
-        sizes=sizes,
-        parameter=parameter,
-        device=spec.device,
-        precision=spec.precision,
-        eval_batch_size=spec.eval_batch_size,
-        eval_num_workers=spec.eval_num_workers,
-        cache_dir=spec.cache_dir,
-        threads=spec.threads,
-        together=together,
-        allow_fewer_calibration_examples=spec.allow_fewer_calibration_examples,
-        progress=spec.progress,
-    )
+    report = run_sweep(args.run_dir, spec, request)
     print(format_sweep(report))
     folder = Path(args.run_dir) / SWEEP_DIR
     print(path_line("Sweep", folder / SWEEP_FILE))

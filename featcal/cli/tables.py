@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from featcal.hub import HubFile
+    from featcal.hub.verification import HubFile
 
 
 def file_table(files: Sequence[HubFile]) -> str:

@@ -5,7 +5,8 @@ same images of task t, the relative drift of a feature f is::
 
     drift(f) = sqrt( Σ ‖f_M − f_t‖² ) / sqrt( Σ ‖f_t‖² )
 
-with the sums over every image and every token. It is measured at the output of each encoder
+with the sums over every example and every token (a padding token, weighing 0 in its batch, is left
+out). It is measured at the output of each encoder
 layer (``f`` = the hidden states, every token) and at the end on the pooled output the zero-shot
 heads read (for CLIP: ``post_layernorm`` of the CLS token), each model with its own layers and
 head. 0 means the model reproduces the expert's features exactly on these images.
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from featcal.calibration.adapters import ArchitectureAdapter, CLIPVisionAdapter
-from featcal.calibration.driver import StateDict, _load_params
+from featcal.calibration.adapters import CalibrationBatch, LayerAdapter, as_batch
+from featcal.checkpoint import StateDict, load_params
 from featcal.errors import FeatcalError
 from featcal.progress import Progress
 
@@ -88,10 +89,21 @@ class _Sums:
         self.diff = {m: torch.zeros(num_points, dtype=torch.float64, device=device) for m in models}
         self.expert = torch.zeros(num_points, dtype=torch.float64, device=device)
 
-    def add(self, point: int, expert: torch.Tensor, outputs: Mapping[str, torch.Tensor]) -> None:
-        self.expert[point] += expert.double().pow(2).sum()
+    def add(
+        self,
+        point: int,
+        expert: torch.Tensor,
+        outputs: Mapping[str, torch.Tensor],
+        token_weights: torch.Tensor | None = None,
+    ) -> None:
+        """One batch's squared norms at ``point``; ``token_weights`` ``[batch, seq]`` (0 on padding) leave
+        tokens out of per-token features (pooled features, one per example, have none)."""
+        mask = None if token_weights is None or expert.dim() < 3 else (token_weights > 0).unsqueeze(-1)
+        expert = expert.double() if mask is None else expert.double() * mask
+        self.expert[point] += expert.pow(2).sum()
         for name, out in outputs.items():
-            self.diff[name][point] += (out.double() - expert.double()).pow(2).sum()
+            out = out.double() if mask is None else out.double() * mask
+            self.diff[name][point] += (out - expert).pow(2).sum()
 
     def relative(self, task: str) -> dict[str, tuple[float, ...]]:
         """``sqrt(diff / expert)`` per model and point; raises when the expert's features are all zero."""
@@ -114,14 +126,14 @@ class DriftMeter:
     def __init__(
         self,
         *,
-        adapter: ArchitectureAdapter | None = None,
+        adapter: LayerAdapter,
         device: torch.device | str = "cpu",
         batch_size: int = 64,
         progress: bool = True,
     ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
-        self.adapter = adapter or CLIPVisionAdapter()
+        self.adapter = adapter
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.progress = progress
@@ -136,62 +148,71 @@ class DriftMeter:
     def _expert_copy(self, module: nn.Module, expert: StateDict, prefix: str) -> nn.Module:
         """A copy of ``module`` holding the expert's parameters named ``prefix``…"""
         module = copy.deepcopy(module)
-        _load_params(module, expert, prefix)
+        load_params(module, expert, prefix)
         return module
 
     @torch.no_grad()
-    def _stem(self, stem: nn.Module, pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The first layer's input for every image, ``[n, seq, d]``, computed batch by batch."""
+    def _stem(self, stem: nn.Module, batch: CalibrationBatch, dtype: torch.dtype) -> torch.Tensor:
+        """The first layer's input for every example, ``[n, seq, d]``, computed batch by batch."""
         stream = None
-        for start in range(0, pixels.shape[0], self.batch_size):
-            px = pixels[start : start + self.batch_size].to(self.device, dtype)
-            out = self.adapter.run_stem(stem, px)
+        size = len(batch)
+        for start in range(0, size, self.batch_size):
+            rows = batch.rows(start, start + self.batch_size).inputs
+            part = {
+                k: v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device) for k, v in rows.items()
+            }
+            out = self.adapter.run_stem(stem, CalibrationBatch(part))
             if stream is None:
-                stream = out.new_empty(pixels.shape[0], *out.shape[1:])
+                stream = out.new_empty(size, *out.shape[1:])
             stream[start : start + self.batch_size] = out
         assert stream is not None
         return stream
 
     @torch.no_grad()
-    def _task(self, models: Mapping[str, nn.Module], expert: StateDict, pixels: torch.Tensor) -> tuple[_Sums, int]:
-        """The drift sums of every model against one expert on one task's images."""
+    def _task(self, models: Mapping[str, nn.Module], expert: StateDict, batch: CalibrationBatch) -> tuple[_Sums, int]:
+        """The drift sums of every model against one expert on one task's examples."""
         first = next(iter(models.values()))
         dtype = next(first.parameters()).dtype
         stem = self.adapter.stem(first)
         expert_stem = copy.deepcopy(stem)
-        for prefix in self.adapter.stem_prefixes():
-            _load_params(getattr(expert_stem, prefix.rstrip(".")), expert, prefix)
-        expert_stream = self._stem(expert_stem, pixels, dtype)
+        for part, prefix in self.adapter.stem_parts().items():
+            load_params(expert_stem.get_submodule(part), expert, prefix)
+        expert_stream = self._stem(expert_stem, batch, dtype)
         del expert_stem
-        streams = {name: self._stem(self.adapter.stem(model), pixels, dtype) for name, model in models.items()}
+        streams = {name: self._stem(self.adapter.stem(model), batch, dtype) for name, model in models.items()}
+        layer_batches = batch.for_layers(self.device)
         layers = {name: self.adapter.layers(model) for name, model in models.items()}
         num_layers = len(layers[next(iter(models))])
         sums = _Sums(list(models), num_layers + 1, self.device)
         expert_layer = copy.deepcopy(self.adapter.layers(first)[0])
         for index in range(num_layers):
-            _load_params(expert_layer, expert, self.adapter.layer_prefix(index))
+            load_params(expert_layer, expert, self.adapter.layer_prefix(index))
             for start in range(0, expert_stream.shape[0], self.batch_size):
                 rows = slice(start, start + self.batch_size)
-                expert_stream[rows] = self.adapter.run_layer(expert_layer, expert_stream[rows])
+                part = layer_batches.rows(start, start + self.batch_size)
+                context = self.adapter.layer_context(first, part, expert_stream[rows])
+                expert_stream[rows] = self.adapter.run_layer(expert_layer, expert_stream[rows], context)
                 for name in models:
-                    streams[name][rows] = self.adapter.run_layer(layers[name][index], streams[name][rows])
-                sums.add(index, expert_stream[rows], {name: streams[name][rows] for name in models})
+                    streams[name][rows] = self.adapter.run_layer(layers[name][index], streams[name][rows], context)
+                outputs = {name: streams[name][rows] for name in models}
+                sums.add(index, expert_stream[rows], outputs, part.token_weights)
         del expert_layer
         heads = {name: self.adapter.head(model) for name, model in models.items()}
         expert_head = self._expert_copy(self.adapter.head(first), expert, self.adapter.head_prefix())
         for start in range(0, expert_stream.shape[0], self.batch_size):
             rows = slice(start, start + self.batch_size)
-            pooled = {name: self.adapter.run_head(heads[name], streams[name][rows]) for name in models}
-            sums.add(num_layers, self.adapter.run_head(expert_head, expert_stream[rows]), pooled)
+            part = layer_batches.rows(start, start + self.batch_size)
+            pooled = {name: self.adapter.run_head(heads[name], streams[name][rows], part) for name in models}
+            sums.add(num_layers, self.adapter.run_head(expert_head, expert_stream[rows], part), pooled)
         return sums, num_layers
 
     def measure(
         self,
         models: Mapping[str, nn.Module],
         experts: Mapping[str, StateDict],
-        load_images: Callable[[str], torch.Tensor],
+        load_inputs: Callable[[str], CalibrationBatch | torch.Tensor],
     ) -> FeatureDrift:
-        """The drift of each model in ``models`` from each expert, on that expert's task's images."""
+        """The drift of each model in ``models`` from each expert, on that expert's task's examples."""
         if not models or not experts:
             raise ValueError("measure_drift needs at least one model and one expert")
         models = {name: self._on_device(model) for name, model in models.items()}
@@ -199,13 +220,13 @@ class DriftMeter:
         counts: dict[str, int] = {}
         num_layers = 0
         for task in Progress(list(experts), desc="Feature drift", unit="tasks", enabled=self.progress):
-            pixels = load_images(task)
-            if pixels.shape[0] == 0:
+            batch = as_batch(load_inputs(task))
+            if len(batch) == 0:
                 raise FeatcalError(f"Feature drift: task {task!r} has no images to measure on.")
-            sums, num_layers = self._task(models, experts[task], pixels)
+            sums, num_layers = self._task(models, experts[task], batch)
             for name, values in sums.relative(task).items():
                 drift[name][task] = values
-            counts[task] = int(pixels.shape[0])
+            counts[task] = len(batch)
             logger.debug("Feature drift: task %s measured on %d images", task, counts[task])
         points = (*(f"layer {i}" for i in range(num_layers)), POOLED)
         return FeatureDrift(points, drift, counts)
@@ -214,7 +235,9 @@ class DriftMeter:
 def measure_drift(
     models: Mapping[str, nn.Module],
     experts: Mapping[str, StateDict],
-    load_images: Callable[[str], torch.Tensor],
+    load_inputs: Callable[[str], CalibrationBatch | torch.Tensor],
+    *,
+    adapter: LayerAdapter | None = None,
     **kwargs,
 ) -> FeatureDrift:
     """The relative feature drift of each model from each task's expert, per layer and task.
@@ -223,8 +246,10 @@ def measure_drift(
         models: The models to measure, by name (e.g. ``{"merged": ta, "calibrated": featcal_ta}``);
             left unchanged (copied to the device when they live elsewhere).
         experts: Each task's expert tensors, by task name (e.g. a lazily-read ``Checkpoint``).
-        load_images: ``load_images(task)`` gives the pixels of that task's images, ``[n, 3, H, W]``.
-        **kwargs: Passed to :class:`DriftMeter`: ``device``, ``batch_size``, ``progress``, ``adapter``.
+        load_inputs: ``load_inputs(task)`` gives that task's examples: a
+            :class:`~featcal.calibration.adapters.CalibrationBatch`, or pixels ``[n, 3, H, W]``.
+        adapter: The architecture adapter (default: the one of the models' family).
+        **kwargs: Passed to :class:`DriftMeter`: ``device``, ``batch_size``, ``progress``.
 
     Returns:
         The drift per model, task and measuring point (see the module docstring for its definition).
@@ -233,4 +258,8 @@ def measure_drift(
         FeatcalError: when an expert lacks a tensor, a task has no images, or the features are
             all zero or not finite.
     """
-    return DriftMeter(**kwargs).measure(models, experts, load_images)
+    if adapter is None:
+        from featcal.families import adapter_for
+
+        adapter = adapter_for(next(iter(models.values())))
+    return DriftMeter(adapter=adapter, **kwargs).measure(models, experts, load_inputs)

@@ -16,8 +16,9 @@ from typing import Any
 
 from featcal.diagnostics.drift import FeatureDrift
 from featcal.errors import RunFolderError
-from featcal.io import atomic_write_json
-from featcal.runfolder import DIAGNOSTICS, read_json_file
+from featcal.files.atomic import atomic_write_json
+from featcal.runfolder.layout import DIAGNOSTICS
+from featcal.runfolder.reader import read_json_file
 
 logger = logging.getLogger(__name__)
 

@@ -11,62 +11,61 @@ import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from featcal.calibration.driver import StateDict
-from featcal.data import ImageProcessor, calibration_pixels, load_task_split, pixel_values
+from featcal.calibration.adapters import CalibrationBatch, LayerAdapter
+from featcal.checkpoint import StateDict
 from featcal.diagnostics.drift import measure_drift
 from featcal.diagnostics.plot import save_drift_plot
 from featcal.diagnostics.report import CALIBRATED, MERGED, DriftReport, write_report
-from featcal.errors import FeatcalError, InvalidParameterError, ModelInputError, RunFolderError
-from featcal.runfolder import DIAGNOSTICS_PLOT, RUN_CONFIG, RunFolder, calibrated_stage_name, merged_stage_name
+from featcal.distributed import SINGLE
+from featcal.errors import FeatcalError, InvalidParameterError, ModelInputError
+from featcal.files.model_folders import MODEL_CONFIG
+from featcal.runfolder.layout import DIAGNOSTICS_PLOT, calibrated_stage_name, merged_stage_name
+from featcal.runfolder.reader import RunFolder, merged_model_folder
 from featcal.tasks import Task
+
+if TYPE_CHECKING:
+    from featcal.families.base import ModelFamily
+    from featcal.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
-PIXEL_BATCH = 64  # images per call of the image processor
 
-
-def test_pixels(task: Task, processor: ImageProcessor, n: int) -> torch.Tensor:
-    """The first ``n`` images of a task's test split (all of them when it has fewer), as pixel tensors."""
-    ds = load_task_split(task, "test")
-    ds = ds.select(range(min(n, len(ds))))
-    column = task.dataset.image_column
-    chunks = [pixel_values(processor, ds[s : s + PIXEL_BATCH][column]) for s in range(0, len(ds), PIXEL_BATCH)]
-    return torch.cat(chunks)
-
-
-def drift_images(
+def drift_inputs(
+    family: ModelFamily,
     tasks: Sequence[Task],
-    processor: ImageProcessor,
+    preprocessor: Any,
     *,
     split: str,
-    num_images: int,
+    num_examples: int,
     seed: int,
     calibration_counts: Mapping[str, int] | None = None,
-) -> Callable[[str], torch.Tensor]:
-    """``load(task)``: the pixels of the images a task's drift is measured on.
+) -> Callable[[str], CalibrationBatch]:
+    """``load(task)``: the examples a task's drift is measured on.
 
     Args:
+        family: The models' family (it reads the examples).
         tasks: The run's tasks.
-        processor: The base model's image processor.
-        split: ``test``: the first ``num_images`` test images; ``calibration``: the first
-            ``num_images`` of the run's calibration images (the train split shuffled with ``seed``),
+        preprocessor: The family's preprocessor of the base (CLIP's image processor).
+        split: ``test``: the first ``num_examples`` test examples; ``calibration``: the first
+            ``num_examples`` of the run's calibration examples (the train split shuffled with ``seed``),
             never more than the run calibrated on.
-        num_images: Images per task.
+        num_examples: Examples per task.
         seed: The run's seed (the calibration shuffle).
-        calibration_counts: The calibration images each task used (needed for ``calibration``).
+        calibration_counts: The calibration examples each task used (needed for ``calibration``).
     """
     by_name = {t.name: t for t in tasks}
 
-    def load(name: str) -> torch.Tensor:
+    def load(name: str) -> CalibrationBatch:
         task = by_name[name]
         if split == "calibration":
-            count = min(num_images, (calibration_counts or {})[name])
-            return calibration_pixels(task, processor, count, seed)
-        return test_pixels(task, processor, num_images)
+            count = min(num_examples, (calibration_counts or {})[name])
+            return family.calibration_inputs(task, preprocessor, count, seed, world=SINGLE)
+        return family.test_inputs(task, preprocessor, num_examples)
 
     return load
 
@@ -84,8 +83,9 @@ def method_label(method: str) -> str:
 def diagnose_models(
     models: Mapping[str, nn.Module],
     experts: Mapping[str, StateDict],
-    load_images: Callable[[str], torch.Tensor],
+    load_inputs: Callable[[str], CalibrationBatch],
     *,
+    adapter: LayerAdapter,
     method: str,
     split: str,
     run_id: str,
@@ -99,9 +99,10 @@ def diagnose_models(
         models: ``merged`` and/or ``calibrated`` (:data:`~featcal.diagnostics.report.MERGED`,
             :data:`~featcal.diagnostics.report.CALIBRATED`), left unchanged.
         experts: Each task's expert tensors, by task name.
-        load_images: See :func:`drift_images`.
+        load_inputs: See :func:`drift_inputs`.
+        adapter: The models' family's calibration adapter.
         method: The run's merging method (names the models and their stage folders).
-        split: ``test`` or ``calibration``, as ``load_images`` does.
+        split: ``test`` or ``calibration``, as ``load_inputs`` reads.
         run_id: The run's recipe hash.
         device: Where the forward passes run.
         batch_size: Images per forward batch.
@@ -113,7 +114,9 @@ def diagnose_models(
     pretty = method_label(method)
     labels = {MERGED: pretty, CALIBRATED: f"{pretty} + FeatCal"}
     stages = {MERGED: merged_stage_name(method), CALIBRATED: calibrated_stage_name(method)}
-    drift = measure_drift(models, experts, load_images, device=device, batch_size=batch_size, progress=progress)
+    drift = measure_drift(
+        models, experts, load_inputs, adapter=adapter, device=device, batch_size=batch_size, progress=progress
+    )
     return DriftReport(
         drift=drift,
         split=split,
@@ -150,109 +153,88 @@ def write_diagnostics(run: Path, report: DriftReport) -> tuple[Path, Path | None
 
 
 def run_model_folders(run: RunFolder) -> dict[str, Path]:
-    """The merged model's folder (the stage folder, else the ``--skip-ta`` source) and the calibrated one's.
+    """The merged model's folder (the stage folder, else the ``skip_ta`` source) and the calibrated one's.
 
     Raises:
-        RunFolderError: (from reading the run) when it has neither.
+        ModelInputError: when the run folder holds no merged model (the drift before FeatCal cannot be
+            measured), or no model at all.
     """
-    folders: dict[str, Path] = {}
-    merged = run.path / merged_stage_name(run.method)
-    source = run.config["merge"].get("from")
-    if (merged / "config.json").is_file():
-        folders[MERGED] = merged
-    elif source and (Path(source) / "config.json").is_file():
-        folders[MERGED] = Path(source)
+    merged = merged_model_folder(run)
     calibrated = run.path / calibrated_stage_name(run.method)
-    if (calibrated / "config.json").is_file():
-        folders[CALIBRATED] = calibrated
-    if not folders:
+    if merged is None:
+        stage = merged_stage_name(run.method)
+        has_calibrated = (calibrated / MODEL_CONFIG).is_file()
         raise ModelInputError(
             str(run.path),
-            f"Run folder {run.path} holds no model folder ({merged.name}/ or {calibrated.name}/ with config.json): "
-            "run `featcal run` first.",
+            f"Run folder {run.path} holds no merged model ({stage}/ with config.json), so the drift before FeatCal "
+            + ("cannot be measured beside the calibrated model's: " if has_calibrated else "cannot be measured: ")
+            + "run `featcal run` on it again to restore it.",
         )
+    folders = {MERGED: merged[1]}
+    if (calibrated / MODEL_CONFIG).is_file():
+        folders[CALIBRATED] = calibrated
     return folders
 
 
-def diagnose_run(
-    run_dir: str | Path,
-    *,
-    split: str = "test",
-    num_images: int = 256,
-    device: torch.device | str = "cpu",
-    batch_size: int = 64,
-    progress: bool = True,
-) -> tuple[DriftReport, Path, Path | None]:
+def diagnose_run(run_dir: str | Path, spec: RunSpec) -> tuple[DriftReport, Path, Path | None]:
     """Measure a finished run's feature drift and write ``diagnostics.json`` and its plot into the run folder.
 
-    The merged model (before FeatCal) and the calibrated one (after), whichever the run folder holds,
-    run with each task's expert on the same images of that task. Everything is checked (the run
+    The merged model (before FeatCal) and the calibrated one (after), when the run folder holds it,
+    run with each task's expert on the same examples of that task. Everything is checked (the run
     folder, the base, the experts, the datasets, the models) before the measurement starts, and
     nothing is written before it ends; the run folder is locked while it is written.
 
     Args:
         run_dir: The run folder written by ``featcal run``.
-        split: ``test`` (the first ``num_images`` test images of each task) or ``calibration`` (the
-            first ``num_images`` of the run's calibration images).
-        num_images: Images per task.
-        device: Where the forward passes run.
-        batch_size: Images per forward batch.
-        progress: Show progress.
+        spec: What to measure and where: ``diagnose_split`` (``test``: the first ``diagnose_images`` test
+            examples of each task; ``calibration``: the first of the run's calibration examples),
+            ``diagnose_images``, ``device``, ``precision``, ``eval_batch_size`` (examples per forward
+            batch), ``cache_dir`` and ``progress``.
 
     Returns:
         The report, the path of ``diagnostics.json`` and that of the plot (None without matplotlib).
 
     Raises:
-        RunFolderError: when the run folder is missing, damaged or holds no model.
-        InvalidParameterError: for ``calibration`` on a run that did not calibrate, or a bad value.
-        ModelInputError: when the base, an expert or a model folder cannot be used.
+        RunFolderError: when the run folder is missing or damaged.
+        InvalidParameterError: for ``calibration`` on a run that did not calibrate.
+        ModelInputError: when the base, an expert or a model folder cannot be used, or the run folder
+            holds no merged model.
         DatasetInputError: when a task's split cannot be loaded.
     """
-    from featcal.checkpoint import Checkpoint, check_compatible
-    from featcal.evaluation import load_image_processor
-    from featcal.hub import resolve_model_folder
-    from featcal.inputs import load_vision_folder, validate_datasets
-    from featcal.runfolder import RunLock, read_run
+    from featcal.data import validate_datasets
+    from featcal.devices import default_eval_batch_size, resolve_device
+    from featcal.precision import fixed_precision
+    from featcal.resolve import run_inputs
+    from featcal.runfolder.lock import RunLock
+    from featcal.runfolder.reader import read_run
 
-    if split not in ("test", "calibration"):
-        raise InvalidParameterError("diagnose_split", split, "test or calibration")
-    if num_images < 1:
-        raise InvalidParameterError("diagnose_images", num_images, "a whole number >= 1")
+    split = spec.diagnose_split
+    device = resolve_device(spec.device)
     run = read_run(run_dir)
     folders = run_model_folders(run)
-    featcal = run.featcal_params
-    if split == "calibration" and not featcal:
+    record = run.record
+    if split == "calibration" and record.featcal is None:
         raise InvalidParameterError(
             "diagnose_split", split, "test, since this run did not calibrate (it has no calibration images)"
         )
-    counts, seed = None, run.config.get("seed")
+    counts = None
     if split == "calibration":
-        if not isinstance(seed, int):
-            raise RunFolderError(
-                run.path, f"{run.path / RUN_CONFIG} records no seed, so its calibration images are unknown."
-            )
-        used = featcal.get("calibration_examples_used") or {}
-        counts = {t.name: int(used.get(t.name, featcal["num_calibration_examples"])) for t in run.tasks}
-    base_folder = resolve_model_folder(run.base_model, what="base model")
-    base = Checkpoint(base_folder, name=f"base model {run.base_model}")
-    experts: dict[str, Checkpoint] = {}
-    for task in run.tasks:
-        ref = run.experts.get(task.name)
-        if not ref:
-            raise ModelInputError(None, f"{run.path / RUN_CONFIG} names no expert for task {task.name!r}.")
-        folder = resolve_model_folder(ref, what=f"expert for task {task.name!r}")
-        experts[task.name] = Checkpoint(folder, name=f"Expert for task {task.name!r} ({ref})")
-    check_compatible(base, experts)
-    validate_datasets(list(run.tasks), ("train",) if split == "calibration" else ("test",))
-    processor = load_image_processor(base_folder)
-    models = {name: load_vision_folder(folder, base) for name, folder in folders.items()}
-    load = drift_images(
-        run.tasks, processor, split=split, num_images=num_images, seed=seed or 0, calibration_counts=counts
-    )
-    with RunLock(run.path):
+        n = record.featcal.params.num_calibration_examples
+        counts = {t.name: int(record.calibration_examples_used.get(t.name, n)) for t in run.tasks}
+    inputs = run_inputs(run, spec.cache_dir)
+    family = inputs.family
+    validate_datasets(family, list(run.tasks), ("train",) if split == "calibration" else ("test",))
+    preprocessor = family.preprocessor(inputs.base_folder)
+    models = {name: family.load_model(folder, inputs.base) for name, folder in folders.items()}
+    load = drift_inputs(
+        family, run.tasks, preprocessor, split=split, num_examples=spec.diagnose_images, seed=record.seed,
+        calibration_counts=counts,
+    )  # fmt: skip
+    with RunLock(run.path), fixed_precision(spec.precision):
         report = diagnose_models(
-            models, experts, load, method=run.method, split=split, run_id=run.recipe_sha256,
-            device=device, batch_size=batch_size, progress=progress,
+            models, inputs.experts, load, adapter=family.adapter(), method=run.method, split=split,
+            run_id=run.recipe_sha256, device=device,
+            batch_size=spec.eval_batch_size or default_eval_batch_size(device), progress=spec.progress,
         )  # fmt: skip
         path, plot = write_diagnostics(run.path, report)
     return report, path, plot

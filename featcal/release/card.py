@@ -1,7 +1,7 @@
 """The model card: Hub metadata (``ModelCardData`` with a ``model-index``) and a Jinja-rendered body.
 
-The template ships as package data (``featcal/resources/model_card.md.j2``); pass ``template=`` to
-use your own. Everything in the card comes from the run folder's own files.
+The template is the model family's (CLIP's ships as ``featcal/families/clip_vision/model_card.md.j2``);
+pass ``template=`` to use your own. Everything in the card comes from the run folder's own files.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import shutil
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import yaml
@@ -20,24 +20,30 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from featcal.calibration.params import FeatCalParams
 from featcal.errors import FeatcalError, ReleaseError
-from featcal.hub import check_repo_id, is_hub_id
-from featcal.io import atomic_write_text, read_text_input
+from featcal.families import get_family
+from featcal.files.atomic import atomic_write_text
+from featcal.files.reading import read_text_input
+from featcal.hub.refs import check_repo_id, is_hub_id
 from featcal.options import option_fields, option_of
 from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
 from featcal.release.options import DEFAULT_LICENSE
 from featcal.release.plot import PLOT_FILE, save_results_plot
 from featcal.release.published import LOCAL_MARK, is_published_local, local_name, published_config, published_ref
 from featcal.release.results import ResultRow, results_rows
-from featcal.runfolder import DIAGNOSTICS_PLOT, PROCESSES, RELEASE_DIR, RunFolder, merged_stage_name, read_run
+from featcal.runfolder.layout import DIAGNOSTICS_PLOT, RELEASE_DIR, merged_stage_name
+from featcal.runfolder.reader import RunFolder, read_run
+from featcal.runfolder.record import PROCESSES
 from featcal.sweep.report import SWEEP_DIR, SWEEP_PLOT, read_sweep
 from featcal.tasks import Task
+
+if TYPE_CHECKING:
+    from featcal.families.base import ModelFamily
 from featcal.version import __version__
 
 logger = logging.getLogger(__name__)
 
-TEMPLATE = "model_card.md.j2"
 CARD_FILE = "README.md"
-TAGS = ["merge", "featcal", "model-merging", "clip", "vision", "image-classification"]
+TAGS = ["merge", "featcal", "model-merging"]  # the family's follow, then the merging method's
 # The recipe table's symbol and meaning of each FeatCal hyper-parameter, from the run spec.
 FEATCAL_PARAMS = {f.name: (option_of(f).symbol, option_of(f).card) for f, _, _ in option_fields(FeatCalParams)}
 # What run_config.json's FeatCal section records beside the parameters, when it applies.
@@ -81,14 +87,15 @@ def _method_info(method: str) -> tuple[str, str | None]:
 
 def card_data(run: RunFolder, *, model_name: str, license: str) -> ModelCardData:
     """The card's YAML metadata: Hub relations, tags, datasets and one accuracy per task."""
+    parts = get_family(run.record.family).release
     released = run.released
     refs = [run.base_model, *(run.experts.get(t.name) for t in run.tasks)]
     base_models = list(dict.fromkeys(r for r in refs if is_hub_id(r)))
     datasets = list(dict.fromkeys(t.dataset.path for t in run.tasks if is_hub_id(t.dataset.path)))
     results = [
         EvalResult(
-            task_type="image-classification",
-            task_name="Image Classification",
+            task_type=parts.task_type,
+            task_name=parts.task_name,
             dataset_type=t.dataset.path if is_hub_id(t.dataset.path) else t.name,
             dataset_name=t.name,
             dataset_config=t.dataset.name,
@@ -103,10 +110,10 @@ def card_data(run: RunFolder, *, model_name: str, license: str) -> ModelCardData
         model_name=model_name,
         library_name="transformers",
         license=license,
-        pipeline_tag="zero-shot-image-classification",
+        pipeline_tag=parts.pipeline_tag,
         base_model=base_models or None,
         base_model_relation="merge" if base_models else None,
-        tags=[*TAGS, run.method.replace("_", "-")],
+        tags=[*TAGS, *parts.tags, run.method.replace("_", "-")],
         datasets=datasets or None,
         eval_results=results,
     )
@@ -116,12 +123,6 @@ def evaluated_split(task: Task, max_eval_samples: int | None) -> str:
     """The split the accuracy was measured on, in ``datasets`` slicing notation when it was a prefix."""
     split = task.dataset.test_split
     return f"{split}[:{max_eval_samples}]" if max_eval_samples else split
-
-
-def _snippet_task(tasks: tuple[Task, ...]) -> Task:
-    """The task shown in the usage snippet: a Hub dataset when there is one, with the fewest classes."""
-    candidates = [t for t in tasks if is_hub_id(t.dataset.path)] or list(tasks)
-    return min(candidates, key=lambda t: len(t.classnames))
 
 
 def _pct(value: float | None) -> str:
@@ -144,9 +145,10 @@ def _link(ref: str | None, kind: str) -> str:
     return f"`{name}` (local folder)"
 
 
-def _environment(template: str | Path | None) -> tuple[jinja2.Environment, str]:
+def _environment(template: str | Path | None, family: ModelFamily) -> tuple[jinja2.Environment, str]:
     if template is None:
-        source = resources.files("featcal.resources").joinpath(TEMPLATE).read_text(encoding="utf-8")
+        package, name = family.release.card_template
+        source = resources.files(package).joinpath(name).read_text(encoding="utf-8")
     else:
         source = read_text_input(Path(template).expanduser(), "Model card template")
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
@@ -195,8 +197,8 @@ def _context(
     pretty_name, url = _method_info(run.method)
     rows = results_rows(run)
     model_name = repo_id or default_model_name(run)
-    snippet = _snippet_task(run.tasks)
-    featcal = run.featcal_params
+    featcal = run.record.featcal.to_json() if run.record.featcal else None
+    family = get_family(run.record.family)
     return {
         "card_data": card_data(run, model_name=model_name, license=license).to_yaml(),
         "title": model_name.split("/")[-1],
@@ -207,16 +209,16 @@ def _context(
         "base_is_hub": is_hub_id(run.base_model),
         "featcal_version": __version__,
         "recipe_sha256": run.recipe_sha256,
-        "local_inputs": published_config(run.config) != dict(run.config),
+        "local_inputs": published_config(run.raw_config) != dict(run.raw_config),
         "released_stage": run.released.name,
-        "seed": run.config.get("seed", "–"),
+        "seed": run.record.seed,
         "calibrated": run.calibrated is not None,
         "method": {
             "name": run.method,
             "pretty_name": pretty_name,
             "url": url,
             "params": dict(run.merge_params),
-            "source": published_ref(run.config["merge"].get("from")),
+            "source": published_ref(run.record.merge.merged_from),
         },
         "featcal": [
             {
@@ -249,20 +251,11 @@ def _context(
         "plot": plot,
         "diagnostics": _diagnostics(run, drift_plot),
         "sweep": _sweep(run, sweep_plot),
-        "snippet": {
-            "task": snippet.name,
-            "classnames": list(snippet.classnames),
-            "templates": list(snippet.templates),
-            # None when no task has a Hub dataset: the snippet then opens an image file instead
-            "dataset": snippet.dataset.path if is_hub_id(snippet.dataset.path) else None,
-            "config": snippet.dataset.name,
-            "split": snippet.dataset.test_split,
-            "image_column": snippet.dataset.image_column,
-        },
         "timings": [(timing_label(k), float(v)) for k, v in run.timings.items() if isinstance(v, (int, float))],
         "max_eval_samples": run.max_eval_samples,
-        "processes": run.config.get(PROCESSES),
+        "processes": run.raw_config.get(PROCESSES),
         "has_expert": any(r.expert is not None for r in rows),
+        **family.card_context(run),
     }
 
 
@@ -284,18 +277,20 @@ def render_card(
     """
     if repo_id is not None:
         check_repo_id(repo_id, namespace=True)
-    env, source = _environment(template)
+    family = get_family(run.record.family)
+    env, source = _environment(template, family)
+    shown = template or "/".join(family.release.card_template)
     try:
         context = _context(
             run, repo_id=repo_id, license=license, plot=plot, drift_plot=drift_plot, sweep_plot=sweep_plot
         )
         text = env.from_string(source).render(**context)
     except jinja2.TemplateError as exc:
-        raise FeatcalError(f"Model card template {template or TEMPLATE} failed to render: {exc}") from None
+        raise FeatcalError(f"Model card template {shown} failed to render: {exc}") from None
     try:
         return ModelCard(text)
     except (ValueError, yaml.YAMLError) as exc:
-        raise FeatcalError(f"Model card template {template or TEMPLATE} gives invalid metadata: {exc}") from None
+        raise FeatcalError(f"Model card template {shown} gives invalid metadata: {exc}") from None
 
 
 def write_card(

@@ -9,11 +9,16 @@ import yaml
 from huggingface_hub import ModelCard
 
 from featcal.errors import ReleaseError
-from featcal.hub import HubFile, local_files
+from featcal.families import DEFAULT_FAMILY, get_family
+from featcal.files.model_folders import WEIGHTS
+from featcal.hub.verification import HubFile, local_files
+from featcal.metrics import RUN_ID
 from featcal.release.card import CARD_FILE
-from featcal.release.export import REQUIRED_FILES, WEIGHTS, load_vision_model
+from featcal.release.export import COMMON_FILES, load_released_model, required_files
 from featcal.release.manifest import MANIFEST, file_sha256, read_manifest, tensors_sha256
-from featcal.runfolder import METRICS, RUN_CONFIG, RUN_ID, read_json_file, recipe_sha256
+from featcal.runfolder.layout import METRICS, RUN_CONFIG
+from featcal.runfolder.reader import read_json_file
+from featcal.runfolder.record import recipe_sha256
 
 FIX = "rebuild it with `featcal export RUN_FOLDER`"
 REBUILD = "rebuild the release with `featcal export RUN_FOLDER`"
@@ -110,13 +115,13 @@ def _check_files(folder: Path, files: tuple[HubFile, ...], recipe: str, tensors:
 def check_release(folder: str | Path) -> Release:
     """The release in ``folder``, or a ReleaseError naming what is missing, inconsistent or changed.
 
-    Checks that the card, metrics, recipe, weights and manifest are all there; that the weights load
-    as a ``CLIPVisionModel``; that the card's metadata parses; that ``metrics.json`` (its ``run_id``),
-    ``run_config.json`` (its ``run_id``) and the weights (``recipe_sha256`` metadata) name the same
-    run, and that the recipe hash of ``run_config.json`` is the ``published_config_sha256`` recorded in
-    the weights; that the tensor data hashes to the weights' ``tensors_sha256``; and that the folder
-    holds exactly the files of ``release_manifest.json``, each with the SHA-256 recorded there (hidden
-    files, which a push does not upload, are ignored).
+    Checks that the card, metrics, recipe, weights, manifest and the family's preprocessor files are all there; that
+    the weights load as the family's class (a ``CLIPVisionModel``); that the card's metadata parses; that
+    ``metrics.json`` (its ``run_id``), ``run_config.json`` (its ``run_id``) and the weights (``recipe_sha256``
+    metadata) name the same run, and that the recipe hash of ``run_config.json`` is the ``published_config_sha256``
+    recorded in the weights; that the tensor data hashes to the weights' ``tensors_sha256``; and that the folder
+    holds exactly the files of ``release_manifest.json``, each with the SHA-256 recorded there (hidden files, which
+    a push does not upload, are ignored).
 
     Args:
         folder: The release folder.
@@ -126,17 +131,22 @@ def check_release(folder: str | Path) -> Release:
 
     Raises:
         ReleaseError: when a file is missing, damaged, changed since export, or not part of the release.
-        ModelInputError: when the weights do not load as a ``CLIPVisionModel``.
+        ModelInputError: when the weights do not load as the family's class.
     """
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise ReleaseError(folder, f"Release folder {folder} does not exist: {FIX}.")
-    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    missing = [name for name in COMMON_FILES if not (folder / name).is_file()]
+    if missing:
+        raise ReleaseError(folder, f"{folder} is not a complete release: {', '.join(missing)} missing; {FIX}.")
+    config = read_json_file(folder / RUN_CONFIG, f"Release {folder}")
+    family = get_family(config.get("family", DEFAULT_FAMILY) if isinstance(config, dict) else DEFAULT_FAMILY)
+    missing = [name for name in required_files(family) if not (folder / name).is_file()]
     if missing:
         raise ReleaseError(folder, f"{folder} is not a complete release: {', '.join(missing)} missing; {FIX}.")
     metadata = _weights_metadata(folder / WEIGHTS)
     recipe = metadata["recipe_sha256"]
-    load_vision_model(folder, f"Release {folder}")
+    load_released_model(family, folder, f"Release {folder}")
     try:
         card = ModelCard.load(folder / CARD_FILE)
     except (ValueError, yaml.YAMLError) as exc:
@@ -152,7 +162,6 @@ def check_release(folder: str | Path) -> Release:
             f"{folder / METRICS} (run_id {metrics.get('run_id')}) does not describe the weights in "
             f"{folder / WEIGHTS} (recipe {recipe[:12]}); {FIX}.",
         )
-    config = read_json_file(folder / RUN_CONFIG, f"Release {folder}")
     run_id = config.get(RUN_ID) if isinstance(config, dict) else None
     if run_id != recipe:
         raise ReleaseError(

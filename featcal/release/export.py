@@ -8,39 +8,66 @@ import os
 import re
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from featcal.errors import FeatcalError
-from featcal.hub import check_repo_id, is_hub_id, local_path, resolve_model_folder
-from featcal.io import atomic_folder, atomic_write_json
+from featcal.families import get_family
+from featcal.files.atomic import atomic_folder, atomic_write_json
+from featcal.files.model_folders import MODEL_CONFIG, WEIGHTS
+from featcal.hub.downloads import resolve_model_folder
+from featcal.hub.refs import check_repo_id, is_hub_id, local_path
 from featcal.outputs import check_output_folder
-from featcal.release.card import write_card_files
+from featcal.release.card import CARD_FILE, write_card_files
 from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, write_manifest
 from featcal.release.options import DEFAULT_LICENSE
 from featcal.release.plot import PLOT_FILE
 from featcal.release.published import published_config
-from featcal.runfolder import DIAGNOSTICS_PLOT, METRICS, RELEASE_DIR, RUN_CONFIG, RunFolder, read_run, recipe_sha256
+from featcal.runfolder.layout import DIAGNOSTICS_PLOT, METRICS, RELEASE_DIR, RUN_CONFIG
+from featcal.runfolder.reader import RunFolder, read_run
+from featcal.runfolder.record import recipe_sha256
 from featcal.sweep.report import SWEEP_PLOT
 from featcal.version import __version__
 
+if TYPE_CHECKING:
+    from featcal.families.base import ModelFamily
+
 logger = logging.getLogger(__name__)
 
-WEIGHTS = "model.safetensors"
-REQUIRED_FILES = ("config.json", WEIGHTS, "preprocessor_config.json", "README.md", METRICS, RUN_CONFIG, MANIFEST)
-RELEASE_FILES = frozenset({*REQUIRED_FILES, PLOT_FILE, DIAGNOSTICS_PLOT, SWEEP_PLOT})
-RELEASE_NAMES = re.compile("|".join(map(re.escape, sorted(RELEASE_FILES))))
+# What every release holds, whatever its family; a family adds its preprocessor's files.
+COMMON_FILES = (MODEL_CONFIG, WEIGHTS, CARD_FILE, METRICS, RUN_CONFIG, MANIFEST)
+OPTIONAL_FILES = (PLOT_FILE, DIAGNOSTICS_PLOT, SWEEP_PLOT)
 
 
-def load_vision_model(folder: Path, what: str):
-    """A `CLIPVisionModel` from ``folder``, refusing missing or unexpected weights."""
-    from transformers import CLIPVisionModel
+def required_files(family: ModelFamily) -> tuple[str, ...]:
+    """The files a release of ``family``'s model must hold."""
+    return (*COMMON_FILES, *family.release.files)
 
+
+def release_names(family: ModelFamily) -> re.Pattern[str]:
+    """The names a release folder of ``family``'s model may hold (what ``export`` may replace)."""
+    return re.compile("|".join(map(re.escape, sorted({*required_files(family), *OPTIONAL_FILES}))))
+
+
+def load_released_model(family: ModelFamily, folder: Path, what: str):
+    """The family's release class (``CLIPVisionModel``) loaded from ``folder``, refusing missing or
+    unexpected weights.
+
+    Raises:
+        FeatcalError: naming ``what`` and the folder when it does not load as that class, or its weights
+            do not match it.
+    """
+    import transformers
+
+    model_class = family.release.model_class
     try:
-        model, info = CLIPVisionModel.from_pretrained(str(folder), dtype="auto", output_loading_info=True)
+        model, info = getattr(transformers, model_class).from_pretrained(
+            str(folder), dtype="auto", output_loading_info=True
+        )
     except (OSError, ValueError, RuntimeError) as exc:
-        raise FeatcalError(f"{what}: {folder} does not load as a transformers CLIPVisionModel ({exc}).") from None
+        raise FeatcalError(f"{what}: {folder} does not load as a transformers {model_class} ({exc}).") from None
     problems = [f"{kind} {sorted(map(str, keys))[:3]}" for kind, keys in info.items() if keys]
     if problems:
-        raise FeatcalError(f"{what}: the weights in {folder} do not match a CLIPVisionModel: {'; '.join(problems)}.")
+        raise FeatcalError(f"{what}: the weights in {folder} do not match a {model_class}: {'; '.join(problems)}.")
     return model.eval()
 
 
@@ -69,9 +96,9 @@ def stamp_safetensors(path: Path, metadata: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
-def _write_weights(run: RunFolder, out: Path, published: dict) -> str:
+def _write_weights(run: RunFolder, family: ModelFamily, out: Path, published: dict) -> str:
     """Write the released model; returns its ``tensors_sha256`` (also stamped in its metadata)."""
-    model = load_vision_model(run.released.path, f"Stage {run.released.name!r}")
+    model = load_released_model(family, run.released.path, f"Stage {run.released.name!r}")
     model.save_pretrained(str(out))
     tensors = tensors_sha256(out / WEIGHTS)
     stamp_safetensors(
@@ -87,9 +114,8 @@ def _write_weights(run: RunFolder, out: Path, published: dict) -> str:
     return tensors
 
 
-def _write_processor(run: RunFolder, out: Path) -> None:
-    from featcal.evaluation import load_image_processor
-
+def _write_preprocessor(run: RunFolder, family: ModelFamily, out: Path) -> None:
+    """Write the base's preprocessor (CLIP's image processor) beside the released weights."""
     local = local_path(run.base_model)
     if not is_hub_id(run.base_model) and (local is None or not local.exists()):
         raise FeatcalError(
@@ -97,11 +123,7 @@ def _write_processor(run: RunFolder, out: Path) -> None:
             "(a relative path is relative to where `featcal run` ran): export from there, or fix the path."
         )
     folder = resolve_model_folder(run.base_model, what="base model")
-    try:
-        processor = load_image_processor(folder)
-    except (OSError, ValueError) as exc:
-        raise FeatcalError(f"The base model {run.base_model} has no usable image processor config ({exc}).") from None
-    processor.save_pretrained(str(out))
+    family.preprocessor(folder).save_pretrained(str(out))
 
 
 def export_release(
@@ -114,15 +136,15 @@ def export_release(
 ) -> Path:
     """Write the release folder of a run (default ``<run>/release``) and return its path.
 
-    The folder holds the released model (calibrated when present, else merged) as a
-    ``CLIPVisionModel``, the base model's image processor config, the model card (``README.md``) and
-    its plot, the evaluation report (``metrics.json``), the recipe (``run_config.json``, with local
-    inputs named ``local:<folder name>``, see :mod:`featcal.release.published`) and the manifest
-    (``release_manifest.json``: the SHA-256 of every other file). The weights' safetensors metadata
-    carries featcal's version, the recipe hash, ``tensors_sha256`` (a hash of the tensor data, see
+    The folder holds the released model (calibrated when present, else merged) as its family's class (a
+    ``CLIPVisionModel``), the base model's preprocessor (CLIP's image processor config), the model card
+    (``README.md``) and its plot, the evaluation report (``metrics.json``), the recipe (``run_config.json``, with
+    local inputs named ``local:<folder name>``, see :mod:`featcal.release.published`) and the manifest
+    (``release_manifest.json``: the SHA-256 of every other file). The weights' safetensors metadata carries
+    featcal's version, the recipe hash, ``tensors_sha256`` (a hash of the tensor data, see
     :mod:`featcal.release.manifest`) and ``published_config_sha256`` (the recipe hash of the published
-    ``run_config.json``). It is written in a temporary folder beside it and renamed into place, so it is
-    never seen half-written; exporting the same run again gives the same bytes.
+    ``run_config.json``). It is written in a temporary folder beside it and renamed into place, so it is never seen
+    half-written; exporting the same run again gives the same bytes.
 
     Args:
         run_dir: The run folder written by ``featcal run``.
@@ -137,18 +159,19 @@ def export_release(
 
     Raises:
         RunFolderError: when the run folder is incomplete, damaged or edited after the run.
-        ModelInputError: when the released weights or the base's image processor do not load.
+        ModelInputError: when the released weights or the base's preprocessor do not load.
         OutputPathError: when ``out_dir`` is a file or holds files that are not part of a release.
     """
     run = read_run(run_dir)
     if repo_id is not None:
         check_repo_id(repo_id, namespace=True)
     out = Path(out_dir).expanduser() if out_dir is not None else run.path / RELEASE_DIR
-    check_output_folder(out, kind="release", allowed=RELEASE_NAMES)
+    family = get_family(run.record.family)
+    check_output_folder(out, kind="release", allowed=release_names(family))
     with atomic_folder(out) as tmp:
-        published = published_config(run.config)
-        tensors = _write_weights(run, tmp, published)
-        _write_processor(run, tmp)
+        published = published_config(run.raw_config)
+        tensors = _write_weights(run, family, tmp, published)
+        _write_preprocessor(run, family, tmp)
         atomic_write_json(tmp / RUN_CONFIG, published)
         atomic_write_json(tmp / METRICS, {**run.released.metrics, "run_id": run.recipe_sha256})
         write_card_files(run, tmp, repo_id=repo_id, license=license, template=template)

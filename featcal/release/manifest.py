@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featcal.errors import ReleaseError
-from featcal.io import CHUNK, atomic_write_json, file_sha256
+from featcal.files.atomic import atomic_write_json
+from featcal.files.hashing import CHUNK, file_sha256
 
 MANIFEST = "release_manifest.json"
 MANIFEST_FORMAT = "featcal-release-manifest/1"

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from featcal.hub import is_hub_id
+from featcal.hub.refs import is_hub_id
 
 LOCAL_MARK = "local:"
 # Values that look like an absolute path on some system: /x, ~, ~user, C:\x or C:/x, \\server\x.

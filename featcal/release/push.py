@@ -15,11 +15,14 @@ from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import RepositoryNotFoundError
 
 from featcal.errors import ReleaseError
-from featcal.hub import HubFile, check_repo_id, hub_api, hub_files, publishing, verify_hub_files
+from featcal.files.model_folders import WEIGHTS
+from featcal.hub.publishing import hub_api, publishing
+from featcal.hub.refs import check_repo_id
+from featcal.hub.verification import HubFile, hub_files, verify_hub_files
 from featcal.release.card import CARD_FILE
 from featcal.release.check import check_release
-from featcal.release.export import WEIGHTS, export_release
-from featcal.runfolder import RELEASE_DIR, RUN_CONFIG
+from featcal.release.export import export_release
+from featcal.runfolder.layout import RELEASE_DIR, RUN_CONFIG
 from featcal.version import __version__
 
 logger = logging.getLogger(__name__)

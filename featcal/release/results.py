@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Any
 
-from featcal.runfolder import RunFolder
+from featcal.runfolder.reader import RunFolder
 
 FEATCAL_SUFFIX = "_featcal"
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from featcal.data import load_task_split, to_rgb
 from featcal.errors import DatasetInputError
-from featcal.hub import hub_reachable, is_hub_id, is_offline, local_path
+from featcal.families.clip_vision.images import load_task_split, to_rgb
+from featcal.hub.connection import hub_reachable, is_offline
+from featcal.hub.refs import is_hub_id, local_path
 from featcal.progress import Progress
 from featcal.tasks import Task
 

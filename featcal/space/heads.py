@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from featcal.evaluation import ZeroShotClassifier
+from featcal.families.clip_vision.evaluation import ZeroShotClassifier
 from featcal.progress import Progress
 from featcal.tasks import Task
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from featcal.data import to_rgb
 from featcal.errors import FeatcalError
+from featcal.families.clip_vision.images import to_rgb
 
 MAX_ASPECT_RATIO = 25.0
 ORIENTATION = 0x0112  # the EXIF orientation tag

@@ -14,14 +14,15 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from featcal.data import pixel_values
 from featcal.devices import resolve_device
 from featcal.errors import FeatcalError, ModelInputError
-from featcal.evaluation import ZeroShotClassifier, load_base_clip
-from featcal.hub import is_hub_id, local_path, resolve_model_folder
-from featcal.inputs import load_vision_folder
-from featcal.io import read_json
-from featcal.runfolder import CALIBRATED_PREFIX, RELEASE_DIR, RUN_CONFIG
+from featcal.families.clip_vision.evaluation import ZeroShotClassifier, load_base_clip
+from featcal.families.clip_vision.folders import load_vision_folder
+from featcal.families.clip_vision.images import pixel_values
+from featcal.files.reading import read_json
+from featcal.hub.downloads import resolve_model_folder
+from featcal.hub.refs import is_hub_id, local_path
+from featcal.runfolder.layout import CALIBRATED_PREFIX, RELEASE_DIR, RUN_CONFIG
 from featcal.space.heads import default_cache_dir, task_heads
 from featcal.space.settings import DEFAULT_BASE_MODEL_ID, SpaceSettings
 from featcal.suites import SUITE_NAMES, suite_table, task_table

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featcal.errors import FeatcalError, InputError, InvalidParameterError
-from featcal.hub import HIDDEN_PATTERNS, HubFile, check_repo_id, hub_api, is_hub_id, local_files, publishing
-from featcal.io import atomic_write_json
+from featcal.files.atomic import atomic_write_json
+from featcal.hub.publishing import HIDDEN_PATTERNS, hub_api, publishing
+from featcal.hub.refs import check_repo_id, is_hub_id
+from featcal.hub.verification import HubFile, local_files
 from featcal.space.examples import collect_examples
 from featcal.space.model import space_tasks
 from featcal.space.settings import CONFIG_FILE, DEFAULT_BASE_MODEL_ID, DEFAULT_MODEL_ID, EXAMPLES_DIR, SpaceSettings

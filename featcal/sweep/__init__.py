@@ -5,6 +5,13 @@ The package itself imports only what parsing a request needs (``featcal --help``
 report lives in :mod:`featcal.sweep.report`, the command in :mod:`featcal.sweep.runner`.
 """
 
-from featcal.sweep.request import DEFAULT_SIZES, SWEEPABLE, SweptParameter, parse_parameter, parse_sizes
+from featcal.sweep.request import (
+    DEFAULT_SIZES,
+    SWEEPABLE,
+    SweepRequest,
+    SweptParameter,
+    parse_parameter,
+    parse_sizes,
+)
 
-__all__ = ["DEFAULT_SIZES", "SWEEPABLE", "SweptParameter", "parse_parameter", "parse_sizes"]
+__all__ = ["DEFAULT_SIZES", "SWEEPABLE", "SweepRequest", "SweptParameter", "parse_parameter", "parse_sizes"]

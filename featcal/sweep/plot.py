@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from featcal.calibration.params import symbol
-from featcal.io import atomic_folder, atomic_write_json
+from featcal.files.atomic import atomic_folder, atomic_write_json
 from featcal.sweep.report import SWEEP_DIR, SWEEP_FILE, SWEEP_PLOT, SweepPoint, SweepReport
 
 logger = logging.getLogger(__name__)

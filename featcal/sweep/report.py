@@ -12,7 +12,7 @@ from typing import Any
 
 from featcal.calibration.params import symbol
 from featcal.errors import RunFolderError
-from featcal.runfolder import read_json_file
+from featcal.runfolder.reader import read_json_file
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""What a sweep asks for: the calibration sizes and at most one swept FeatCal parameter, checked
-before any work, and the FeatCal settings they make."""
+"""What a sweep asks for: the calibration sizes, at most one swept FeatCal parameter and how many
+settings are calibrated together, checked before any work, and the FeatCal settings they make."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from featcal.calibration.params import FeatCalParams
 from featcal.errors import InvalidParameterError, UnknownNameError
-from featcal.options import convert_field
+from featcal.options import Option, Range, convert, convert_field
 
 DEFAULT_SIZES = (8, 16, 32, 64, 128, 256)
 # The parameters a sweep may vary besides n: those that change the solves or the teacher. The batch
@@ -75,6 +75,47 @@ def parse_parameter(text: str) -> SweptParameter:
         if value not in converted:
             converted.append(value)
     return SweptParameter(name, tuple(converted))
+
+
+@dataclass(frozen=True)
+class SweepRequest:
+    """A sweep's own options (``featcal sweep``'s flags); the run's other options come from its run spec.
+
+    Attributes:
+        sizes: Calibration examples per task (None: 8 … 256, or with ``parameter`` the run's n).
+        parameter: The FeatCal parameter to sweep and its values, or None.
+        together: At most this many settings are calibrated (and held in memory) at once; None: all.
+
+    Raises:
+        InvalidParameterError: for ``together`` below 1.
+    """
+
+    sizes: tuple[int, ...] | None = None
+    parameter: SweptParameter | None = None
+    together: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.together is not None and (isinstance(self.together, bool) or self.together < 1):
+            raise InvalidParameterError("together", self.together, "a whole number >= 1", owner="sweep")
+
+    @classmethod
+    def parse(cls, sizes: str | None, parameter: str | None, together: str | int | None) -> SweepRequest:
+        """The request from its flags' texts (``"8,16"``, ``"lambda_ratio=0.01,0.1"``, ``"2"``).
+
+        Raises:
+            InvalidParameterError, UnknownNameError: naming the flag's parameter and what it must be.
+        """
+        count = None
+        if together is not None:
+            try:
+                count = convert(together, int, Option(range=Range(ge=1)), "together", owner="sweep")
+            except InvalidParameterError:
+                raise InvalidParameterError("together", together, "a whole number >= 1", owner="sweep") from None
+        return cls(
+            parse_sizes(sizes) if sizes is not None else None,
+            parse_parameter(parameter) if parameter is not None else None,
+            count,
+        )
 
 
 def sweep_settings(

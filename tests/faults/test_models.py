@@ -93,7 +93,7 @@ def test_a_merged_input_of_another_architecture_is_refused(world_copy, tmp_path,
 
 
 def test_metrics_are_strict_json(world, tmp_path, device) -> None:
-    from featcal.io import atomic_write_json
+    from featcal.files.atomic import atomic_write_json
 
     with pytest.raises(ValueError):
         atomic_write_json(tmp_path / "m.json", {"t": {"accuracy": float("nan")}})

@@ -21,7 +21,7 @@ from featcal.release import check_release, export_release, read_run, write_card
 from featcal.release.export import stamp_safetensors
 from featcal.release.manifest import MANIFEST, file_sha256, tensors_sha256
 from featcal.release.published import published_config, published_ref
-from featcal.runfolder import recipe_sha256
+from featcal.runfolder.record import recipe_sha256
 from tests.support.hub_double import Account, HubDouble, isolate_from_the_real_hub
 from tests.support.release_runs import FIXTURE, make_run, ta8_config, tiny_config, with_run_id
 

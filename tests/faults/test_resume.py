@@ -1,7 +1,7 @@
 """Runs resume and lock: a killed run, run again, ends with the outputs of an uninterrupted run.
 
 Kills are real SIGKILLs of a `featcal run` subprocess at named points (``FEATCAL_KILL_AT``, see
-``featcal.io.fault_point``), the way a rented machine's loss would stop it. On each device the
+``featcal.files.faults.fault_point``), the way a rented machine's loss would stop it. On each device the
 outputs are compared bit for bit with those of an uninterrupted run on that same device.
 """
 

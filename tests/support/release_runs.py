@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from featcal.io import config_hash
+from featcal.files.hashing import config_hash
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-clip-3task"
 TA8 = Path(__file__).parents[2] / "featcal" / "resources" / "ta8_tasks.json"

@@ -1,8 +1,7 @@
-"""Zero-shot evaluation: class heads from the base CLIP text tower, accuracy per task and average."""
+"""CLIP's evaluation: zero-shot class heads from the base CLIP's text tower, accuracy per task and average."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Sequence
@@ -12,25 +11,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.data import TestImages
+from featcal.devices import default_eval_batch_size
 from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError, ModelInputError
+from featcal.families.clip_vision.folders import check_clip_model_folder
+from featcal.families.clip_vision.images import TestImages
+from featcal.metrics import MetricsReport, TaskMetrics, count_parameters
 from featcal.progress import Progress
-from featcal.runfolder import MetricsReport, TaskMetrics
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
-
-
-def count_parameters(model: nn.Module) -> dict[str, float | int]:
-    """Parameter counts in the reference run's ``model_info`` format."""
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {
-        "trainable_params": trainable,
-        "all_params": total,
-        "trainable_percentage": trainable / total if total else 0.0,
-    }
 
 
 def load_base_clip(folder: str | Path, device: torch.device | str = "cpu"):
@@ -55,7 +45,7 @@ def load_base_clip(folder: str | Path, device: torch.device | str = "cpu"):
             "(vision and text towers) the experts were fine-tuned from.",
         )
     model = model.to(device).eval()
-    return model, _load_tokenizer(folder), _load_processor(folder)
+    return model, _load_tokenizer(folder), base_image_processor(folder)
 
 
 # A CLIP tokenizer's files: the fast one's tokenizer.json, or the slow one's vocabulary and merges.
@@ -79,7 +69,7 @@ def _load_tokenizer(folder: str | Path):
         raise ModelInputError(str(folder), f"The base model {folder}'s tokenizer does not load ({exc}).") from None
 
 
-def _load_processor(folder: str | Path):
+def base_image_processor(folder: str | Path):
     """The base's image processor, or a one-line error naming the folder."""
     try:
         return load_image_processor(folder)
@@ -89,47 +79,10 @@ def _load_processor(folder: str | Path):
         ) from None
 
 
-def check_clip_model_folder(folder: str | Path) -> None:
-    """Refuse a base model folder whose config is not a CLIPModel's (e.g. a lone CLIPVisionModel).
-
-    Raises:
-        ModelInputError: naming the folder, its model type and the fix.
-    """
-    config = Path(folder) / "config.json"
-    try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        raise ModelInputError(str(folder), f"The base model {folder} has no readable config.json.") from None
-    if model_type != "clip":
-        raise ModelInputError(
-            str(folder),
-            f"The base model {folder} is a {model_type!r} model, not a CLIPModel with a text tower (model_type "
-            "'clip'): give the full CLIP the experts were fine-tuned from, e.g. openai/clip-vit-base-patch32.",
-        )
-
-
 # transformers picks a torchvision backend for CLIPImageProcessor when torchvision imports, whose
 # pixels differ slightly from the PIL backend's: featcal always uses the PIL one, so pixels,
 # statistics and accuracies do not depend on whether torchvision is installed.
 IMAGE_PROCESSOR = "CLIPImageProcessorPil"
-
-# Test images per batch when none is given. On the CPU a small batch is as fast and lighter: the
-# ViT-B/32 shape evaluated 4 × 256 images in 74.9–82.6 s at 1.23–1.35 GiB peak RSS with 16 per batch,
-# 79.7–87.8 s at 1.33 GiB with 64 and 93.3–98.9 s at 1.97–1.98 GiB with 256 (benchmarks/README.md,
-# "Evaluation batch size on the CPU").
-EVAL_BATCH_SIZE = {"cuda": 256, "cpu": 16}
-
-
-def default_eval_batch_size(device: torch.device | str) -> int:
-    """The number of test images per batch used on ``device`` when none is asked for.
-
-    Args:
-        device: Where the evaluation runs.
-
-    Returns:
-        256 on CUDA (and any other accelerator), 16 on the CPU.
-    """
-    return EVAL_BATCH_SIZE["cpu" if torch.device(device).type == "cpu" else "cuda"]
 
 
 def load_image_processor(folder: str | Path):
@@ -357,3 +310,44 @@ def _own_storage(module: nn.Module) -> None:
             for name, buffer in list(sub.named_buffers(recurse=False)):
                 if buffer.device.type == "cpu":
                     setattr(sub, name, buffer.clone())
+
+
+class ZeroShotEvaluator:
+    """CLIP's :class:`~featcal.families.base.Evaluator`: zero-shot accuracy with the base's text tower.
+
+    Args:
+        base_folder: The base ``CLIPModel`` folder (text tower, projections, tokenizer, image processor).
+        device: Where the evaluation runs.
+        world: Under torchrun, the processes that share each task's test images.
+
+    Raises:
+        ModelInputError: when the base is not a complete CLIPModel with a tokenizer and image processor.
+    """
+
+    def __init__(self, base_folder: str | Path, device: torch.device | str, *, world: World = SINGLE) -> None:
+        clip, tokenizer, self.processor = load_base_clip(base_folder, device)
+        self.classifier = ZeroShotClassifier(clip, tokenizer, device, world=world)
+
+    def base_model(self) -> nn.Module:
+        """The base's own vision tower (evaluate it before :meth:`prepare`, which drops it)."""
+        return self.classifier.clip.vision_model
+
+    def prepare(self, tasks: Sequence[Task]) -> None:
+        """Compute the class heads of ``tasks``, then drop the base's towers and tokenizer."""
+        self.classifier.keep_heads_only(tasks)
+
+    def test_data(
+        self, tasks: Sequence[Task], *, batch_size: int | None, num_workers: int, max_samples: int | None
+    ) -> TestImages:
+        """The tasks' test images behind one loader (see :meth:`ZeroShotClassifier.test_images`)."""
+        return self.classifier.test_images(
+            tasks, self.processor, batch_size=batch_size, num_workers=num_workers, max_samples=max_samples
+        )
+
+    def evaluate(self, model: nn.Module, tasks: Sequence[Task], *, data: TestImages, progress: bool) -> MetricsReport:
+        """Zero-shot accuracy and loss of ``model`` on each task (see :meth:`ZeroShotClassifier.evaluate`)."""
+        return self.classifier.evaluate(model, tasks, progress=progress, images=data)
+
+    def evaluate_task(self, model: nn.Module, task: Task, *, data: TestImages, progress: bool) -> TaskMetrics:
+        """Zero-shot accuracy and loss of ``model`` on one task."""
+        return self.classifier.evaluate_task(model, task, progress=progress, images=data)

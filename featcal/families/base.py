@@ -1,0 +1,157 @@
+"""The interface a model family implements: everything featcal knows of one kind of model.
+
+Merge, calibrate, evaluate, export, push, diagnose, sweep, resume, lock and torchrun are written
+once, over this interface; a family (:mod:`featcal.families.clip_vision`) is the only place that
+knows its models: which classes load them and how a folder is checked, the calibration's adapter and
+batches, the evaluator, and what a release of it says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from featcal.calibration.adapters import CalibrationBatch, LayerAdapter
+    from featcal.checkpoint import Checkpoint
+    from featcal.distributed import World
+    from featcal.files.safetensors_writer import SafetensorsWriter
+    from featcal.metrics import MetricsReport, TaskMetrics
+    from featcal.runfolder.reader import RunFolder
+    from featcal.tasks import Task
+
+
+class Evaluator(Protocol):
+    """A family's evaluation of models on tasks, sharing what every evaluation of a run reads.
+
+    Built from the base model (:meth:`ModelFamily.evaluator`); under torchrun each process evaluates
+    its share of every task's test examples and the counts are summed over the processes.
+    """
+
+    def base_model(self) -> nn.Module:
+        """The base model's own part that the family merges (its zero-shot evaluation)."""
+
+    def prepare(self, tasks: Sequence[Task]) -> None:
+        """Compute what later evaluations of ``tasks`` need from the base (class heads), then free the base."""
+
+    def test_data(self, tasks: Sequence[Task], *, batch_size: int | None, num_workers: int,
+                  max_samples: int | None) -> Any:  # fmt: skip
+        """The tasks' test examples behind one loader, shared by every evaluation of a run."""
+
+    def evaluate(self, model: nn.Module, tasks: Sequence[Task], *, data: Any, progress: bool) -> MetricsReport:
+        """``model``'s results on each task, their average and the model's size."""
+
+    def evaluate_task(self, model: nn.Module, task: Task, *, data: Any, progress: bool) -> TaskMetrics:
+        """``model``'s result on one task."""
+
+
+@dataclass(frozen=True)
+class ReleaseParts:
+    """What a release of a family's model says and holds beside the weights.
+
+    Attributes:
+        model_class: The transformers class that loads the released folder (``CLIPVisionModel``).
+        pipeline_tag: The Hub's task tag for it.
+        tags: The card's tags besides the merging method's.
+        files: Files a release holds from the base model's preprocessor (the image processor's config).
+        task_type: The ``model-index`` task type of its results (``image-classification``).
+        task_name: That task's name for people.
+        card_template: The package and file name of the family's model card template.
+    """
+
+    model_class: str
+    pipeline_tag: str
+    tags: tuple[str, ...]
+    files: tuple[str, ...]
+    task_type: str
+    task_name: str
+    card_template: tuple[str, str]
+
+
+class ModelFamily(Protocol):
+    """One kind of model featcal merges, calibrates, evaluates and releases.
+
+    Attributes:
+        name: The registry name, recorded in each run (``clip_vision``).
+        title: The name for people (``CLIP vision tower``).
+        model_types: The ``model_type`` values of the folders the family reads.
+        noun: What one example is called in messages (``image``).
+    """
+
+    name: str
+    title: str
+    model_types: tuple[str, ...]
+    noun: str
+
+    # --- models -------------------------------------------------------------------------------
+    def check_base_folder(self, folder: Path) -> None:
+        """Refuse a base model folder the family cannot use (one line, naming the folder and the fix)."""
+
+    def checkpoint(self, folder: Path, name: str | None = None) -> Checkpoint:
+        """The tensors of a base, expert or merged folder that the family merges and calibrates, read lazily."""
+
+    def model_config(self, base_folder: Path) -> Any:
+        """The configuration merged and calibrated models are written with (the base's)."""
+
+    def hidden_size(self, config: Any) -> int:
+        """The model's width, which chooses torch's threads on the CPU."""
+
+    def check_model_folder(self, folder: Path, base: Checkpoint | None = None) -> Checkpoint:
+        """Check a merged or calibrated model folder without loading the model; returns its tensors."""
+
+    def load_model(self, folder: Path, base: Checkpoint | None = None) -> nn.Module:
+        """A merged, calibrated or released model from its folder, checked, in float32, in eval mode."""
+
+    def build_model(self, config: Any, state: Mapping[str, torch.Tensor]) -> nn.Module:
+        """A model of ``config`` holding ``state``."""
+
+    def save_model(self, state: Mapping[str, torch.Tensor], config: Any, folder: Path) -> Path:
+        """Write ``state`` as a model folder of ``config``, atomically."""
+
+    # --- calibration --------------------------------------------------------------------------
+    def adapter(self) -> LayerAdapter:
+        """The calibration's view of the family's models."""
+
+    def skeleton(self, folder: Path, merged: Checkpoint, device: torch.device) -> nn.Module:
+        """The model in ``folder`` with everything but its calibrated layers on ``device`` (read from
+        ``merged``) and its layers on the meta device."""
+
+    def streamed_model(self, config: Any, folder: Path) -> AbstractContextManager[SafetensorsWriter]:
+        """A model folder of ``config`` written tensor by tensor (keyed as :meth:`checkpoint` keys them),
+        appearing whole when the block ends."""
+
+    def preprocessor(self, base_folder: Path) -> Any:
+        """What turns a task's raw examples into tensors (CLIP's image processor), read from the base."""
+
+    def calibration_inputs(self, task: Task, preprocessor: Any, n: int, seed: int, *, world: World) -> CalibrationBatch:
+        """The task's calibration examples (the first ``n`` of its train split after one shuffle with
+        ``seed``; this process's part under torchrun)."""
+
+    def load_split(self, task: Task, split: str) -> Any:
+        """A task's ``train`` or ``test`` split, its columns checked (a ``datasets.Dataset``)."""
+
+    def test_inputs(self, task: Task, preprocessor: Any, n: int) -> CalibrationBatch:
+        """The first ``n`` examples of the task's test split (all of them when it has fewer)."""
+
+    def check_split(self, task: Task, dataset: Any, split: str) -> None:
+        """Refuse a split whose examples the family cannot read (columns, labels), naming task and split."""
+
+    # --- evaluation and release ---------------------------------------------------------------
+    def evaluator(self, base_folder: Path, device: torch.device, *, world: World) -> Evaluator:
+        """The evaluation of models of this family against the base in ``base_folder``."""
+
+    def evaluation_record(self) -> Mapping[str, Any]:
+        """What a run records of how it evaluated, besides ``max_eval_samples`` (CLIP's image processor)."""
+
+    @property
+    def release(self) -> ReleaseParts:
+        """What a release of this family's model says and holds beside the weights."""
+
+    def card_context(self, run: RunFolder) -> Mapping[str, Any]:
+        """The variables the family's card template reads beside featcal's own (CLIP: the usage snippet)."""

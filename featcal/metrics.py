@@ -1,0 +1,133 @@
+"""The typed metrics report: per-task results, their average, the model's size, and the run it belongs to.
+
+Every family's evaluator returns a :class:`MetricsReport`; on disk (``metrics.json``) it has the
+FeatCal reference run's flat layout. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from featcal.errors import RunFolderError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# Keys of a metrics report beside the tasks; task tables refuse tasks with these names.
+AVERAGE, MODEL_INFO, RUN_ID = "average", "model_info", "run_id"
+CALIBRATION_EXAMPLES_USED = "calibration_examples_used"
+RESERVED_TASK_NAMES = frozenset({AVERAGE, MODEL_INFO, RUN_ID, CALIBRATION_EXAMPLES_USED})
+
+
+def count_parameters(model: nn.Module) -> dict[str, float | int]:
+    """Parameter counts in the reference run's ``model_info`` format."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {
+        "trainable_params": trainable,
+        "all_params": total,
+        "trainable_percentage": trainable / total if total else 0.0,
+    }
+
+
+@dataclass(frozen=True)
+class TaskMetrics:
+    """One task's zero-shot result: accuracy (0..1), mean cross-entropy and the images counted."""
+
+    accuracy: float
+    loss: float
+    num_samples: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"accuracy": self.accuracy, "loss": self.loss}
+        if self.num_samples is not None:
+            data["num_samples"] = self.num_samples
+        return data
+
+
+@dataclass(frozen=True)
+class MetricsReport:
+    """An evaluation report: per-task results kept apart from the average, model info and run id.
+
+    On disk (``metrics.json``) it has the reference run's flat layout: ``model_info``, one entry per
+    task, ``average``, ``run_id``.
+    """
+
+    tasks: Mapping[str, TaskMetrics]
+    average: Mapping[str, float] | None = None
+    model_info: Mapping[str, Any] | None = None
+    run_id: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_results(
+        cls, results: Mapping[str, TaskMetrics], *, model_info: Mapping[str, Any] | None = None
+    ) -> MetricsReport:
+        """A report whose average is the plain mean of the tasks' accuracies and losses."""
+        count = len(results)
+        average = {
+            "accuracy": sum(r.accuracy for r in results.values()) / count,
+            "loss": sum(r.loss for r in results.values()) / count,
+        }
+        return cls(tasks=dict(results), average=average, model_info=model_info)
+
+    def accuracy(self, task: str) -> float:
+        """The accuracy of ``task``, or the average's for :data:`AVERAGE`."""
+        if task == AVERAGE:
+            if self.average is None:
+                raise KeyError(AVERAGE)
+            return float(self.average["accuracy"])
+        return self.tasks[task].accuracy
+
+    def with_run_id(self, run_id: str) -> MetricsReport:
+        return MetricsReport(self.tasks, self.average, self.model_info, run_id, self.extra)
+
+    def with_extra(self, extra: Mapping[str, Any]) -> MetricsReport:
+        """This report with more entries beside the tasks (e.g. ``calibration_examples_used``)."""
+        return MetricsReport(self.tasks, self.average, self.model_info, self.run_id, {**self.extra, **extra})
+
+    def to_json(self) -> dict[str, Any]:
+        """The reference run's flat ``metrics.json`` object."""
+        data: dict[str, Any] = {}
+        if self.model_info is not None:
+            data[MODEL_INFO] = dict(self.model_info)
+        data.update({name: result.to_json() for name, result in self.tasks.items()})
+        data.update(self.extra)
+        if self.average is not None:
+            data[AVERAGE] = dict(self.average)
+        if self.run_id is not None:
+            data[RUN_ID] = self.run_id
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, where: str | Path = "metrics.json") -> MetricsReport:
+        """Parse a flat ``metrics.json`` object; entries that are not task results are kept in ``extra``.
+
+        Raises:
+            RunFolderError: when ``data`` is not an object or a task entry lacks its accuracy.
+        """
+        if not isinstance(data, Mapping):
+            raise RunFolderError(where, f"{where} must hold a JSON object (an evaluation report).")
+        tasks: dict[str, TaskMetrics] = {}
+        extra: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in RESERVED_TASK_NAMES:
+                continue
+            if isinstance(value, Mapping) and "accuracy" in value:
+                tasks[key] = TaskMetrics(
+                    float(value["accuracy"]), float(value.get("loss", math.nan)), value.get("num_samples")
+                )
+            else:
+                extra[key] = value
+        average = data.get(AVERAGE)
+        return cls(
+            tasks=tasks,
+            average=dict(average) if isinstance(average, Mapping) else None,
+            model_info=data.get(MODEL_INFO),
+            run_id=data.get(RUN_ID),
+            extra=extra,
+        )

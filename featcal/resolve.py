@@ -1,0 +1,179 @@
+"""The one resolver of a run's models: its family, base and experts, from a run spec or a run folder.
+
+``featcal run``, ``merge``, ``calibrate`` and ``evaluate`` resolve them from the spec
+(:func:`resolve_inputs`); ``featcal sweep`` and ``diagnose`` from a run folder's record
+(:func:`run_inputs`). Both go through :func:`resolve_models`, which downloads what is named by Hub id,
+checks every folder with its family, and reads the tensors lazily; nothing is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from featcal.errors import InvalidParameterError, RunFolderError
+from featcal.families import get_family
+from featcal.hub.downloads import resolve_model_folder
+from featcal.merging import get_method
+from featcal.runfolder.layout import RUN_CONFIG
+from featcal.suites import task_table
+from featcal.tasks import Task
+
+if TYPE_CHECKING:
+    from featcal.checkpoint import Checkpoint
+    from featcal.families.base import ModelFamily
+    from featcal.runfolder.reader import RunFolder
+    from featcal.spec import RunSpec
+
+
+@dataclass
+class RunInputs:
+    """A run's resolved inputs: its family, tasks, model folders and lazily-read checkpoints.
+
+    Attributes:
+        family: The model family of the tasks.
+        tasks: The tasks, in order.
+        base_ref: The base model as given (a Hub id, or a folder's absolute path).
+        base_folder: The base model's folder (downloaded when ``base_ref`` is a Hub id).
+        expert_refs: Each task's expert as given.
+        experts: Each task's expert tensors, checked against the base's.
+        base: The base's tensors.
+        merge_params: The merging method's hyper-parameters, every one resolved.
+    """
+
+    family: ModelFamily
+    tasks: list[Task]
+    base_ref: str
+    base_folder: Path
+    expert_refs: dict[str, str] = field(default_factory=dict)
+    experts: dict[str, Checkpoint] = field(default_factory=dict)
+    base: Checkpoint | None = None
+    merge_params: dict[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def config(self) -> Any:
+        """The configuration merged and calibrated models are written with (the base's)."""
+        return self.family.model_config(self.base_folder)
+
+    def local_folders(self) -> list[Path]:
+        """The folders the run reads its models from: the base's and every expert's."""
+        return [self.base_folder, *(expert.path for expert in self.experts.values())]
+
+
+def tasks_family(tasks: Sequence[Task]) -> ModelFamily:
+    """The model family every task belongs to.
+
+    Raises:
+        InvalidParameterError: naming ``tasks`` when they belong to several families.
+    """
+    families = sorted({t.family for t in tasks})
+    if len(families) > 1:
+        raise InvalidParameterError(
+            "tasks", " ".join(t.name for t in tasks), f"tasks of one model family, not {families}"
+        )
+    return get_family(families[0])
+
+
+def expert_ref(task: Task, pattern: str | None, table_pattern: str | None) -> str:
+    """Where task's expert comes from: ``expert_model_format``, else the task's entry, else the table's pattern.
+
+    Raises:
+        InvalidParameterError: for a pattern without ``{task}`` or with other fields, or a task with no expert.
+    """
+    if pattern is not None:
+        if "{task}" not in pattern:
+            raise InvalidParameterError("expert_model_format", pattern, "a pattern containing '{task}'")
+        try:
+            return pattern.format(task=task.name)
+        except (KeyError, IndexError, ValueError):
+            raise InvalidParameterError(
+                "expert_model_format", pattern, "a pattern whose only field is '{task}' (write '{{' for a brace)"
+            ) from None
+    if task.expert:
+        return task.expert
+    if table_pattern:
+        return table_pattern.format(task=task.name)
+    raise InvalidParameterError(
+        "expert_model_format", None, f"a pattern with '{{task}}', since task {task.name!r} has no 'expert' entry"
+    )
+
+
+def resolve_models(
+    family: ModelFamily,
+    tasks: Sequence[Task],
+    base_ref: str,
+    expert_refs: Mapping[str, str] | None,
+    *,
+    cache_dir: str | Path | None = None,
+) -> tuple[Path, Checkpoint, dict[str, Checkpoint]]:
+    """The base's folder and tensors, and each task's expert tensors (none when ``expert_refs`` is None),
+    each folder checked by ``family``, the experts against the base, every tensor finite.
+
+    Raises:
+        ModelInputError: when a model is missing, unreadable, not finite, of another family, or of
+            another architecture than the base.
+        HubError: when a Hub download fails for good.
+    """
+    from featcal.checkpoint import check_compatible
+
+    base_folder = resolve_model_folder(base_ref, what="base model", cache_dir=cache_dir)
+    family.check_base_folder(base_folder)
+    base = family.checkpoint(base_folder, name=f"base model {base_ref}")
+    base.check_finite()
+    experts: dict[str, Checkpoint] = {}
+    for task in tasks if expert_refs is not None else ():
+        ref = expert_refs[task.name]
+        folder = resolve_model_folder(ref, what=f"expert for task {task.name!r}", cache_dir=cache_dir)
+        experts[task.name] = family.checkpoint(folder, name=f"Expert for task {task.name!r} ({ref})")
+    check_compatible(base, experts)
+    for expert in experts.values():
+        expert.check_finite()
+    return base_folder, base, experts
+
+
+def resolve_inputs(spec: RunSpec, *, need_experts: bool = True) -> RunInputs:
+    """Tasks, base and experts of a run spec, validated before anything is written.
+
+    Raises:
+        InvalidParameterError: for tasks, a base or an expert pattern that cannot be used.
+        ModelInputError: as :func:`resolve_models`.
+    """
+    table = task_table(spec.tasks_file, suite=spec.suite, backbone=spec.backbone)
+    names = spec.tasks or (list(task_table(spec.tasks_file, replace=True).tasks) if spec.tasks_file else None)
+    tasks = table.select(names)
+    family = tasks_family(tasks)
+    base_ref = spec.base_model_id or table.base_model
+    if not base_ref:
+        raise InvalidParameterError("base_model_id", None, "a Hub id or folder, since the task table names none")
+    local = Path(base_ref).expanduser()
+    base_ref = str(local.resolve()) if local.exists() else base_ref
+    refs = (
+        {t.name: expert_ref(t, spec.expert_model_format, table.expert_model_pattern) for t in tasks}
+        if need_experts
+        else None
+    )
+    base_folder, base, experts = resolve_models(family, tasks, base_ref, refs, cache_dir=spec.cache_dir)
+    params = get_method(spec.merge_method).resolved_params(**spec.method_params())
+    return RunInputs(family, tasks, base_ref, base_folder, refs or {}, experts, base, params)
+
+
+def run_inputs(run: RunFolder, cache_dir: str | Path | None = None) -> RunInputs:
+    """The family, base, experts and tasks a run folder's record names, resolved and checked.
+
+    Raises:
+        RunFolderError: when the run names no expert for a task.
+        ModelInputError: as :func:`resolve_models`.
+    """
+    refs = dict(run.experts)
+    missing = [t.name for t in run.tasks if t.name not in refs]
+    if missing:
+        raise RunFolderError(
+            run.path / RUN_CONFIG,
+            f"{run.path / RUN_CONFIG} names no expert for task(s) {missing}: this needs every task's expert.",
+        )
+    family = get_family(run.record.family)
+    base_folder, base, experts = resolve_models(family, run.tasks, run.base_model, refs, cache_dir=cache_dir)
+    return RunInputs(family, list(run.tasks), run.base_model, base_folder, refs, experts, base, dict(run.merge_params))

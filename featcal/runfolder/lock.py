@@ -1,0 +1,110 @@
+"""The run folder's lock: one process writes a run folder at a time, and nobody reads it meanwhile.
+
+The lock is an ``flock`` on ``<run>/.featcal.lock``: exclusive for a process that writes the run
+(``featcal run``, ``sweep``, ``diagnose``, ``export``), shared for one that only reads it (``featcal
+card`` into another folder, ``push`` of a release it does not write). The kernel releases an
+``flock`` when its process dies, even by SIGKILL, so a lock left by a killed process is taken over
+(and logged) rather than blocking forever. The writer records itself in the file (pid, host, start
+time, command) and empties it when done; the file itself stays, since removing it would let a
+process that opened it before and one that creates it after hold "the" lock at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from featcal.errors import RunLockedError
+from featcal.runfolder.layout import LOCK_FILE
+
+logger = logging.getLogger(__name__)
+
+
+class RunLock:
+    """A lock on a run folder, held while a process writes (or, ``shared``, reads) it.
+
+    Args:
+        run: The run folder (created, for an exclusive lock, when it does not exist yet).
+        shared: Take a shared lock: several readers may hold one together, a writer none meanwhile.
+
+    Raises:
+        RunLockedError: on entry, when a live process holds the lock in a way that excludes this one.
+    """
+
+    def __init__(self, run: Path, *, shared: bool = False) -> None:
+        self.run = Path(run)
+        self.path = self.run / LOCK_FILE
+        self.shared = shared
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        if not self.shared:
+            self.run.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            if self.shared and exc.errno == errno.EROFS:  # nobody writes a read-only folder: nothing to wait for
+                return self
+            raise
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunLockedError(self.run, self._busy_message(holder), holder) from None
+        if not self.shared:
+            previous = _read_holder(fd)
+            if previous:
+                logger.warning(
+                    "Run folder %s: taking over the lock left by process %s on %s, which is no longer running",
+                    self.run,
+                    previous.get("pid", "?"),
+                    previous.get("host", "?"),
+                )
+            record = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "command": " ".join(sys.argv[:3]),
+            }
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+        self._fd = fd
+        return self
+
+    def _busy_message(self, holder: dict[str, Any]) -> str:
+        """Why the lock cannot be had, in one line: a writer's record, or readers (who leave none)."""
+        if holder:
+            who = (
+                f"being written by process {holder.get('pid', '?')} on {holder.get('host', '?')} "
+                f"(since {holder.get('started', '?')})"
+            )
+        else:
+            who = "being read by another featcal process"
+        what = "read" if self.shared else "write"
+        return f"Run folder {self.run} is {who}: wait for it to finish, stop it, or {what} another run folder."
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is None:
+            return
+        if not self.shared:
+            os.ftruncate(self._fd, 0)  # no holder any more; the file stays (see the module docstring)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}

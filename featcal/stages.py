@@ -1,0 +1,114 @@
+"""The work of a run's model stages, family-agnostic: merge the experts, calibrate the merge.
+
+``featcal run`` (:mod:`featcal.pipeline`) and the single-stage commands ``featcal merge`` and
+``featcal calibrate`` call these with resolved inputs (:mod:`featcal.resolve`); the model family
+supplies everything model-specific.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from featcal.calibration.params import FeatCalParams
+from featcal.calibration.streaming import featcal_calibrate_folder
+from featcal.checkpoint import check_finite_state
+from featcal.distributed import SINGLE, World
+from featcal.errors import DatasetInputError
+from featcal.merging import get_method
+from featcal.precision import forward_dtype
+from featcal.resolve import RunInputs
+from featcal.tasks import Task
+
+
+def merge(
+    inputs: RunInputs, method: str, device: torch.device | None = None, *, world: World = SINGLE
+) -> dict[str, torch.Tensor]:
+    """The merged model's state dict (on the CPU), computed on ``device`` (shared by ``world``'s processes).
+
+    Raises:
+        FeatcalError: when the merge gives a non-finite tensor from finite inputs.
+    """
+    experts = [inputs.experts[t.name] for t in inputs.tasks]
+    merged = get_method(method)(inputs.base, experts, device=device, world=world, **inputs.merge_params)
+    check_finite_state(merged, f"The {method} merge")
+    return merged
+
+
+def calibrate(
+    inputs: RunInputs,
+    merged_folder: str | Path,
+    output: str | Path | None,
+    params: FeatCalParams,
+    *,
+    seed: int,
+    device: torch.device,
+    preprocessor: Any,
+    progress: bool = True,
+    world: World = SINGLE,
+    precision: str = "float32",
+) -> None:
+    """FeatCal of the merged model in ``merged_folder`` (checked by the caller), written to ``output``
+    one layer at a time: the model is never whole in memory, and the folder appears only when the
+    calibration ends.
+
+    Args:
+        inputs: The run's family, tasks, base and experts.
+        merged_folder: The merged model's folder.
+        output: The calibrated model's folder; None on the processes of a torchrun other than rank 0,
+            which compute the same weights without writing them.
+        params: FeatCal's hyper-parameters.
+        seed: The seed of the shuffle that picks each task's calibration examples.
+        device: Where the calibration computes.
+        preprocessor: The family's preprocessor of the base (:meth:`~featcal.families.base.ModelFamily.preprocessor`).
+        progress: Show progress bars.
+        world: Under torchrun, each process reads its part of every task's calibration examples.
+        precision: ``bf16`` runs the layer forwards under bfloat16 autocast.
+    """
+    by_name = {t.name: t for t in inputs.tasks}
+    family = inputs.family
+    featcal_calibrate_folder(
+        family,
+        merged_folder,
+        output,
+        inputs.base,
+        inputs.experts,
+        lambda name: family.calibration_inputs(
+            by_name[name], preprocessor, params.num_calibration_examples, seed, world=world
+        ),
+        params,
+        config=inputs.config,
+        device=device,
+        progress=progress,
+        world=world,
+        forward_dtype=forward_dtype(precision),
+    )
+
+
+def check_calibration_shares(
+    tasks: Sequence[Task], counts: Mapping[str, int], requested: int, world: World, noun: str = "example"
+) -> None:
+    """Refuse, before anything is written, a task with fewer calibration examples than processes.
+
+    Args:
+        tasks: The run's tasks.
+        counts: Examples used by each task whose train split is smaller than ``requested``.
+        requested: ``num_calibration_examples``.
+        world: The processes, each of which takes a part of every task's examples.
+        noun: What the family calls one example (``image``).
+
+    Raises:
+        DatasetInputError: naming the task and the largest number of processes it allows.
+    """
+    for task in tasks:
+        count = counts.get(task.name, requested)
+        if count < world.size:
+            raise DatasetInputError(
+                task.name,
+                task.dataset.path,
+                f"Task {task.name!r}: its {count} calibration {noun}(s) cannot be split over {world.size} "
+                f"processes; start at most {count} processes, or raise `num_calibration_examples`.",
+            )
