@@ -20,7 +20,10 @@ if TYPE_CHECKING:
 # Keys of a metrics report beside the tasks; task tables refuse tasks with these names.
 AVERAGE, MODEL_INFO, RUN_ID = "average", "model_info", "run_id"
 CALIBRATION_EXAMPLES_USED = "calibration_examples_used"
-RESERVED_TASK_NAMES = frozenset({AVERAGE, MODEL_INFO, RUN_ID, CALIBRATION_EXAMPLES_USED})
+# The SHA-256 of each weight file of the model a report measured, by its path in the model's folder: a
+# report is the record of those weights, and of no others.
+WEIGHTS_SHA256 = "weights_sha256"
+RESERVED_TASK_NAMES = frozenset({AVERAGE, MODEL_INFO, RUN_ID, CALIBRATION_EXAMPLES_USED, WEIGHTS_SHA256})
 
 
 def count_parameters(model: nn.Module) -> dict[str, float | int]:
@@ -131,3 +134,12 @@ class MetricsReport:
             run_id=data.get(RUN_ID),
             extra=extra,
         )
+
+
+def weights_sha256(folder: Path) -> dict[str, str]:
+    """The SHA-256 of each safetensors file of a model folder, by its path in the folder (what a report
+    that measured the model records as :data:`WEIGHTS_SHA256`)."""
+    from featcal.files.hashing import file_sha256
+
+    folder = Path(folder)
+    return {f.relative_to(folder).as_posix(): file_sha256(f) for f in sorted(folder.rglob("*.safetensors"))}

@@ -18,7 +18,7 @@ from featcal.errors import InvalidParameterError, OutputPathError
 # What `featcal merge` / `featcal calibrate` write, and what a folder may hold to be replaced by them.
 MODEL_FOLDER_FILES = re.compile(
     r"(config\.json|metrics\.json|model\.safetensors|model\.safetensors\.index\.json"
-    r"|model-\d+-of-\d+\.safetensors|generation_config\.json)"
+    r"|model-\d+-of-\d+\.safetensors|generation_config\.json|featcal_recipe\.json|mergekit_config\.yml)"
 )
 
 
@@ -125,3 +125,65 @@ def check_run_output_folder(out: Path) -> None:
                 str(out),
                 f"a new or empty folder, or a featcal run folder; it holds {', '.join(visible[:3])}",
             )
+
+
+def enclosing_run(path: Path) -> Path | None:
+    """The run folder ``path`` lies in (the nearest folder above it holding ``run_config.json``), if any."""
+    from featcal.runfolder.layout import RUN_CONFIG
+
+    return next((folder for folder in path.parents if (folder / RUN_CONFIG).is_file()), None)
+
+
+def check_metrics_output(path: Path, *, inputs: Iterable[str | Path] = ()) -> Path | None:
+    """Refuse a metrics file that would replace something that is not a metrics report of featcal's.
+
+    ``path`` (absolute, checked by :func:`check_output_file`) may not be one of ``inputs`` nor lie in
+    one (a model folder, the base, a dataset folder, the tasks file); it may not replace a file that is
+    not a featcal metrics report; inside a run folder it may only lie in the run's ``evaluations/``
+    folder (a stage's ``metrics.json`` is the stage's record, tied to its weights), and never inside a
+    release.
+
+    Returns:
+        The run folder whose ``evaluations/`` receives the file (the caller writes it under that run's
+        lock), or None.
+
+    Raises:
+        OutputPathError: naming the path and where to write instead.
+    """
+    from featcal.release.manifest import MANIFEST
+    from featcal.runfolder.layout import EVALUATIONS_DIR
+
+    for item in inputs:
+        other = Path(item).expanduser().resolve()
+        if path == other or other in path.parents:
+            raise OutputPathError(
+                path, f"The metrics file {path} would replace the input {item} or a file in it: write it elsewhere."
+            )
+    release = next((folder for folder in path.parents if (folder / MANIFEST).is_file()), None)
+    if release is not None:
+        raise OutputPathError(path, f"{path} lies in the release {release}: write the metrics elsewhere.")
+    run = enclosing_run(path)
+    if run is not None and path.parent != run / EVALUATIONS_DIR:
+        raise OutputPathError(
+            path,
+            f"{path} lies in the run folder {run}, whose files are the run's own records: write it as "
+            f"{run / EVALUATIONS_DIR / path.name} (the run's folder for other evaluations), or outside the run.",
+        )
+    if path.exists() and not _is_metrics_report(path):
+        raise OutputPathError(
+            path, f"{path} exists and is not a featcal metrics report: name a new file, or remove it first."
+        )
+    return run
+
+
+def _is_metrics_report(path: Path) -> bool:
+    """Whether ``path`` holds a metrics report as featcal writes one (its ``average`` with an accuracy)."""
+    import json
+
+    from featcal.metrics import AVERAGE
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get(AVERAGE), dict) and "accuracy" in data[AVERAGE]

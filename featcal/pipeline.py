@@ -27,7 +27,7 @@ from featcal.files.faults import fault_point
 from featcal.files.reading import read_json
 from featcal.fingerprints import digest, folder_fingerprint
 from featcal.memory import MemoryMeter, release_free_memory
-from featcal.metrics import MetricsReport
+from featcal.metrics import WEIGHTS_SHA256, MetricsReport
 from featcal.outputs import check_run_output_folder
 from featcal.precision import fixed_precision
 from featcal.resolve import RunInputs, resolve_inputs
@@ -58,7 +58,7 @@ from featcal.runfolder.record import EvaluationRecord, FeatCalRecord, MergeRecor
 from featcal.runfolder.reports import restamp_report, write_stage_report
 from featcal.runfolder.timings import evaluation_step, write_timings
 from featcal.spec import RunSpec
-from featcal.stages import calibrate, check_calibration_shares, merge
+from featcal.stages import calibrate, check_calibration_shares, merge, save_merge
 from featcal.steps import Step, StepExecutor
 from featcal.suites import DEFAULT_BACKBONE, DEFAULT_SUITE
 from featcal.threads import choose_threads, torch_threads
@@ -115,7 +115,7 @@ def stage_identities(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> di
     evaluation = digest("evaluation", __version__, base, table, tests, spec.max_eval_samples)
     ids = {evaluate_step(ZERO_SHOT_DIR): digest(evaluation), evaluate_step(EXPERTS_DIR): digest(evaluation, experts)}
     if not spec.skip_ta:
-        merge_id = digest("merge", __version__, spec.merge_method, inputs.merge_params, base, experts)
+        merge_id = digest(MERGE_STEP, __version__, spec.merge_method, inputs.merge_params, base, experts)
         calibrate_from = ids[MERGE_STEP] = merge_id
         ids[evaluate_step(merged)] = digest(evaluation, merge_id)
     else:
@@ -124,14 +124,14 @@ def stage_identities(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> di
     # the rounding of CUDA matmuls, is not (a tf32 run reuses a float32 calibration, and the reverse).
     forwards = ["forwards", spec.precision] if spec.precision == "bf16" else []
     calibrate_id = digest(
-        "calibrate", __version__, calibrate_from, spec.featcal.to_dict(), spec.seed, base, experts, trains,
+        CALIBRATE_STEP, __version__, calibrate_from, spec.featcal.to_dict(), spec.seed, base, experts, trains,
         data.calibration_counts, *forwards,
     )  # fmt: skip
     ids[CALIBRATE_STEP] = calibrate_id
     ids[evaluate_step(calibrated)] = digest(evaluation, calibrate_id)
     split = "train" if spec.diagnose_split == "calibration" else "test"
     ids[DIAGNOSE_STEP] = digest(
-        "diagnose", __version__, calibrate_id, spec.skip_featcal, experts, spec.diagnose_split, spec.diagnose_images,
+        DIAGNOSE_STEP, __version__, calibrate_id, spec.skip_featcal, experts, spec.diagnose_split, spec.diagnose_images,
         [data.fingerprints[t.name].get(split) for t in inputs.tasks],
     )  # fmt: skip
     return ids
@@ -265,26 +265,48 @@ class _Run:
     def _step(self, name: str, run: Callable[[], Any], outputs: tuple[str, ...], **kw: Any) -> Step:
         return Step(name, self.identities[name], outputs, run, **kw)
 
-    def _evaluation(self, folder: str, model: Callable[[], Any], *, extra: Mapping[str, Any] | None = None,
-                    written: bool = True) -> Step:  # fmt: skip
+    def _evaluation(
+        self,
+        folder: str,
+        model: Callable[[], Any],
+        *,
+        extra: Mapping[str, Any] | None = None,
+        written: bool = True,
+        weights_of: str | None = None,
+    ) -> Step:
         """The evaluation of ``model`` whose report is written into ``folder``; a merged model the run did not
-        make (``skip_ta``) is only reported, never written, and evaluated every time."""
+        make (``skip_ta``) is only reported, never written, and evaluated every time. With ``weights_of``
+        (the model's step), the report records the weights it measured, and holds only while the stage's
+        weights are those."""
 
         def run() -> MetricsReport:
             report = self.evaluator.evaluate(
                 model(), self.inputs.tasks, data=self.test_data(), progress=self.spec.progress
             )
-            report = report.with_extra({k: v for k, v in (extra or {}).items() if v})
+            measured = {WEIGHTS_SHA256: self._stage_weights(weights_of, folder)} if weights_of else {}
+            report = report.with_extra({k: v for k, v in {**(extra or {}), **measured}.items() if v})
             if written and self.writes:
                 write_stage_report(self.out / folder, report, self.run_id)
             return report
+
+        def measured_these_weights() -> bool:
+            recorded = read_json(self.out / folder / METRICS).get(WEIGHTS_SHA256) if self.writes else None
+            return not self.writes or recorded == self._stage_weights(weights_of, folder)
 
         name = evaluate_step(folder)
         outputs = (folder,) if folder == ZERO_SHOT_DIR else (f"{folder}/{METRICS}", f"{folder}/{RUN_LOG}")
         return Step(
             name, self.identities[name] if written else "", outputs, run, done=lambda: self._restamped(folder),
             measure=evaluation_step(folder), recorded=written, label=f"Evaluation of {folder}/",
+            valid=measured_these_weights if weights_of else None,
         )  # fmt: skip
+
+    def _stage_weights(self, step: str, folder: str) -> dict[str, str]:
+        """The SHA-256 of the weight files of a model stage's folder, as the ledger recorded them when the
+        stage's step ended, by path in the folder."""
+        recorded = (self.ledger.done.get(step) or {}).get("weights") or {}
+        prefix = f"{folder}/"
+        return {path.removeprefix(prefix): sha for path, (_, sha) in recorded.items() if path.startswith(prefix)}
 
     def steps(self) -> list[Step]:
         """The run's steps after the evaluation of the zero-shot base, in order."""
@@ -299,23 +321,29 @@ class _Run:
         if not spec.skip_ta:
             table.append(
                 self._step(
-                    MERGE_STEP, self._merge, (self.merged_name,), measure="merge", label=f"Merge: {self.merged_name}/"
+                    MERGE_STEP,
+                    self._merge,
+                    (self.merged_name,),
+                    measure=MERGE_STEP,
+                    label=f"Merge: {self.merged_name}/",
                 )
             )
         if not spec.skip_eval_ta:
-            table.append(self._evaluation(self.merged_name, self.merged, written=not spec.skip_ta))
+            table.append(
+                self._evaluation(self.merged_name, self.merged, written=not spec.skip_ta, weights_of=MERGE_STEP)
+            )
         if not spec.skip_featcal:
             table.append(
-                self._step(CALIBRATE_STEP, self._calibrate, (self.calibrated_name,), measure="calibrate",
+                self._step(CALIBRATE_STEP, self._calibrate, (self.calibrated_name,), measure=CALIBRATE_STEP,
                            label=f"FeatCal: {self.calibrated_name}/")
             )  # fmt: skip
             used = {"calibration_examples_used": dict(self.record.calibration_examples_used)}
-            table.append(self._evaluation(self.calibrated_name, self.calibrated, extra=used))
+            table.append(self._evaluation(self.calibrated_name, self.calibrated, extra=used, weights_of=CALIBRATE_STEP))
         if spec.diagnose:
             outputs = (DIAGNOSTICS, DIAGNOSTICS_PLOT)
             table.append(
                 self._step(
-                    DIAGNOSE_STEP, self._diagnose, outputs, measure="diagnose", label=f"Feature drift: {DIAGNOSTICS}"
+                    DIAGNOSE_STEP, self._diagnose, outputs, measure=DIAGNOSE_STEP, label=f"Feature drift: {DIAGNOSTICS}"
                 )
             )
         return table
@@ -338,19 +366,19 @@ class _Run:
         steps = self.steps()
         # From here on only what the evaluations need of the base is kept (CLIP's class heads): the
         # base leaves memory before the merge.
-        evaluations = [s for s in steps if s.name.startswith("evaluate:")]
+        evaluations = [s for s in steps if s.name.startswith(evaluate_step(""))]
         self.evaluator.prepare(inputs.tasks if executor.pending(evaluations) else [])
         for step in steps:
             result = executor.run(step)
             if isinstance(result, MetricsReport):
-                results[step.name.removeprefix("evaluate:")] = result
+                results[step.name.removeprefix(evaluate_step(""))] = result
         self.merged.drop()
         self.calibrated.drop()
         if not self.writes:
             return results
         self._write_timings()
         if not spec.no_export and (not spec.skip_featcal or not (spec.skip_ta or spec.skip_eval_ta)):
-            with executor.measured("export", timed=False):
+            with executor.measured(EXPORT_STEP, timed=False):
                 exported = self._export()
             if exported:
                 self._write_timings()  # with the export's peak (the card was written from the first)
@@ -384,7 +412,7 @@ class _Run:
     def _merge(self) -> None:
         state = merge(self.inputs, self.spec.merge_method, self.device, world=self.world)
         if self.writes:
-            self.family.save_model(state, self.inputs.config, self.out / self.merged_name)
+            save_merge(self.inputs, self.spec.merge_method, state, self.out / self.merged_name)
         self.merged.value = self.family.build_model(self.inputs.config, state)  # its values checked by merge()
 
     def _calibrate(self) -> None:
@@ -399,6 +427,7 @@ class _Run:
             self.inputs, self.merged_folder, self.out / self.calibrated_name if self.writes else None,
             self.spec.featcal, seed=self.spec.seed, device=self.device, preprocessor=self.preprocessor,
             progress=self.spec.progress, world=self.world, precision=self.spec.precision,
+            counts=self.record.calibration_examples_used,
         )  # fmt: skip
         self.world.barrier("writing the calibrated model")
 

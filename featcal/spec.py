@@ -199,16 +199,10 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         InputError: when the file is missing or not a YAML mapping.
         UnknownNameError: for a key that is not an option.
     """
-    import yaml
-
-    from featcal.files.reading import read_text_input
+    from featcal.files.reading import read_structured
 
     path = Path(path).expanduser()
-    text = read_text_input(path, "Recipe")
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise InputError(path, f"Recipe {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    data = read_structured(path, "Recipe") or {}
     if not isinstance(data, Mapping):
         raise InputError(path, f"Recipe {path}: expected a mapping of option names to values.")
     keys = recipe_keys()
@@ -223,6 +217,8 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
                 where=f"Recipe {path}",
                 hint="Use the names of `featcal run --help`.",
             )
+        if keys[key] in values:  # lambda-ratio and lambda_ratio are one option
+            raise InputError(path, f"Recipe {path} sets the option {key!r} twice: keep one.")
         values[keys[key]] = value
     return values
 

@@ -19,9 +19,31 @@ from featcal.checkpoint import check_finite_state
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError
 from featcal.merging import get_method
+from featcal.model_recipe import CALIBRATION, MERGE, ModelRecipe, read_model_recipe, write_model_recipe
 from featcal.precision import forward_dtype
 from featcal.resolve import RunInputs
+from featcal.runfolder.record import FeatCalRecord, MergeRecord
 from featcal.tasks import Task
+
+
+def merge_recipe(inputs: RunInputs, method: str) -> ModelRecipe:
+    """What a merge of ``inputs`` by ``method`` records beside its weights."""
+    return ModelRecipe(
+        MERGE, inputs.family.name, inputs.base_ref, inputs.expert_refs, MergeRecord(method, inputs.merge_params)
+    )
+
+
+def calibration_recipe(
+    inputs: RunInputs, merged_folder: str | Path, params: FeatCalParams, seed: int, counts: Mapping[str, int]
+) -> ModelRecipe:
+    """What the calibration of the merge in ``merged_folder`` records beside its weights: the merge's own
+    recipe when that folder records one (its method unknown, ``""``, when not)."""
+    merged = read_model_recipe(merged_folder)
+    merge_record = MergeRecord("", {}, str(Path(merged_folder).resolve())) if merged is None else merged.merge
+    return ModelRecipe(
+        CALIBRATION, inputs.family.name, inputs.base_ref, inputs.expert_refs, merge_record,
+        FeatCalRecord(params, dict(counts)), seed,
+    )  # fmt: skip
 
 
 def merge(
@@ -38,6 +60,13 @@ def merge(
     return merged
 
 
+def save_merge(inputs: RunInputs, method: str, state: Mapping[str, torch.Tensor], folder: str | Path) -> Path:
+    """Write a merge's folder: the model (atomically), then its recipe beside the weights."""
+    folder = inputs.family.save_model(state, inputs.config, Path(folder))
+    write_model_recipe(folder, merge_recipe(inputs, method))
+    return folder
+
+
 def calibrate(
     inputs: RunInputs,
     merged_folder: str | Path,
@@ -50,10 +79,11 @@ def calibrate(
     progress: bool = True,
     world: World = SINGLE,
     precision: str = "float32",
+    counts: Mapping[str, int] | None = None,
 ) -> None:
     """FeatCal of the merged model in ``merged_folder`` (checked by the caller), written to ``output``
     one layer at a time: the model is never whole in memory, and the folder appears only when the
-    calibration ends.
+    calibration ends, its recipe written beside the weights then.
 
     Args:
         inputs: The run's family, tasks, base and experts.
@@ -67,6 +97,7 @@ def calibrate(
         progress: Show progress bars.
         world: Under torchrun, each process reads its part of every task's calibration examples.
         precision: ``bf16`` runs the layer forwards under bfloat16 autocast.
+        counts: The calibration examples of each task that had fewer than asked for (for the recipe).
     """
     by_name = {t.name: t for t in inputs.tasks}
     family = inputs.family
@@ -86,6 +117,8 @@ def calibrate(
         world=world,
         forward_dtype=forward_dtype(precision),
     )
+    if output is not None:
+        write_model_recipe(Path(output), calibration_recipe(inputs, merged_folder, params, seed, counts or {}))
 
 
 def check_calibration_shares(

@@ -39,6 +39,8 @@ class Step:
         timed: Record its seconds too, not only its peak memory.
         recorded: Keep a ledger entry (False: a step whose result is not written, always run).
         label: What the log calls its result when it is skipped (``Merge: ta/``).
+        valid: Whether the folder's copy of its result still holds, beyond the ledger's record of it (an
+            evaluation's report: of the weights its model stage holds now); None: the ledger decides.
     """
 
     name: str
@@ -50,6 +52,7 @@ class Step:
     timed: bool = True
     recorded: bool = True
     label: str = ""
+    valid: Callable[[], bool] | None = None
 
 
 class StepExecutor:
@@ -67,7 +70,8 @@ class StepExecutor:
 
     def fresh(self, step: Step) -> bool:
         """Whether the folder holds ``step``'s result from the same inputs, its weights as written."""
-        return step.recorded and self.ledger.is_done(step.name, step.identity)
+        done = step.recorded and self.ledger.is_done(step.name, step.identity)
+        return done and (step.valid is None or step.valid())
 
     @contextmanager
     def measured(self, name: str, *, timed: bool = True) -> Iterator[None]:

@@ -15,10 +15,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from featcal.errors import FeatcalError, UnknownNameError
-from featcal.files.reading import read_text_input
+from featcal.files.reading import read_structured
 from featcal.hub.refs import local_path
 from featcal.metrics import RESERVED_TASK_NAMES
 
@@ -216,12 +214,7 @@ def parse_task_table(data: Any, *, root: Path | None = None, source: str = "task
 def load_task_file(path: str | Path) -> TaskTable:
     """Read and validate a JSON or YAML tasks file; relative local paths resolve against its folder."""
     path = Path(path).expanduser()
-    text = read_text_input(path, "Tasks file")
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        kind, reason = "JSON" if path.suffix == ".json" else "YAML", " ".join(str(exc).split())
-        raise FeatcalError(f"Tasks file {path} is not valid {kind}: {reason}") from None
+    data = read_structured(path, "Tasks file")
     return parse_task_table(data, root=path.parent.resolve(), source=str(path))
 
 

@@ -1,28 +1,60 @@
 #!/usr/bin/env bash
-# The GPU checks: the device-parametrised tests on CUDA, then the full TA8-shaped rehearsal on CUDA,
-# with a short report (versions, time per stage, torch.cuda.max_memory_allocated, host peak RSS;
-# the device tests compare weights and metrics with the CPU run's). Run it on a machine with a GPU and featcal installed (.venv or
-# the current Python): bash scripts/gpu_check.sh [REPORT_DIR]
+# The GPU checks, one script for a machine with a GPU and featcal installed (.venv or the current Python):
+#
+#   bash scripts/gpu_check.sh [REPORT_DIR] [PARTS] [TxN]
+#
+# REPORT_DIR (default benchmarks/results/gpu_check) receives a report of each part; PARTS is a comma list
+# of (default: all of them, in this order):
+#   tests         the device-parametrised tests on CUDA (pytest -k cuda): weights and metrics against the CPU's
+#   rehearsal     the full TA8-shaped run on CUDA (benchmarks/ta8_rehearsal.py): time per stage, peak memory
+#   measurements  on random ViT-B/32-shaped models at TxN tasks x images (default 8x256, the TA8 shape):
+#                 calibration_speed_<TxN>_<device>.json (the published run: 53 s at 8 x 256),
+#                 forward_precision_<device>.json (tf32 and bf16 calibrations against float32: weight
+#                 differences), calibration_phases_<TxN>_<device>.json (each phase against its floor)
+# FEATCAL_CHECK_DEVICE=cpu runs the measurements on the CPU (a check that they run: use a small TxN, 1x4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=".venv/bin/python"
 [ -x "$python" ] || python="python3"
 report_dir="${1:-benchmarks/results/gpu_check}"
+parts="${2:-tests,rehearsal,measurements}"
+point="${3:-8x256}"
+device="${FEATCAL_CHECK_DEVICE:-cuda}"
 mkdir -p "$report_dir"
-"$python" - <<'PY' | tee "$report_dir/environment.txt"
-import torch, transformers
+report_dir=$(cd "$report_dir" && pwd)
+wants() { [[ ",$parts," == *",$1,"* ]]; }
+
+"$python" - "$device" <<'PY' | tee "$report_dir/environment.txt"
+import sys, torch, transformers
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, transformers {transformers.__version__}")
-if not torch.cuda.is_available():
-    raise SystemExit("gpu_check: torch sees no GPU; nothing to check")
-print(f"GPU: {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible)")
+if sys.argv[1] == "cuda":
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_check: torch sees no GPU; nothing to check (FEATCAL_CHECK_DEVICE=cpu measures on the CPU)")
+    print(f"GPU: {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible)")
 PY
-# Every test that takes a device fixture runs once per device; select the CUDA ones.
-"$python" -m pytest -q -p no:cacheprovider -k "cuda" tests/ 2>&1 | tee "$report_dir/pytest_cuda.txt"
-if [ -f benchmarks/ta8_rehearsal.py ]; then
+{ nvidia-smi || echo "no nvidia-smi"; } > "$report_dir/device.txt" 2>&1
+
+if wants tests; then
+  # Every test that takes a device fixture runs once per device; select the CUDA ones.
+  "$python" -m pytest -q -p no:cacheprovider -k "cuda" tests/ 2>&1 | tee "$report_dir/pytest_cuda.txt"
+fi
+if wants rehearsal; then
   # Per stage wall time and host peak RSS in the JSON; the run folder's timings.json adds
   # torch.cuda.max_memory_allocated under peak_memory. Weights against the CPU: tests/test_devices.py.
-  "$python" benchmarks/ta8_rehearsal.py --device cuda --keep --workdir "$report_dir/work" \
-    --output "$report_dir/ta8_rehearsal_cuda.json" 2>&1 | tee "$report_dir/ta8_rehearsal_cuda.txt"
-  cp "$report_dir/work/run/timings.json" "$report_dir/timings_cuda.json"
+  "$python" benchmarks/ta8_rehearsal.py --device "$device" --keep --workdir "$report_dir/work" \
+    --output "$report_dir/ta8_rehearsal_$device.json" 2>&1 | tee "$report_dir/ta8_rehearsal_$device.txt"
+  cp "$report_dir/work/run/timings.json" "$report_dir/timings_$device.json"
+fi
+if wants measurements; then
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  "$python" benchmarks/calibration_speed.py --points "$point" --device "$device" --workdir "$work/models" \
+    --out "$report_dir/calibration_speed_${point}_${device}.json"
+  "$python" benchmarks/forward_precision.py --no-mini8 --device "$device" --threads 2 \
+    --precisions float32 tf32 bf16 --vit-b32 "$point" --workdir "$work/models" \
+    --out "$report_dir/forward_precision_${device}.json"
+  "$python" benchmarks/calibration_phases.py --points "$point" --repeats 1 --device "$device" \
+    --workdir "$work/models" --out "$report_dir/calibration_phases_${point}_${device}.json"
 fi
 echo "gpu_check: report in $report_dir"

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 from transformers import CLIPImageProcessor, CLIPVisionModel
 
 from featcal.cli import main
 from featcal.families.clip_vision.images import calibration_pixels
+from featcal.model_recipe import read_model_recipe
 from featcal.tasks import load_task_file
 
 FAST = [
@@ -123,6 +125,18 @@ def test_single_stages_match_run(run_dir, world, tmp_path, device):
     metrics = json.loads((tmp_path / "c" / "metrics.json").read_text())
     expected = json.loads((run_dir / "featcal-ta" / "metrics.json").read_text())
     assert metrics["average"]["accuracy"] == pytest.approx(expected["average"]["accuracy"])
+    # each output says what it is, beside its weights; the merge in mergekit's words too
+    merge_recipe, calibration = read_model_recipe(tmp_path / "m"), read_model_recipe(tmp_path / "c")
+    assert (merge_recipe.kind, merge_recipe.merge.method, merge_recipe.merge.params) == (
+        "merge", "task_arithmetic", {"scaling_factor": 0.3}
+    )  # fmt: skip
+    assert calibration.kind == "calibration" and calibration.merge == merge_recipe.merge
+    assert calibration.featcal.params.num_calibration_examples == 8 and calibration.seed == 42
+    mergekit = yaml.safe_load((tmp_path / "m" / "mergekit_config.yml").read_text())
+    assert mergekit["merge_method"] == "task_arithmetic" and mergekit["base_model"] == merge_recipe.base_model
+    assert [m["model"] for m in mergekit["models"]] == list(merge_recipe.experts.values())
+    assert {m["parameters"]["weight"] for m in mergekit["models"]} == {0.3}
+    assert not (tmp_path / "c" / "mergekit_config.yml").exists()  # a calibration is no mergekit merge
 
 
 def test_calibrate_with_bf16_forwards_moves_the_weights_a_little(run_dir, world, tmp_path, device):

@@ -143,6 +143,72 @@ def test_evaluate_does_not_overwrite_a_run_s_metrics(world, tmp_path, capsys):
     assert not (release / "metrics.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("target", "said"),
+    [
+        ("model", "would replace the input"),  # the evaluated model's own weights
+        ("base", "would replace the input"),  # a file of the base
+        ("tasks", "would replace the input"),  # the tasks file
+        ("dataset", "would replace the input"),  # a dataset's parquet
+        ("stage", "lies in the run folder"),  # a run's stage results: tied to the stage's weights
+        ("run_config", "lies in the run folder"),
+        ("other", "exists and is not a featcal metrics report"),  # an unrelated file
+    ],
+)
+def test_evaluate_writes_its_metrics_over_nothing_but_a_metrics_report(world, tmp_path, capsys, target, said):
+    run = tmp_path / "run"
+    (run / "featcal-ta").mkdir(parents=True)
+    (run / "run_config.json").write_text("{}")
+    model = tmp_path / "model"
+    shutil.copytree(world["root"] / "experts" / world["tasks"][0], model)
+    dataset = next((world["root"] / "data" / world["tasks"][0]).rglob("*.parquet"))
+    (tmp_path / "notes.txt").write_text("mine")
+    path = {
+        "model": model / "model.safetensors", "base": world["root"] / "base" / "config.json",
+        "tasks": world["tasks_file"], "dataset": dataset, "stage": run / "featcal-ta" / "metrics.json",
+        "run_config": run / "run_config.json", "other": tmp_path / "notes.txt",
+    }[target]  # fmt: skip
+    before = path.read_bytes() if path.is_file() else None
+    argv = ["evaluate", "--model", str(model), "--tasks-file", str(world["tasks_file"]), *CPU, "--output", str(path)]
+    code, err = run_error(capsys, argv)
+    assert code == 2 and len(err) == 1 and said in err[0] and str(path) in err[0]
+    assert (path.read_bytes() if path.is_file() else None) == before
+
+
+def test_evaluate_writes_into_a_run_s_evaluations_folder(world, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run_config.json").write_text("{}")
+    model = tmp_path / "model"
+    shutil.copytree(world["root"] / "experts" / world["tasks"][0], model)
+    out = run / "evaluations" / "other.json"
+    argv = ["-q", "evaluate", "--model", str(model), "--tasks-file", str(world["tasks_file"]), *CPU]
+    assert main([*argv, "--eval-num-workers", "0", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "average" in report and report["weights_sha256"].keys() == {"model.safetensors"}
+    assert main([*argv, "--eval-num-workers", "0", "--output", str(out)]) == 0  # its own report: replaced
+    assert not (run / ".featcal.lock").exists()
+
+
+@pytest.mark.parametrize("failure", ["too-long", "read-only"])
+def test_an_unwritable_output_is_one_line_naming_the_whole_path(world, tmp_path, capsys, monkeypatch, failure):
+    out = tmp_path / ("x" * 300 if failure == "too-long" else "run")
+    if failure == "read-only":  # the run's first write, its lock file, meets a read-only file system
+        import errno
+
+        from featcal.runfolder.lock import RunLock
+
+        def read_only(self):
+            raise OSError(errno.EROFS, "Read-only file system", str(out / ".featcal.lock"))
+
+        monkeypatch.setattr(RunLock, "__enter__", read_only)
+    argv = ["run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *CPU]
+    code, err = run_error(capsys, [*argv, "--num-calibration-examples", "8"])
+    assert code == 2 and len(err) == 1
+    expected = "longer than the system allows" if failure == "too-long" else "The file system is read-only"
+    assert expected in err[0] and str(tmp_path) in err[0]
+
+
 def test_sweep_refuses_a_file_where_its_folder_goes(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "sweep").write_text("mine")
@@ -289,9 +355,9 @@ def test_a_permission_error_is_one_line_with_status_2(world, tmp_path, capsys, m
 @pytest.mark.parametrize(
     ("option", "said"),
     [
-        (["--threads", "-2"], "--threads -2 is invalid"),
-        (["--zoo-seed", "-1"], "--zoo-seed -1 is invalid"),
-        (["--ta-scaling-factor", "nan"], "scaling_factor=nan is invalid"),
+        (["--threads", "-2"], "--threads '-2' is invalid"),
+        (["--zoo-seed", "-1"], "--zoo-seed '-1' is invalid"),
+        (["--ta-scaling-factor", "nan"], "--ta-scaling-factor 'nan' is invalid"),
         (["--device", "tpu"], "--device 'tpu' is invalid"),
     ],
 )
@@ -318,18 +384,32 @@ def test_demo_refuses_an_output_folder_holding_other_files_before_building_the_z
 
 
 @pytest.mark.parametrize("option", ["--recipe", "--tasks-file"])
-@pytest.mark.parametrize("damage", ["latin-1", "folder", "yaml"])
+@pytest.mark.parametrize("damage", ["latin-1", "folder", "yaml", "twice", "twice-json"])
 def test_a_recipe_or_tasks_file_that_cannot_be_read_is_one_line(tmp_path, capsys, option, damage):
-    path = tmp_path / "input.yaml"
+    path = tmp_path / ("input.json" if damage == "twice-json" else "input.yaml")
     if damage == "folder":
         path.mkdir()
     elif damage == "latin-1":
         path.write_bytes("tasks: {caf\xe9: 1}\n".encode("latin-1"))
+    elif damage == "twice":  # a parser keeps the last value silently: refused instead
+        path.write_text("tasks:\n  a: {dataset: x/y}\n  a: {dataset: x/z}\nseed: 1\n")
+    elif damage == "twice-json":
+        path.write_text('{"tasks": {"a": {"dataset": "x/y"}, "a": {"dataset": "x/z"}}, "seed": 1}')
     else:
         path.write_text("tasks:\n  a: [1, 2\n  b: 3\n")
     code, err = run_error(capsys, ["run", option, str(path), "--output-dir", str(tmp_path / "o")])
-    said = {"latin-1": "is not UTF-8 text", "folder": "is a folder, not a file", "yaml": "is not valid YAML"}[damage]
+    said = {"latin-1": "is not UTF-8 text", "folder": "is a folder, not a file", "yaml": "is not valid YAML",
+            "twice": "key 'a' appears twice in one mapping (lines 2 and 3); keep one",
+            "twice-json": "key 'a' appears twice in one object; keep one"}[damage]  # fmt: skip
     assert code == 2 and len(err) == 1 and said in err[0] and str(path) in err[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_recipe_setting_an_option_twice_under_two_spellings_is_refused(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("lambda-ratio: 0.1\nlambda_ratio: 0.2\n")
+    code, err = run_error(capsys, ["run", "--recipe", str(recipe), "--output-dir", str(tmp_path / "o")])
+    assert code == 2 and err == [f"featcal: error: Recipe {recipe} sets the option 'lambda-ratio' twice: keep one."]
     assert not (tmp_path / "o").exists()
 
 

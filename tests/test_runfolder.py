@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from featcal.errors import FeatcalError, RunFolderError
+from featcal.errors import FeatcalError, RunFolderError, RunLockedError
 from featcal.metrics import MetricsReport, TaskMetrics
-from featcal.runfolder.layout import METRICS, RUN_CONFIG, calibrated_stage_name, merged_stage_name
+from featcal.runfolder.layout import LOCK_FILE, METRICS, RUN_CONFIG, calibrated_stage_name, merged_stage_name
+from featcal.runfolder.lock import RunLock
 from featcal.runfolder.reader import read_run
 from featcal.runfolder.record import SCHEMA, RunRecord, read_run_config, recipe_sha256, write_run_config
 from featcal.runfolder.reports import write_stage_report
@@ -119,3 +120,41 @@ def _edit_json(path, **changes) -> None:
 def test_missing_loss_reads_as_nan() -> None:
     report = MetricsReport.from_json({"t": {"accuracy": 1.0}})
     assert math.isnan(report.tasks["t"].loss)
+
+
+def test_readers_share_the_lock_and_exclude_a_writer(tmp_path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    with RunLock(run, shared=True), RunLock(run, shared=True):  # two readers at once
+        with pytest.raises(RunLockedError, match="is being read by another featcal process"):
+            RunLock(run).__enter__()
+    assert not (run / LOCK_FILE).exists()  # the last reader removed it
+    with RunLock(run):
+        with pytest.raises(RunLockedError, match=r"is being written by process \d+"):
+            RunLock(run, shared=True).__enter__()
+    assert not (run / LOCK_FILE).exists()
+
+
+def test_a_lock_on_a_removed_file_is_not_held(tmp_path, monkeypatch) -> None:
+    """A process that locks the lock file just after its last holder removed it locks the file at the path
+    instead, so that it and a process that creates the file anew cannot both hold the lock."""
+    import os
+
+    from featcal.runfolder import lock as lock_module
+
+    run = tmp_path / "run"
+    run.mkdir()
+    opened = []
+    real_open = os.open
+
+    def open_then_lose_the_file(path, flags, mode=0o777):
+        fd = real_open(path, flags, mode)
+        if not opened:  # the first open: the file is removed (by its last holder) before it is locked
+            os.unlink(path)
+        opened.append(fd)
+        return fd
+
+    monkeypatch.setattr(lock_module.os, "open", open_then_lose_the_file)
+    with RunLock(run) as held:
+        assert len(opened) == 2 and (run / LOCK_FILE).is_file()
+        assert os.path.samestat(os.fstat(held._fd), os.stat(run / LOCK_FILE))

@@ -159,13 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from featcal.cli.errors import hide_secrets, word_error
 
         defer = rank != 0 or isinstance(exc, DistributedError)
-        processes.print_error(hide_secrets(word_error(exc), _secrets(args)), rank, size, defer=defer)
+        message = word_error(exc, getattr(args, "flags", None))
+        processes.print_error(hide_secrets(message, _secrets(args)), rank, size, defer=defer)
         return 2
-    except (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError) as exc:
-        from featcal.cli.errors import hide_secrets
+    except OSError as exc:
+        from featcal.cli.errors import file_error, hide_secrets
 
-        where = f" {exc.filename}" if exc.filename else ""
-        message = f"Cannot write or read{where}: {exc.strerror or exc}. Check the path and its permissions."
+        message = file_error(exc)
+        if message is None:
+            raise
         processes.print_error(hide_secrets(message, _secrets(args)), rank, size, defer=rank != 0)
         return 2
     except KeyboardInterrupt:

@@ -6,8 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from featcal.cli.common import path_line, show_progress
-from featcal.cli.options import add_spec_options, given_values
-from featcal.errors import FeatcalError, InvalidParameterError
+from featcal.cli.options import add_spec_options, command, given_values
 from featcal.spec import DIAGNOSTICS, RUNTIME, build_spec
 
 if TYPE_CHECKING:
@@ -35,13 +34,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     from featcal.diagnostics.run import diagnose_run
     from featcal.runfolder.layout import RELEASE_DIR
 
-    try:
-        spec = build_spec(cli=given_values(args), progress=show_progress(args))
-        report, path, plot = diagnose_run(args.run_dir, spec)
-    except InvalidParameterError as exc:
-        if exc.owner is None and exc.name in RENAMED:  # worded with this command's flag, not `featcal run`'s
-            raise FeatcalError(f"{RENAMED[exc.name]} {exc.value!r} is invalid: it must be {exc.expected}.") from None
-        raise
+    spec = build_spec(cli=given_values(args), progress=show_progress(args))
+    report, path, plot = diagnose_run(args.run_dir, spec)
     print(drift_table(report))
     print(report.summary())
     print(path_line("Diagnostics", path))
@@ -68,4 +62,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         exclude=("seed", "dist_timeout"),  # one process: torchrun is refused
         renamed=RENAMED,
     )
-    p.set_defaults(func=cmd_diagnose)
+    command(p, cmd_diagnose)

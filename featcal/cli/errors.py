@@ -2,49 +2,43 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from featcal.errors import FeatcalError, InvalidParameterError
 
-# Parameters outside the run options (the publishing API's, push_release and push_space, and the demo's)
-# and the flags that set them.
-NON_RUN_FLAGS = {
-    "zoo_seed": "--zoo-seed",
-    "repo_id": "--repo",
-    "token": "--token",
-    "endpoint": "--endpoint",
-    "model_id": "--model-id",
-    "tasks_file": "--tasks-file",
-    "base_model_id": "--base-model-id",
-}
 
-
-def flag_for(name: str) -> str | None:
-    """The flag that sets the parameter ``name``: a run option's, else a publishing one's."""
+def flag_for(name: str, flags: Mapping[str, str]) -> str | None:
+    """The flag that sets the parameter ``name``: the command's own, else the run option's of that name."""
     from featcal.cli.options import flag
 
+    if name in flags:
+        return flags[name]
     try:
         return flag(name)
     except KeyError:
-        return NON_RUN_FLAGS.get(name)
+        return None
 
 
-def word_error(exc: FeatcalError) -> str:
+def word_error(exc: FeatcalError, flags: Mapping[str, str] | None = None) -> str:
     """The one-line message for ``exc``, with parameter names worded as their flags.
 
-    An :class:`InvalidParameterError` of a run option or publishing parameter reads
+    An :class:`InvalidParameterError` of a parameter the command has a flag for (``flags``: parameter
+    name → flag, as :func:`featcal.cli.options.command` records them) or of a run option reads
     ``--lambda-ratio '-1' is invalid: ...`` (``--ta-model-path is missing: ...`` when no value was
     given) instead of ``lambda_ratio=-1 is invalid: ...``; a parameter that a message names between
     backticks (`token`, `num_calibration_examples`) becomes its flag. Other messages are unchanged.
     """
+    flags = flags or {}
     message = exc.message
-    if isinstance(exc, InvalidParameterError) and exc.owner is None and (name := flag_for(exc.name)):
+    if isinstance(exc, InvalidParameterError) and exc.owner is None and (name := flag_for(exc.name, flags)):
         if exc.value is None:
             message = f"{name} is missing: it must be {exc.expected}."
         else:
             message = f"{name} {exc.value!r} is invalid: it must be {exc.expected}."
-    return re.sub(r"`([a-z_]+)`", lambda match: flag_for(match.group(1)) or match.group(0), message)
+    return re.sub(r"`([a-z_]+)`", lambda match: flag_for(match.group(1), flags) or match.group(0), message)
 
 
 # What a message must never show: Hub tokens (``hf_…``), bearer credentials a server echoed back, and
@@ -69,3 +63,30 @@ def hide_secrets(message: str, secrets: Iterable[str | None] = ()) -> str:
     message = _BEARER.sub(r"\1***", message)
     message = _URL_CREDENTIALS.sub(r"\1***@", message)
     return _TOKEN_LIKE.sub("hf_***", message)
+
+
+# What a file system refuses, and what the user can do about it: one line instead of a traceback.
+FILE_ERRORS = {
+    errno.EACCES: "Check the path and its permissions.",
+    errno.EPERM: "Check the path and its permissions.",
+    errno.EROFS: "The file system is read-only: choose a path on a writable one.",
+    errno.ENAMETOOLONG: "The path is longer than the system allows: choose a shorter one.",
+    errno.ENOSPC: "No space is left on the device: free some, or choose a path on another one.",
+    errno.EDQUOT: "The disk quota is used up: free some space, or choose a path elsewhere.",
+    errno.EISDIR: "Check the path: a folder is where a file belongs.",
+    errno.ENOTDIR: "Check the path: a file is where a folder belongs.",
+    errno.EEXIST: "Check the path: something is already there.",
+}
+
+
+def file_error(exc: OSError) -> str | None:
+    """The one line for a file system's refusal, naming the whole path; None for other OS errors.
+
+    Args:
+        exc: The error; its ``filename`` is made absolute (a relative one is relative to the working folder).
+    """
+    advice = FILE_ERRORS.get(exc.errno)
+    if advice is None:
+        return None
+    where = f" {os.path.abspath(exc.filename)}" if exc.filename else ""
+    return f"Cannot write or read{where}: {exc.strerror or exc}. {advice}"

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from featcal.calibration.params import GROUP as FEATCAL
 from featcal.cli.common import format_results, path_line, show_progress
-from featcal.cli.options import add_spec_options, given_values
+from featcal.cli.options import add_options, add_spec_options, command, given_values
+from featcal.cli.suites import SuiteChoice
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
-from featcal.suites import BACKBONE_NAMES, DEFAULT_BACKBONE, DEFAULT_SUITE, SUITE_NAMES
 
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
@@ -83,7 +84,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from featcal.distributed import session
     from featcal.outputs import check_output_folder
     from featcal.resolve import resolve_inputs
-    from featcal.stages import merge
+    from featcal.stages import merge, save_merge
 
     spec = spec_from_args(args)
     output = check_output_folder(args.output, kind="merged model")  # before any download
@@ -96,7 +97,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
             state = merge(inputs, spec.merge_method, device, world=world)
     if not world.is_main:
         return 0
-    folder = inputs.family.save_model(state, inputs.config, output)
+    folder = save_merge(inputs, spec.merge_method, state, output)
     print(path_line(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts)", folder))
     return 0
 
@@ -116,7 +117,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             inputs = resolve_inputs(spec)
             family = inputs.family
             check_output_folder(output, kind="calibrated model", inputs=[*inputs.local_folders(), args.merged])
-            validate_datasets(
+            data = validate_datasets(
                 family,
                 inputs.tasks,
                 splits=("train",),
@@ -129,7 +130,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             calibrate(
                 inputs, args.merged, output if world.is_main else None, spec.featcal, seed=spec.seed,
                 device=device, preprocessor=preprocessor, progress=spec.progress, world=world,
-                precision=spec.precision,
+                precision=spec.precision, counts=data.calibration_counts,
             )  # fmt: skip
     if not world.is_main:
         return 0
@@ -138,19 +139,31 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    from contextlib import nullcontext
+
     from featcal.data import validate_datasets
     from featcal.distributed import session
     from featcal.files.atomic import atomic_write_json
+    from featcal.metrics import WEIGHTS_SHA256, weights_sha256
+    from featcal.outputs import check_metrics_output
     from featcal.resolve import resolve_inputs
     from featcal.runfolder.layout import ZERO_SHOT_DIR
+    from featcal.runfolder.lock import RunLock
 
     spec = spec_from_args(args)
     output = _metrics_output(args.output, args.model)
+    run = None
     with session(spec.device, spec.dist_timeout) as world:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec, need_experts=False)
             family = inputs.family
+            if args.output is not None:  # the model folder's own metrics.json is checked by _metrics_output
+                datasets = [t.dataset.path for t in inputs.tasks]
+                files = [spec.tasks_file] if spec.tasks_file else []
+                run = check_metrics_output(
+                    output, inputs=[*inputs.local_folders(), *files, *datasets, *([args.model] if args.model else [])]
+                )  # fmt: skip
             validate_datasets(family, inputs.tasks, splits=("test",))
             evaluator = family.evaluator(inputs.base_folder, device, world=world)
             model = family.load_model(Path(args.model), inputs.base) if args.model else evaluator.base_model()
@@ -162,10 +175,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                 max_samples=spec.max_eval_samples,
             )
             report = evaluator.evaluate(model, inputs.tasks, data=data, progress=spec.progress)
+    if args.model:  # the report is the record of these weights
+        report = report.with_extra({WEIGHTS_SHA256: weights_sha256(Path(args.model))})
     if not world.is_main:
         return 0
     if output:
-        atomic_write_json(output, report.to_json())
+        with RunLock(run) if run is not None else nullcontext():  # a run's evaluations/ under its lock
+            atomic_write_json(output, report.to_json())
     print(format_results({Path(args.model).name if args.model else ZERO_SHOT_DIR: report}))
     if output:
         print(path_line("Metrics", output))
@@ -177,7 +193,9 @@ def cmd_methods(args: argparse.Namespace) -> int:
     from featcal.runfolder.layout import merged_stage_name
     from featcal.suites import merged_reference, reference_source
 
-    published = merged_reference(args.suite, args.backbone)
+    choice = SuiteChoice(**given_values(args, SuiteChoice))
+    suite, backbone = choice.suite, choice.backbone
+    published = merged_reference(suite, backbone)
     for name in available_methods():
         method = get_method(name)
         print(f"{name:<18} {method.pretty_name}  {method.reference_url}  → folder {merged_stage_name(name)}/")
@@ -186,11 +204,11 @@ def cmd_methods(args: argparse.Namespace) -> int:
         for key in (name, f"{name}_featcal"):
             if "average" in published.get(key, {}):
                 label = "published average" + (" with FeatCal" if key != name else "")
-                print(f"{'':<18} {label} on {args.suite}/{args.backbone}: {100 * published[key]['average']:.2f}")
+                print(f"{'':<18} {label} on {suite}/{backbone}: {100 * published[key]['average']:.2f}")
     if published:
-        print(f"Published averages: {reference_source(args.suite, args.backbone)}; per task: `featcal tasks`.")
+        print(f"Published averages: {reference_source(suite, backbone)}; per task: `featcal tasks`.")
     else:
-        print(f"No merge accuracy is published for {args.suite} on {args.backbone}.")
+        print(f"No merge accuracy is published for {suite} on {backbone}.")
     return 0
 
 
@@ -207,18 +225,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="YAML recipe: option names (without --) mapped to values; flags given here win",
     )
     add_spec_options(p)
-    p.set_defaults(func=cmd_run)
+    command(p, cmd_run)
 
     p = subparsers.add_parser("merge", help="merge experts into one model folder")
     p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
     add_spec_options(p, groups=(TASKS, MERGING, RUNTIME), exclude=("seed",), renamed={"merge_method": "--method"})
-    p.set_defaults(func=cmd_merge)
+    command(p, cmd_merge)
 
     p = subparsers.add_parser("calibrate", help="calibrate a merged model folder with FeatCal")
     p.add_argument("--merged", required=True, metavar="DIR", help="merged CLIPVisionModel folder")
     p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
-    add_spec_options(p, groups=(TASKS, "FeatCal", RUNTIME))
-    p.set_defaults(func=cmd_calibrate)
+    add_spec_options(p, groups=(TASKS, FEATCAL, RUNTIME))
+    command(p, cmd_calibrate)
 
     p = subparsers.add_parser("evaluate", help="zero-shot accuracy of a vision model folder per task")
     p.add_argument(
@@ -229,12 +247,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="metrics JSON (default DIR/metrics.json; needed where DIR is a stage of a run or a release, whose "
-        "metrics.json is their record)",
+        "metrics.json is their record; inside a run folder, only in RUN/evaluations/)",
     )
     add_spec_options(p, groups=(TASKS, EVALUATION, RUNTIME), exclude=("expert_model_format", "seed"))
-    p.set_defaults(func=cmd_evaluate)
+    command(p, cmd_evaluate)
 
     p = subparsers.add_parser("methods", help="list the merging methods and their hyper-parameters")
-    p.add_argument("--suite", choices=SUITE_NAMES, default=DEFAULT_SUITE, help="show the averages published for it")
-    p.add_argument("--backbone", choices=BACKBONE_NAMES, default=DEFAULT_BACKBONE, help="… on this backbone")
-    p.set_defaults(func=cmd_methods)
+    add_options(p, SuiteChoice, exclude=("json",), helps={"suite": "show the averages published for it",
+                                                          "backbone": "… on this backbone"})  # fmt: skip
+    command(p, cmd_methods)

@@ -8,9 +8,26 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from featcal.suites import BACKBONE_NAMES, DEFAULT_BACKBONE, DEFAULT_SUITE, SUITE_NAMES, describe_suite
+from featcal.cli.options import add_options, command, given_values
+from featcal.options import field_option, option, validate
+from featcal.spec import RunSpec
+from featcal.suites import describe_suite
+
+
+@dataclass(frozen=True)
+class SuiteChoice:
+    """A built-in suite on a backbone, as `featcal tasks` and `featcal methods` take them (the run's options)."""
+
+    suite: str = field_option(RunSpec, "suite", help="the suite", group="")
+    backbone: str = field_option(RunSpec, "backbone", help="the backbone", group="")
+    json: bool = option(False, help="print the listing as JSON")
+
+    def __post_init__(self) -> None:
+        validate(self)
+
 
 REFERENCE_COLUMNS = {"zero_shot": "zero-shot", "expert": "expert"}
 
@@ -62,8 +79,9 @@ def format_suite(listing: Mapping[str, Any]) -> str:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    listing = describe_suite(args.suite, args.backbone)
-    print(json.dumps(listing, indent=1) if args.json else format_suite(listing))
+    choice = SuiteChoice(**given_values(args, SuiteChoice))
+    listing = describe_suite(choice.suite, choice.backbone)
+    print(json.dumps(listing, indent=1) if choice.json else format_suite(listing))
     return 0
 
 
@@ -75,12 +93,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="The tasks of a built-in suite on a CLIP backbone, with their datasets, number of classes "
         "and prompt templates, and the accuracies FusionBench (or the FeatCal reference run) publishes.",
     )
-    p.add_argument("--suite", choices=SUITE_NAMES, default=DEFAULT_SUITE, help=f"the suite (default {DEFAULT_SUITE})")
-    p.add_argument(
-        "--backbone",
-        choices=BACKBONE_NAMES,
-        default=DEFAULT_BACKBONE,
-        help=f"the backbone (default {DEFAULT_BACKBONE})",
-    )
-    p.add_argument("--json", action="store_true", help="print the listing as JSON")
-    p.set_defaults(func=cmd_tasks)
+    add_options(p, SuiteChoice)
+    command(p, cmd_tasks)

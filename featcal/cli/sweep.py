@@ -7,9 +7,7 @@ import re
 from pathlib import Path
 
 from featcal.cli.common import path_line, show_progress
-from featcal.cli.options import add_spec_options, given_values
-from featcal.options import option_fields
-from featcal.spec import RunSpec
+from featcal.cli.options import add_options, add_spec_options, command, given_values
 
 # The run options `featcal sweep` takes; everything else comes from the run folder's run_config.json.
 SWEEP_RUN_OPTIONS = (
@@ -39,10 +37,11 @@ def format_sweep(report) -> str:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from featcal.outputs import check_output_folder
     from featcal.spec import build_spec
-    from featcal.sweep import SweepRequest
     from featcal.sweep.report import SWEEP_DIR, SWEEP_FILE, SWEEP_PLOT
+    from featcal.sweep.request import SweepFlags, SweepRequest
 
-    request = SweepRequest.parse(args.sizes, args.param, args.together)
+    flags = SweepFlags(**given_values(args, SweepFlags))
+    request = SweepRequest.parse(flags.sizes, flags.param, flags.together)
     spec = build_spec(cli=given_values(args), progress=show_progress(args))
     sweep_files = re.compile(f"{re.escape(SWEEP_FILE)}|{re.escape(SWEEP_PLOT)}")
     check_output_folder(Path(args.run_dir) / SWEEP_DIR, kind="sweep", allowed=sweep_files)
@@ -59,8 +58,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `sweep`, with ``func`` set to its handler."""
-    from featcal.sweep import DEFAULT_SIZES, SWEEPABLE
+    """Add `sweep`, with its handler."""
+    from featcal.sweep.request import SweepFlags
 
     p = subparsers.add_parser(
         "sweep",
@@ -71,27 +70,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "are nested (the first n images of one seeded shuffle) and the settings are calibrated together.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by `featcal run` (with its merged model)")
-    p.add_argument(
-        "--num-calibration-examples",
-        dest="sizes",
-        default=None,
-        metavar="N,N,…",
-        help="calibration images per task, comma-separated (default "
-        f"{','.join(map(str, DEFAULT_SIZES))}; with --param, the run's n)",
-    )
-    p.add_argument(
-        "--param",
-        default=None,
-        metavar="NAME=V,V,…",
-        help=f"also sweep one FeatCal parameter: {', '.join(SWEEPABLE)} (e.g. lambda_ratio=0.01,0.05,0.1)",
-    )
-    p.add_argument(
-        "--together",
-        default=None,
-        metavar="K",
-        help="calibrate at most K settings at once (each holds a model copy, its feature streams and its "
-        "layer statistics in memory; default: all)",
-    )
-    names = {f.name for f, _, _ in option_fields(RunSpec)}
-    add_spec_options(p, exclude=names - set(SWEEP_RUN_OPTIONS))
-    p.set_defaults(func=cmd_sweep)
+    add_options(p, SweepFlags)
+    add_spec_options(p, only=SWEEP_RUN_OPTIONS)
+    command(p, cmd_sweep)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from featcal.calibration.params import FeatCalParams
+from featcal.demo.options import MINI8_SCALING_FACTOR
 from featcal.spec import RunSpec
 
 # Task Arithmetic and FeatCal settings of the benchmark: the reference run's (κ 0.3, n 256, λ 0.05,
 # ρ 2.2, α 0.25, seed 42), measured on mini8 in benchmarks/mini8.md.
-MINI8_DEFAULTS = {"scaling_factor": 0.3}
+MINI8_DEFAULTS = {"scaling_factor": MINI8_SCALING_FACTOR}
 
 
 def demo_run_spec(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcal.errors import ModelInputError, UnknownNameError
+from featcal.files.model_folders import MODEL_CONFIG
 
 if TYPE_CHECKING:
     from torch import nn
@@ -79,7 +80,7 @@ def family_of_folder(folder: str | Path) -> ModelFamily:
     Raises:
         ModelInputError: for a folder without a readable ``config.json``, or of no known family.
     """
-    config = Path(folder) / "config.json"
+    config = Path(folder) / MODEL_CONFIG
     try:
         model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):

@@ -1,13 +1,15 @@
 """Files and folders that appear whole or not at all: written as hidden temporaries and renamed into place.
 
-A temporary is named ``.<name>.XXXX`` beside its target, a shape :func:`featcal.runfolder.leftovers`
-recognises, so what a killed process leaves behind is removed by the next run.
+A temporary is named ``.<name>.<pid>.XXXX`` beside its target, after the process that writes it, so
+that what a killed process leaves behind is removed by the next write of the same target
+(:func:`remove_stale_temporaries`), and by the next run in a run folder (:mod:`featcal.runfolder.leftovers`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -44,11 +46,54 @@ def as_if_created_tree(folder: str | Path) -> None:
         as_if_created(path, folder=path.is_dir())
 
 
+def _temporary_prefix(target: Path) -> str:
+    """The name prefix of this process's temporaries for ``target``."""
+    return f".{target.name}.{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (one of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(target: str | Path) -> list[Path]:
+    """Remove the temporaries of ``target`` that processes which no longer run left beside it.
+
+    Args:
+        target: A file or folder featcal writes through a temporary sibling.
+
+    Returns:
+        What was removed.
+    """
+    target = Path(target)
+    if not target.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d+)\..+")
+    removed = []
+    for entry in target.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temporary_prefix(path), suffix=".tmp")
     try:
         as_if_created(tmp)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -81,10 +126,10 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 @contextmanager
 def atomic_folder(folder: str | Path) -> Iterator[Path]:
-    """A temporary folder beside ``folder`` (``.name.XXXX``, which a run's leftover clean-up knows) to
-    write into; renamed to ``folder``, replacing it, when the block ends (what it holds given the
-    permissions of files created under the umask: mkdtemp and safetensors create private ones), and
-    removed when it raises.
+    """A temporary folder beside ``folder`` (``.name.<pid>.XXXX``: stale ones of dead processes are removed first,
+    see :func:`remove_stale_temporaries`) to write into; renamed to ``folder``, replacing it, when the block ends
+    (what it holds given the permissions of files created under the umask: mkdtemp and safetensors create private
+    ones), and removed when it raises.
 
     Args:
         folder: The folder to write.
@@ -94,7 +139,8 @@ def atomic_folder(folder: str | Path) -> Iterator[Path]:
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    remove_stale_temporaries(folder)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=_temporary_prefix(folder)))
     try:
         yield tmp
         as_if_created_tree(tmp)

@@ -33,3 +33,63 @@ def read_text_input(path: Path, what: str) -> str:
 
 def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+class DuplicateKeyError(ValueError):
+    """A mapping in a JSON or YAML file names one key twice."""
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key given twice (``json``'s ``object_pairs_hook``)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise DuplicateKeyError(f"key {key!r} appears twice in one object")
+        seen[key] = value
+    return seen
+
+
+def _unique_yaml_loader():
+    """A safe YAML loader that refuses a mapping naming one key twice (PyYAML keeps the last silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise DuplicateKeyError(f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line})")
+                seen[key] = line
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
+def read_structured(path: Path, what: str) -> Any:
+    """A JSON (``.json``) or YAML file the user named, parsed, with no key given twice in one mapping.
+
+    Args:
+        path: The file.
+        what: What it is, for messages (``"Recipe"``, ``"Tasks file"``).
+
+    Returns:
+        The parsed data (None for an empty YAML file).
+
+    Raises:
+        InputError: for a file :func:`read_text_input` refuses, invalid JSON or YAML, or a repeated key
+            (which a parser would otherwise resolve silently, keeping one of the values).
+    """
+    import yaml
+
+    text = read_text_input(path, what)
+    kind = "JSON" if path.suffix == ".json" else "YAML"
+    try:
+        if kind == "JSON":
+            return json.loads(text, object_pairs_hook=_unique_pairs)
+        return yaml.load(text, Loader=_unique_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+    except DuplicateKeyError as exc:
+        raise InputError(path, f"{what} {path}: {exc}; keep one.") from None
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise InputError(path, f"{what} {path} is not valid {kind}: {' '.join(str(exc).split())}") from None

@@ -94,6 +94,21 @@ class HyperParameter:
 
 
 @dataclass(frozen=True)
+class MergekitForm:
+    """How mergekit writes the same merge: its method name and each model's parameters.
+
+    Args:
+        name: mergekit's method name (``task_arithmetic``, ``linear``).
+        model_parameters: Each model's ``parameters`` from the method's resolved hyper-parameters.
+        needs_base: Whether mergekit's method takes the base model.
+    """
+
+    name: str
+    model_parameters: Callable[[dict[str, Any]], dict[str, Any]]
+    needs_base: bool = True
+
+
+@dataclass(frozen=True)
 class MergeMethod:
     """A registered merging method: its function, its hyper-parameters, and what the card shows.
 
@@ -106,6 +121,7 @@ class MergeMethod:
         params: The hyper-parameters, in the function's order.
         inputs: The kernel's positional parameters (among
             :data:`~featcal.merging.driver.KERNEL_INPUTS`); ``None`` for a whole-model method.
+        mergekit: How mergekit writes the same merge, when it has an equivalent.
     """
 
     name: str
@@ -115,6 +131,7 @@ class MergeMethod:
     fn: Callable[..., Any]
     params: tuple[HyperParameter, ...]
     inputs: tuple[str, ...] | None
+    mergekit: MergekitForm | None = None
 
     @property
     def whole_model(self) -> bool:
@@ -236,6 +253,7 @@ def merge_method(
     description: str | None = None,
     whole_model: bool = False,
     registry: MethodRegistry | None = None,
+    mergekit: MergekitForm | None = None,
 ) -> Callable[[F], F]:
     """Register the decorated function as the merging method ``name``.
 
@@ -253,6 +271,8 @@ def merge_method(
         description: One line for ``featcal methods``; default the first line of the docstring.
         whole_model: The function maps state dicts to a state dict instead of being a kernel.
         registry: Where to register; default :data:`METHODS`, which :func:`get_method` reads.
+        mergekit: How mergekit writes the same merge, when it has an equivalent (recorded beside a merge
+            as ``mergekit_config.yml``).
 
     Returns:
         A decorator that registers the function and returns it unchanged.
@@ -267,7 +287,7 @@ def merge_method(
         inputs, params = _read_signature(fn, name, whole_model=whole_model)
         doc = inspect.getdoc(fn) or ""
         summary = description if description is not None else (doc.splitlines() or [""])[0]
-        method = MergeMethod(name, pretty_name, reference_url, summary, fn, params, inputs)
+        method = MergeMethod(name, pretty_name, reference_url, summary, fn, params, inputs, mergekit)
         (METHODS if registry is None else registry).add(method)
         return fn
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from featcal.merging.registry import merge_method
+from featcal.merging.registry import MergekitForm, merge_method
 
 
 @merge_method(
     "simple_average",
     pretty_name="Simple Average",
     reference_url="https://arxiv.org/abs/2203.05482",
+    mergekit=MergekitForm("linear", lambda params: {"weight": 1.0}, needs_base=False),  # normalised: the mean
 )
 def simple_average(experts: torch.Tensor) -> torch.Tensor:
     """θ = (1/T) Σ_t θ_t: the mean of the experts' weights.

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from featcal.merging.registry import merge_method
+from featcal.merging.registry import MergekitForm, merge_method
 
 
 @merge_method(
     "task_arithmetic",
     pretty_name="Task Arithmetic",
     reference_url="https://arxiv.org/abs/2212.04089",
+    # θ0 + Σ w·τ_t with every weight κ (mergekit's normalize is off for task_arithmetic)
+    mergekit=MergekitForm("task_arithmetic", lambda params: {"weight": params["scaling_factor"]}),
 )
 def task_arithmetic(base: torch.Tensor, task_vectors: torch.Tensor, *, scaling_factor: float = 0.3) -> torch.Tensor:
     """θ = θ0 + scaling_factor · Σ_t τ_t: the base plus the scaled sum of the task vectors.

@@ -19,7 +19,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from featcal.calibration.params import FeatCalParams
-from featcal.errors import FeatcalError, ReleaseError
+from featcal.errors import FeatcalError, OutputPathError, ReleaseError
 from featcal.families import get_family
 from featcal.files.atomic import atomic_write_text
 from featcal.files.reading import read_text_input
@@ -31,8 +31,10 @@ from featcal.release.plot import PLOT_FILE, save_results_plot
 from featcal.release.published import LOCAL_MARK, is_published_local, local_name, published_config, published_ref
 from featcal.release.results import ResultRow, results_rows
 from featcal.runfolder.layout import DIAGNOSTICS_PLOT, RELEASE_DIR, merged_stage_name
+from featcal.runfolder.lock import RunLock
 from featcal.runfolder.reader import RunFolder, read_run
 from featcal.runfolder.record import PROCESSES
+from featcal.runfolder.timings import timing_label
 from featcal.sweep.report import SWEEP_DIR, SWEEP_PLOT, read_sweep
 from featcal.tasks import Task
 
@@ -50,21 +52,6 @@ FEATCAL_PARAMS = {f.name: (option_of(f).symbol, option_of(f).card) for f, _, _ i
 FEATCAL_RECORDS = {
     "calibration_examples_used": ("", "train images of the tasks that had fewer than n; all of them were used"),
 }
-TIMING_LABELS = {
-    "merge_s": "merge",
-    "calibrate_s": "FeatCal calibration",
-    "eval_s": "evaluation",
-    "diagnose_s": "feature-drift diagnostics",
-}
-
-
-def timing_label(key: str) -> str:
-    """A readable name for a timings.json entry (``eval_<stage>_s`` is the evaluation of a stage)."""
-    if key in TIMING_LABELS:
-        return TIMING_LABELS[key]
-    if key.startswith("eval_") and key.endswith("_s"):
-        return f"evaluation of `{key[5:-2]}/`"
-    return key
 
 
 def default_model_name(run: RunFolder) -> str:
@@ -320,14 +307,54 @@ def write_card(
     Raises:
         RunFolderError: when the run folder is incomplete, damaged or edited after the run.
         ReleaseError: when ``out_dir`` holds the release of another run, or an unreadable manifest.
+        OutputPathError: when ``out_dir`` holds files that are not a featcal card's or release's.
+        RunLockedError: when another process is writing the run folder.
         FeatcalError: when the template is missing, fails to render or gives invalid metadata.
     """
-    run = read_run(run_dir)
-    out = Path(out_dir).expanduser() if out_dir is not None else run.path / RELEASE_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    card = write_card_files(run, out, repo_id=repo_id, license=license, template=template)
+    run_path = Path(run_dir).expanduser()
+    out = Path(out_dir).expanduser() if out_dir is not None else run_path / RELEASE_DIR
+    inside = run_path.resolve() in out.resolve().parents
+    with RunLock(run_path, shared=not inside):  # no other process writes the run meanwhile
+        run = read_run(run_path)
+        check_card_folder(out)
+        out.mkdir(parents=True, exist_ok=True)
+        card = write_card_files(run, out, repo_id=repo_id, license=license, template=template)
     logger.info("Wrote the model card %s", card)
     return card
+
+
+CARD_FILES = frozenset({CARD_FILE, PLOT_FILE, DIAGNOSTICS_PLOT, SWEEP_PLOT})
+
+
+def check_card_folder(out: Path) -> None:
+    """Refuse a card folder that holds someone else's files: a folder may receive the card when it is new
+    or empty, a featcal release (its manifest then names the run), or holds only an earlier featcal card.
+
+    Raises:
+        OutputPathError: naming the folder and what it holds.
+    """
+    if out.exists() and not out.is_dir():
+        raise OutputPathError(out, f"The card folder {out} exists and is a file: choose another path.")
+    if not out.is_dir() or (out / MANIFEST).is_file():
+        return
+    visible = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    foreign = [name for name in visible if name not in CARD_FILES]
+    if foreign or (CARD_FILE in visible and not _is_featcal_card(out / CARD_FILE)):
+        shown = ", ".join((foreign or [CARD_FILE])[:5])
+        raise OutputPathError(
+            out,
+            f"{out} holds files that are not a featcal model card's ({shown}): write the card into a new or "
+            "empty folder, or a release folder.",
+        )
+
+
+def _is_featcal_card(path: Path) -> bool:
+    """Whether ``path`` is a model card featcal wrote (its metadata tags name featcal)."""
+    try:
+        card = ModelCard.load(path)
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return "featcal" in (card.data.tags or [])
 
 
 def write_card_files(

@@ -8,21 +8,23 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, RunFolderError
 from featcal.families import get_family
 from featcal.files.atomic import atomic_folder, atomic_write_json
 from featcal.files.model_folders import MODEL_CONFIG, WEIGHTS
 from featcal.hub.downloads import resolve_model_folder
 from featcal.hub.refs import check_repo_id, is_hub_id, local_path
+from featcal.metrics import WEIGHTS_SHA256, weights_sha256
 from featcal.outputs import check_output_folder
 from featcal.release.card import CARD_FILE, write_card_files
 from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, write_manifest
 from featcal.release.options import DEFAULT_LICENSE
 from featcal.release.plot import PLOT_FILE
 from featcal.release.published import published_config
-from featcal.runfolder.layout import DIAGNOSTICS_PLOT, METRICS, RELEASE_DIR, RUN_CONFIG
+from featcal.runfolder.layout import DIAGNOSTICS_PLOT, METRICS, RELEASE_DIR, RUN_CONFIG, calibrated_stage_name
+from featcal.runfolder.lock import RunLock
 from featcal.runfolder.reader import RunFolder, read_run
 from featcal.runfolder.record import recipe_sha256
 from featcal.sweep.report import SWEEP_PLOT
@@ -126,6 +128,34 @@ def _write_preprocessor(run: RunFolder, family: ModelFamily, out: Path) -> None:
     family.preprocessor(folder).save_pretrained(str(out))
 
 
+def released_source(run: RunFolder) -> dict[str, Any]:
+    """Which stage of ``run`` a release copies, and the SHA-256 of its weight files, checked: the stage is
+    the one the run's record says it released, and its report measured these very weights.
+
+    Raises:
+        RunFolderError: when the run calibrated but its calibrated stage is gone (releasing the merge
+            under the calibrated recipe would be a wrong release), or the stage's ``metrics.json``
+            measured other weights than its folder holds (or does not say which).
+    """
+    stage = run.released
+    if run.record.featcal is not None and run.calibrated is None:
+        expected = calibrated_stage_name(run.method)
+        raise RunFolderError(
+            run.path / expected,
+            f"Run folder {run.path} calibrated, but {expected}/ is missing: run `featcal run` on it again to redo "
+            "the calibration, rather than release the merge under the calibrated recipe.",
+        )
+    weights = weights_sha256(stage.path)
+    if stage.metrics.get(WEIGHTS_SHA256) != weights:
+        raise RunFolderError(
+            stage.path / METRICS,
+            f"{stage.path / METRICS} is not the evaluation of the weights in {stage.path} (it records "
+            f"{'other weights' if stage.metrics.get(WEIGHTS_SHA256) else 'no weights'}): run `featcal run` on "
+            f"{run.path} again to evaluate them.",
+        )
+    return {"stage": stage.name, WEIGHTS_SHA256: weights}
+
+
 def export_release(
     run_dir: str | Path,
     out_dir: str | Path | None = None,
@@ -158,24 +188,31 @@ def export_release(
         The release folder.
 
     Raises:
-        RunFolderError: when the run folder is incomplete, damaged or edited after the run.
+        RunFolderError: when the run folder is incomplete, damaged or edited after the run, its released
+            stage's results do not belong to its weights, or the calibrated stage of a calibrated run is gone.
+        RunLockedError: when another process is writing the run folder.
         ModelInputError: when the released weights or the base's preprocessor do not load.
         OutputPathError: when ``out_dir`` is a file or holds files that are not part of a release.
     """
-    run = read_run(run_dir)
     if repo_id is not None:
         check_repo_id(repo_id, namespace=True)
-    out = Path(out_dir).expanduser() if out_dir is not None else run.path / RELEASE_DIR
-    family = get_family(run.record.family)
-    check_output_folder(out, kind="release", allowed=release_names(family))
-    with atomic_folder(out) as tmp:
-        published = published_config(run.raw_config)
-        tensors = _write_weights(run, family, tmp, published)
-        _write_preprocessor(run, family, tmp)
-        atomic_write_json(tmp / RUN_CONFIG, published)
-        atomic_write_json(tmp / METRICS, {**run.released.metrics, "run_id": run.recipe_sha256})
-        write_card_files(run, tmp, repo_id=repo_id, license=license, template=template)
-        names = [p.name for p in tmp.iterdir() if not p.name.startswith(".")]
-        write_manifest(tmp, manifest_of(tmp, names, recipe=run.recipe_sha256, tensors=tensors))
+    run_path = Path(run_dir).expanduser()
+    out = Path(out_dir).expanduser() if out_dir is not None else run_path / RELEASE_DIR
+    inside = run_path.resolve() in out.resolve().parents
+    # The run is read, and its release written, while no other process writes the run.
+    with RunLock(run_path, shared=not inside):
+        run = read_run(run_path)
+        family = get_family(run.record.family)
+        source = released_source(run)
+        check_output_folder(out, kind="release", allowed=release_names(family))
+        with atomic_folder(out) as tmp:
+            published = published_config(run.raw_config)
+            tensors = _write_weights(run, family, tmp, published)
+            _write_preprocessor(run, family, tmp)
+            atomic_write_json(tmp / RUN_CONFIG, published)
+            atomic_write_json(tmp / METRICS, {**run.released.metrics, "run_id": run.recipe_sha256})
+            write_card_files(run, tmp, repo_id=repo_id, license=license, template=template)
+            names = [p.name for p in tmp.iterdir() if not p.name.startswith(".")]
+            write_manifest(tmp, manifest_of(tmp, names, recipe=run.recipe_sha256, tensors=tensors, source=source))
     logger.info("Exported %s (stage %s, recipe %s) to %s", run.path, run.released.name, run.recipe_sha256[:12], out)
     return out

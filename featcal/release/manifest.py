@@ -19,8 +19,9 @@ import hashlib
 import json
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from featcal.errors import ReleaseError
 from featcal.files.atomic import atomic_write_json
@@ -73,23 +74,31 @@ def tensors_sha256(path: Path) -> str:
 
 @dataclass(frozen=True)
 class Manifest:
-    """``release_manifest.json``: the SHA-256 of each file of a release, as export (or `featcal card`) wrote it."""
+    """``release_manifest.json``: the SHA-256 of each file of a release, as export (or `featcal card`) wrote it,
+    and where its weights came from: the run's stage and the SHA-256 of each of its weight files, as the
+    run's ledger recorded them (``source``; empty for a release of a run that recorded none)."""
 
     recipe_sha256: str
     tensors_sha256: str
     files: Mapping[str, str]
+    source: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         """The manifest as written to disk (keys sorted, so a re-export gives the same bytes)."""
-        return {
+        data = {
             "format": MANIFEST_FORMAT,
             "recipe_sha256": self.recipe_sha256,
             "tensors_sha256": self.tensors_sha256,
             "files": dict(sorted(self.files.items())),
         }
+        if self.source:
+            data["source"] = dict(self.source)
+        return data
 
 
-def manifest_of(folder: Path, names: Iterable[str], *, recipe: str, tensors: str) -> Manifest:
+def manifest_of(
+    folder: Path, names: Iterable[str], *, recipe: str, tensors: str, source: Mapping[str, Any] | None = None
+) -> Manifest:
     """The manifest of the files ``names`` of ``folder`` as they are now.
 
     Args:
@@ -97,11 +106,12 @@ def manifest_of(folder: Path, names: Iterable[str], *, recipe: str, tensors: str
         names: The files to record (all files of the release but the manifest itself).
         recipe: The run's recipe hash (``recipe_sha256`` of the weights).
         tensors: The weights' ``tensors_sha256``.
+        source: The run's stage the weights came from and the ledger's SHA-256 of its weight files.
 
     Returns:
         The manifest (not written).
     """
-    return Manifest(recipe, tensors, {name: file_sha256(folder / name) for name in sorted(names)})
+    return Manifest(recipe, tensors, {name: file_sha256(folder / name) for name in sorted(names)}, source or {})
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> Path:
@@ -142,7 +152,8 @@ def read_manifest(folder: Path) -> Manifest:
     )
     if not valid:
         raise ReleaseError(path, f"{path} is not a featcal release manifest ({MANIFEST_FORMAT}); {fix}.")
-    return Manifest(data["recipe_sha256"], data["tensors_sha256"], dict(files))
+    source = data.get("source") if isinstance(data.get("source"), dict) else {}
+    return Manifest(data["recipe_sha256"], data["tensors_sha256"], dict(files), source)
 
 
 def update_manifest(folder: Path, written: Mapping[str, bool]) -> Path | None:
@@ -171,4 +182,4 @@ def update_manifest(folder: Path, written: Mapping[str, bool]) -> Path | None:
             files[name] = file_sha256(folder / name)
         else:
             files.pop(name, None)
-    return write_manifest(folder, Manifest(manifest.recipe_sha256, manifest.tensors_sha256, files))
+    return write_manifest(folder, Manifest(manifest.recipe_sha256, manifest.tensors_sha256, files, manifest.source))

@@ -27,3 +27,19 @@ class CardOptions:
 
     def __post_init__(self) -> None:
         validate(self)
+
+
+@dataclass(frozen=True)
+class CommitOptions:
+    """How ``featcal push`` commits a release (besides :class:`~featcal.hub.options.HubOptions`).
+
+    Raises:
+        InvalidParameterError: when a value has the wrong type.
+    """
+
+    revision: str | None = option(None, help="branch to commit to (created if missing)", group="Hub", metavar="BRANCH")
+    create_pr: bool = option(False, help="open a pull request instead of committing directly", group="Hub")
+    commit_message: str | None = option(None, help="commit title", group="Hub", metavar="MSG")
+
+    def __post_init__(self) -> None:
+        validate(self)

@@ -8,6 +8,7 @@ organisations'. The token is passed to ``huggingface_hub`` and never logged or p
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +20,15 @@ from featcal.files.model_folders import WEIGHTS
 from featcal.hub.publishing import hub_api, publishing
 from featcal.hub.refs import check_repo_id
 from featcal.hub.verification import HubFile, hub_files, verify_hub_files
+from featcal.metrics import WEIGHTS_SHA256
+from featcal.outputs import enclosing_run
 from featcal.release.card import CARD_FILE
-from featcal.release.check import check_release
+from featcal.release.check import Release, check_release
 from featcal.release.export import export_release
+from featcal.release.manifest import read_manifest
 from featcal.runfolder.layout import RELEASE_DIR, RUN_CONFIG
+from featcal.runfolder.ledger import StageLedger
+from featcal.runfolder.lock import RunLock
 from featcal.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -42,11 +48,16 @@ class PushResult:
     changed: bool = False
 
 
-def resolve_release_folder(folder: str | Path, repo_id: str) -> Path:
+def resolve_release_folder(folder: str | Path, repo_id: str, *, dry_run: bool = False) -> Path:
     """The release folder to push: ``folder`` itself, or the ``release/`` of a run folder.
 
-    A run folder without a release yet is exported first, with its card naming ``repo_id``. An
-    existing release is never modified: it is exactly what gets uploaded.
+    A run folder without a release yet is exported first, with its card naming ``repo_id``, unless this
+    is a dry run, which writes nothing. An existing release is never modified: it is exactly what gets
+    uploaded.
+
+    Raises:
+        ReleaseError: for a folder that is neither a release nor a run folder, or a dry run of a run folder
+            that has no release yet.
     """
     path = Path(folder).expanduser()
     if (path / WEIGHTS).is_file():
@@ -59,9 +70,42 @@ def resolve_release_folder(folder: str | Path, repo_id: str) -> Path:
         )
     release = path / RELEASE_DIR
     if not (release / WEIGHTS).is_file():
+        if dry_run:
+            raise ReleaseError(
+                path,
+                f"{path} has no release yet, and a dry run writes nothing: export it first (`featcal export "
+                f"{path}`), or push without --dry-run, which exports it.",
+            )
         logger.info("No release in %s yet: exporting it", path)
         export_release(path, release, repo_id=repo_id)
     return release
+
+
+def check_source(release: Path) -> None:
+    """Refuse a release of a run folder whose released stage changed since the export: the stage's weights,
+    as the run's ledger records them now, must be those the release's manifest says it copied.
+
+    Raises:
+        ReleaseError: naming the stage and the fix (export again).
+    """
+    run = enclosing_run(release.resolve())
+    source = read_manifest(release).source
+    if run is None or not source:
+        return
+    ledger = StageLedger.read(run, writes=False)
+    stage = str(source.get("stage", ""))
+    now = {
+        path.removeprefix(f"{stage}/"): sha
+        for entry in ledger.done.values()
+        for path, (_, sha) in (entry.get("weights") or {}).items()
+        if path.startswith(f"{stage}/")
+    }
+    if now and now != source.get(WEIGHTS_SHA256):  # a ledger without hashes (an older run) says nothing
+        raise ReleaseError(
+            release,
+            f"{release} holds other weights than the run's {stage}/ holds now (the run was redone since the "
+            f"export): export it again (`featcal export {run}`) before pushing.",
+        )
 
 
 def _ensure_repo(api: HfApi, repo_id: str, *, private: bool, revision: str | None) -> str | None:
@@ -103,7 +147,7 @@ def push_release(
         create_pr: Open a pull request instead of committing to the branch.
         commit_message: The commit title (default names featcal's version and the recipe hash).
         token: A Hub token (default: ``HF_TOKEN``, then the stored login); never logged.
-        dry_run: Check the folder and list the files, without contacting the Hub.
+        dry_run: Check the folder and list the files, without contacting the Hub or writing anything.
         endpoint: The Hub endpoint (default: ``HF_ENDPOINT`` or huggingface.co).
 
     Returns:
@@ -111,7 +155,9 @@ def push_release(
 
     Raises:
         InvalidParameterError: for a repository id without namespace or not valid on the Hub.
-        ReleaseError: when the folder is not a complete, self-consistent release.
+        ReleaseError: when the folder is not a complete, self-consistent release, or a run folder's release
+            whose stage was redone since the export.
+        RunLockedError: when another process is writing the run folder the release lies in.
         HubError: when the token is missing or refused, the Hub cannot be reached, offline mode is
             set, or the Hub lists files that differ from the ones sent.
 
@@ -119,7 +165,27 @@ def push_release(
         >>> push_release("runs/ta8", "me/clip-vit-b32-ta8-featcal", private=True)  # doctest: +SKIP
     """
     check_repo_id(repo_id, namespace=True)
-    release = check_release(resolve_release_folder(folder, repo_id))
+    folder = resolve_release_folder(folder, repo_id, dry_run=dry_run)
+    run = enclosing_run(folder.resolve())
+    with RunLock(run, shared=True) if run is not None else nullcontext():  # no run rewrites it meanwhile
+        return _push(check_release(folder), repo_id, private=private, revision=revision, create_pr=create_pr,
+                     commit_message=commit_message, token=token, dry_run=dry_run, endpoint=endpoint)  # fmt: skip
+
+
+def _push(
+    release: Release,
+    repo_id: str,
+    *,
+    private: bool,
+    revision: str | None,
+    create_pr: bool,
+    commit_message: str | None,
+    token: str | None,
+    dry_run: bool,
+    endpoint: str | None,
+) -> PushResult:
+    """Push a checked release (see :func:`push_release`)."""
+    check_source(release.folder)
     if release.model_name != repo_id:
         logger.warning(
             "The card in %s was rendered for %r, not %s: its usage snippet names the wrong repository "

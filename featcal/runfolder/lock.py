@@ -5,8 +5,10 @@ The lock is an ``flock`` on ``<run>/.featcal.lock``: exclusive for a process tha
 card`` into another folder, ``push`` of a release it does not write). The kernel releases an
 ``flock`` when its process dies, even by SIGKILL, so a lock left by a killed process is taken over
 (and logged) rather than blocking forever. The writer records itself in the file (pid, host, start
-time, command) and empties it when done; the file itself stays, since removing it would let a
-process that opened it before and one that creates it after hold "the" lock at once.
+time, command). The last holder removes the file: the writer, or a reader that finds no other holder.
+A process that locked a file which was removed (and perhaps created again) meanwhile lets it go and
+locks the file now at the path, so two processes never hold locks on two different files. Within one
+process the lock nests: a run that exports its release holds the lock the export asks for.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from featcal.runfolder.layout import LOCK_FILE
 
 logger = logging.getLogger(__name__)
 
+_HELD: dict[Path, bool] = {}  # run folders this process holds a lock on -> whether it is shared
+
 
 class RunLock:
     """A lock on a run folder, held while a process writes (or, ``shared``, reads) it.
@@ -44,22 +48,32 @@ class RunLock:
         self.path = self.run / LOCK_FILE
         self.shared = shared
         self._fd: int | None = None
+        self._nested = False
 
     def __enter__(self) -> RunLock:
+        key = self.run.resolve()
+        if key in _HELD and (self.shared or not _HELD[key]):  # held here already, and enough
+            self._nested = True
+            return self
         if not self.shared:
             self.run.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError as exc:
-            if self.shared and exc.errno == errno.EROFS:  # nobody writes a read-only folder: nothing to wait for
-                return self
-            raise
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise RunLockedError(self.run, self._busy_message(holder), holder) from None
+        mode = fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as exc:
+                if self.shared and exc.errno == errno.EROFS:  # nobody writes a read-only folder: nothing to wait for
+                    return self
+                raise
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise RunLockedError(self.run, self._busy_message(holder), holder) from None
+            if _is_at_path(fd, self.path):
+                break
+            os.close(fd)  # removed by its last holder since we opened it: lock the file at the path now
         if not self.shared:
             previous = _read_holder(fd)
             if previous:
@@ -78,6 +92,7 @@ class RunLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode(), 0)
         self._fd = fd
+        _HELD[key] = self.shared
         return self
 
     def _busy_message(self, holder: dict[str, Any]) -> str:
@@ -93,13 +108,32 @@ class RunLock:
         return f"Run folder {self.run} is {who}: wait for it to finish, stop it, or {what} another run folder."
 
     def __exit__(self, *exc: object) -> None:
+        if self._nested:
+            self._nested = False
+            return
         if self._fd is None:
             return
-        if not self.shared:
-            os.ftruncate(self._fd, 0)  # no holder any more; the file stays (see the module docstring)
+        _HELD.pop(self.run.resolve(), None)
+        last = not self.shared
+        if self.shared:  # the last reader: nobody else holds it, so it may take it whole
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                last = True
+            except BlockingIOError:
+                last = False
+        if last:
+            self.path.unlink(missing_ok=True)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+
+
+def _is_at_path(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is still the file at ``path``."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def _read_holder(fd: int) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from featcal.calibration.params import FeatCalParams
 from featcal.errors import InvalidParameterError, UnknownNameError
-from featcal.options import Option, Range, convert, convert_field
+from featcal.options import Option, Range, convert, convert_field, option, validate
 
 DEFAULT_SIZES = (8, 16, 32, 64, 128, 256)
 # The parameters a sweep may vary besides n: those that change the solves or the teacher. The batch
@@ -78,6 +78,28 @@ def parse_parameter(text: str) -> SweptParameter:
 
 
 @dataclass(frozen=True)
+class SweepFlags:
+    """``featcal sweep``'s own flags as typed: the texts :meth:`SweepRequest.parse` reads."""
+
+    sizes: str | None = option(
+        None, help="calibration examples per task, comma-separated (default "
+        f"{','.join(map(str, DEFAULT_SIZES))}; with --param, the run's n)", group="sweep", metavar="N,N,…",
+        flag="num_calibration_examples",
+    )  # fmt: skip
+    param: str | None = option(
+        None, help=f"also sweep one FeatCal parameter: {', '.join(SWEEPABLE)} (e.g. lambda_ratio=0.01,0.05,0.1)",
+        group="sweep", metavar="NAME=V,V,…",
+    )  # fmt: skip
+    together: str | None = option(
+        None, help="calibrate at most K settings at once (each holds a model copy, its feature streams and its "
+        "layer statistics in memory; default: all)", group="sweep", metavar="K",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass(frozen=True)
 class SweepRequest:
     """A sweep's own options (``featcal sweep``'s flags); the run's other options come from its run spec.
 
@@ -96,7 +118,7 @@ class SweepRequest:
 
     def __post_init__(self) -> None:
         if self.together is not None and (isinstance(self.together, bool) or self.together < 1):
-            raise InvalidParameterError("together", self.together, "a whole number >= 1", owner="sweep")
+            raise InvalidParameterError("together", self.together, "a whole number >= 1")
 
     @classmethod
     def parse(cls, sizes: str | None, parameter: str | None, together: str | int | None) -> SweepRequest:
@@ -107,10 +129,7 @@ class SweepRequest:
         """
         count = None
         if together is not None:
-            try:
-                count = convert(together, int, Option(range=Range(ge=1)), "together", owner="sweep")
-            except InvalidParameterError:
-                raise InvalidParameterError("together", together, "a whole number >= 1", owner="sweep") from None
+            count = convert(together, int, Option(range=Range(ge=1)), "together")
         return cls(
             parse_sizes(sizes) if sizes is not None else None,
             parse_parameter(parameter) if parameter is not None else None,

@@ -24,7 +24,7 @@ from featcal.errors import RunFolderError
 from featcal.precision import fixed_precision, forward_dtype
 from featcal.progress import Progress
 from featcal.resolve import run_inputs
-from featcal.runfolder.layout import merged_stage_name
+from featcal.runfolder.layout import CALIBRATE_STEP, merged_stage_name
 from featcal.runfolder.leftovers import remove_leftovers
 from featcal.runfolder.lock import RunLock
 from featcal.runfolder.reader import RunFolder, merged_model_folder, read_run
@@ -93,7 +93,7 @@ def run_sweep(run_dir: str | Path, spec: RunSpec, request: SweepRequest | None =
     merged = family.load_model(merged_folder, inputs.base)
     seed = run.record.seed
     by_name = {t.name: t for t in inputs.tasks}
-    calibrate_key, evaluate_key = seconds_key("calibrate"), seconds_key(evaluation_step())
+    calibrate_key, evaluate_key = seconds_key(CALIBRATE_STEP), seconds_key(evaluation_step())
     timings = {calibrate_key: 0.0, evaluate_key: 0.0}
     results: dict[int, SweepPoint] = {}
     threads = choose_threads(spec.threads, family.hidden_size(inputs.config))

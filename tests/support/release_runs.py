@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from featcal.files.hashing import config_hash
+from featcal.metrics import WEIGHTS_SHA256, weights_sha256
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-clip-3task"
 TA8 = Path(__file__).parents[2] / "featcal" / "resources" / "ta8_tasks.json"
@@ -79,6 +80,11 @@ def ta8_config() -> dict:
     }
 
 
+def measured(report: dict, stage: Path) -> dict:
+    """A stage's report recording the weights it measured, as the pipeline writes it."""
+    return {**report, WEIGHTS_SHA256: weights_sha256(stage)}
+
+
 def save_stage(folder: Path, seed: int) -> torch.nn.Module:
     """A CLIPVisionModel stage folder: the fixture's vision tower plus seeded noise."""
     from transformers import CLIPVisionModel
@@ -110,10 +116,11 @@ def make_run(
     (run / "run_config.json").write_text(json.dumps(config, indent=2))
     run_id = config["run_id"]
     model = save_stage(run / "ta", seed=1)
-    (run / "ta" / "metrics.json").write_text(json.dumps(metrics(MERGED_ACC, run_id)))
+    (run / "ta" / "metrics.json").write_text(json.dumps(measured(metrics(MERGED_ACC, run_id), run / "ta")))
     if calibrated:
         model = save_stage(run / "featcal-ta", seed=2)
-        (run / "featcal-ta" / "metrics.json").write_text(json.dumps(metrics(CALIBRATED_ACC, run_id)))
+        report = measured(metrics(CALIBRATED_ACC, run_id), run / "featcal-ta")
+        (run / "featcal-ta" / "metrics.json").write_text(json.dumps(report))
     if base_dir is not None:
         (run / base_dir).mkdir()
         (run / base_dir / "metrics.json").write_text(json.dumps(metrics(BASE_ACC, run_id)))

@@ -46,7 +46,7 @@ def check_clip_model_folder(folder: str | Path) -> None:
     Raises:
         ModelInputError: naming the folder, its model type and the fix.
     """
-    config = Path(folder) / "config.json"
+    config = Path(folder) / MODEL_CONFIG
     try:
         model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
@@ -113,7 +113,7 @@ def check_vision_folder(path: str | Path, base: Checkpoint | None = None) -> Che
             "pass a folder written by `featcal merge` or `save_pretrained`.",
         )
     try:
-        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+        model_type = json.loads((folder / MODEL_CONFIG).read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
         raise ModelInputError(
             str(folder), f"{folder / 'config.json'} is not readable JSON: save the model again with `save_pretrained`."

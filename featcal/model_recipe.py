@@ -1,0 +1,146 @@
+"""The recipe recorded beside a merged or calibrated model's weights: what the folder is.
+
+``featcal merge``, ``featcal calibrate`` and a run's merged and calibrated stages write
+``featcal_recipe.json`` into the model folder: the model family, the base and the experts, the merging
+method and its hyper-parameters, and for a calibrated model its FeatCal parameters, seed, tasks and
+the recipe of the merge it started from. A later ``featcal calibrate --merged DIR``, a run started from
+``DIR`` (``skip_ta``) and a model card read it to say what ``DIR`` is. Where the method has a mergekit
+equivalent, the merge is written as mergekit's ``mergekit_config.yml`` too, so mergekit users read it
+as their own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from featcal.errors import ModelInputError
+from featcal.files.atomic import atomic_write_json, atomic_write_text
+from featcal.runfolder.record import FeatCalRecord, MergeRecord
+from featcal.version import __version__
+
+RECIPE_FILE = "featcal_recipe.json"
+MERGEKIT_FILE = "mergekit_config.yml"
+FORMAT = "featcal-model-recipe/1"
+MERGE, CALIBRATION = "merge", "calibration"
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """What a merged (``kind`` merge) or calibrated (``kind`` calibration) model folder holds.
+
+    Attributes:
+        kind: ``merge`` or ``calibration``.
+        family: The model family.
+        base_model: The base model (a Hub id, or a folder's path).
+        experts: Each task's expert, by task name.
+        merge: How the merged model came about (for a calibration: the merge it started from, whose
+            method is unknown when that folder recorded none).
+        featcal: The calibration's parameters (None for a merge).
+        seed: The seed of the calibration examples' shuffle (None for a merge).
+        featcal_version: The featcal that wrote it.
+    """
+
+    kind: str
+    family: str
+    base_model: str
+    experts: Mapping[str, str]
+    merge: MergeRecord
+    featcal: FeatCalRecord | None = None
+    seed: int | None = None
+    featcal_version: str = __version__
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "format": FORMAT,
+            "kind": self.kind,
+            "family": self.family,
+            "featcal_version": self.featcal_version,
+            "base_model": self.base_model,
+            "experts": dict(self.experts),
+            "merge": self.merge.to_json(),
+        }
+        if self.featcal is not None:
+            data["featcal"] = self.featcal.to_json()
+            data["seed"] = self.seed
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any, where: Path) -> ModelRecipe:
+        """Parse a recipe file's contents.
+
+        Raises:
+            ModelInputError: naming ``where`` when it is not a featcal model recipe.
+        """
+        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+            raise ModelInputError(
+                str(where), f"{where} is not a featcal model recipe ({FORMAT}): remove it or rewrite it."
+            )
+        try:
+            return cls(
+                kind=str(data["kind"]),
+                family=str(data["family"]),
+                base_model=str(data["base_model"]),
+                experts={str(k): str(v) for k, v in data["experts"].items()},
+                merge=MergeRecord.from_json(data["merge"], where),
+                featcal=FeatCalRecord.from_json(data["featcal"], where) if data.get("featcal") else None,
+                seed=data.get("seed"),
+                featcal_version=str(data.get("featcal_version", "")),
+            )
+        except (KeyError, AttributeError, TypeError, ValueError) as exc:
+            raise ModelInputError(str(where), f"{where} is a damaged featcal model recipe ({exc}).") from None
+
+
+def write_model_recipe(folder: Path, recipe: ModelRecipe) -> None:
+    """Write ``featcal_recipe.json`` into ``folder``, and ``mergekit_config.yml`` for a merge whose method
+    mergekit knows (see :func:`mergekit_config`)."""
+    atomic_write_json(Path(folder) / RECIPE_FILE, recipe.to_json())
+    text = mergekit_config(recipe) if recipe.kind == MERGE else None
+    if text is not None:
+        atomic_write_text(Path(folder) / MERGEKIT_FILE, text)
+
+
+def read_model_recipe(folder: str | Path) -> ModelRecipe | None:
+    """The recipe a model folder records, or None when it records none.
+
+    Raises:
+        ModelInputError: when the recipe file is there but unreadable or not featcal's.
+    """
+    path = Path(folder) / RECIPE_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelInputError(str(path), f"{path} is not readable JSON ({exc}): remove it or rewrite it.") from None
+    return ModelRecipe.from_json(data, path)
+
+
+def mergekit_config(recipe: ModelRecipe) -> str | None:
+    """The merge as mergekit's ``mergekit_config.yml``, when its method has a mergekit equivalent.
+
+    Task Arithmetic (θ0 + κ·Σ τ_t) is mergekit's ``task_arithmetic`` with ``weight: κ`` per model;
+    Simple Average is mergekit's ``linear`` with equal weights. featcal's TIES takes the top-k of each
+    whole task vector, mergekit's the density of each tensor: no equivalent, so no file.
+    """
+    import yaml
+
+    from featcal.merging import get_method
+
+    try:
+        form = get_method(recipe.merge.method).mergekit
+    except KeyError:
+        return None
+    if form is None or recipe.merge.merged_from is not None:
+        return None
+    models = [
+        {"model": ref, "parameters": form.model_parameters(recipe.merge.params)} for ref in recipe.experts.values()
+    ]
+    config: dict[str, Any] = {"merge_method": form.name, "models": models}
+    if form.needs_base:
+        config["base_model"] = recipe.base_model
+    return yaml.safe_dump(config, sort_keys=True)

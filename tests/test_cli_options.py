@@ -1,0 +1,84 @@
+"""Every command's flags come from option dataclasses, and list the options they always did.
+
+``tests/golden/cli_options.json`` records, per command, the options ``--help`` listed before the flags
+were derived from the option dataclasses; the changes made on purpose since are listed below with
+their reason, so a flag lost or renamed by accident fails here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from featcal.cli import build_parser, main
+
+RECORDED = json.loads((Path(__file__).parent / "golden" / "cli_options.json").read_text())
+# Changes on purpose: command -> (options added, options no longer listed).
+CHANGES = {
+    # the demo's zoo cache under its own name; --cache-dir, which means the Hub cache elsewhere, is kept hidden
+    "demo": ({"--zoo-cache-dir"}, {"--cache-dir"}),
+}
+
+
+def listed_options(parser: argparse.ArgumentParser) -> list[str]:
+    """The options and positionals ``parser``'s ``--help`` lists (``-h`` aside)."""
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) or action.help == argparse.SUPPRESS:
+            continue
+        out += [s for s in action.option_strings if s not in ("-h", "--help")]
+        if not action.option_strings:
+            out.append(action.dest.upper() if action.metavar is None else str(action.metavar))
+    return sorted(out)
+
+
+def commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
+    """Every (sub)command's name and parser."""
+    yield " ".join(prefix) or "featcal", parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from commands(sub, (*prefix, name))
+
+
+def test_every_command_lists_the_options_it_did() -> None:
+    current = {name: listed_options(parser) for name, parser in commands(build_parser())}
+    assert current.keys() == RECORDED.keys()
+    for name, options in RECORDED.items():
+        added, removed = CHANGES.get(name, (set(), set()))
+        assert set(current[name]) == (set(options) | added) - removed, name
+
+
+def test_every_command_records_its_flags_for_its_errors() -> None:
+    for name, parser in commands(build_parser()):
+        if name == "featcal" or any(isinstance(a, argparse._SubParsersAction) for a in parser._actions):
+            continue
+        flags = parser.get_default("flags")
+        assert flags and parser.get_default("func"), name
+        assert all(flag.startswith("--") for flag in flags.values()), name
+
+
+def test_the_demo_s_old_cache_flag_still_sets_the_zoo_cache(tmp_path, capsys) -> None:
+    """``--cache-dir`` is a hidden alias of ``--zoo-cache-dir`` (checked before any zoo is built)."""
+    parser = build_parser()
+    for flag in ("--cache-dir", "--zoo-cache-dir"):
+        assert parser.parse_args(["demo", flag, str(tmp_path)]).zoo_cache_dir == str(tmp_path)
+    assert "--cache-dir" not in parser._subparsers._group_actions[0].choices["demo"].format_help()
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["demo", "--zoo-seed", "-1"], "--zoo-seed '-1' is invalid: it must be a whole number >= 0"),
+        (["diagnose", "run", "--split", "val"], "--split 'val' is invalid: it must be one of test, calibration"),
+        (["tasks", "--suite", "ta9"], "--suite 'ta9' is invalid: it must be one of ta8, ta14, ta20"),
+        (["sweep", "run", "--together", "0"], "--together '0' is invalid: it must be a whole number >= 1"),
+    ],
+)
+def test_a_bad_value_is_worded_with_the_command_s_own_flag(capsys, argv, said) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("featcal: error: ") and said in err and len(err.splitlines()) == 1
