@@ -127,10 +127,13 @@ def validate_datasets(
     *,
     calibration_examples: int | None = None,
     allow_fewer: bool = False,
+    seed: int | None = None,
 ) -> DatasetFacts:
     """Load each task's splits once, so a missing split or column, an example the family cannot read
     (a label outside the task's classes), or a train split smaller than ``calibration_examples`` fails
-    before anything is written.
+    before anything is written. With ``seed``, the calibration examples themselves (the first
+    ``calibration_examples`` of the train split after one shuffle with ``seed``) are read too, so that a
+    damaged one is named before the first stage is written.
 
     Raises:
         DatasetInputError: naming the task, the split and the fix.
@@ -153,4 +156,7 @@ def validate_datasets(
                         "`num_calibration_examples`, or set `allow_fewer_calibration_examples` to use them all.",
                     )
                 fewer[task.name] = len(dataset)
+            if split == "train" and calibration_examples is not None and seed is not None:
+                rows = calibration_indices(len(dataset), calibration_examples, seed)
+                family.check_examples(task, dataset, split, rows)
     return DatasetFacts(fingerprints, fewer)

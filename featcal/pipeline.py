@@ -27,7 +27,8 @@ from featcal.files.faults import fault_point
 from featcal.files.reading import read_json
 from featcal.fingerprints import digest, folder_fingerprint
 from featcal.memory import MemoryMeter, release_free_memory
-from featcal.metrics import WEIGHTS_SHA256, MetricsReport
+from featcal.metrics import WEIGHTS_SHA256, MetricsReport, weights_sha256
+from featcal.model_recipe import read_model_recipe
 from featcal.outputs import check_run_output_folder
 from featcal.precision import fixed_precision
 from featcal.resolve import RunInputs, resolve_inputs
@@ -81,13 +82,23 @@ def run_record(spec: RunSpec, inputs: RunInputs, calibration_counts: Mapping[str
         tasks=tuple(t.name for t in inputs.tasks),
         tasks_table={t.name: t.to_dict() for t in inputs.tasks},
         seed=spec.seed,
-        merge=MergeRecord(spec.merge_method, inputs.merge_params, spec.ta_model_path if spec.skip_ta else None),
+        merge=merge_record(spec, inputs),
         featcal=None if spec.skip_featcal else FeatCalRecord(spec.featcal, dict(calibration_counts or {})),
         evaluation=EvaluationRecord(spec.max_eval_samples, inputs.family.evaluation_record()),
         precision=spec.precision,
         family=inputs.family.name,
         **suite_record(spec),
     )
+
+
+def merge_record(spec: RunSpec, inputs: RunInputs) -> MergeRecord:
+    """The run's merge: its method and hyper-parameters; with ``skip_ta``, the folder it starts from and
+    what that folder's own recipe says of its merge (nothing, when it records none)."""
+    if not spec.skip_ta:
+        return MergeRecord(spec.merge_method, inputs.merge_params)
+    recipe = read_model_recipe(spec.ta_model_path)
+    described = None if recipe is None else {"method": recipe.merge.method, "params": dict(recipe.merge.params)}
+    return MergeRecord(spec.merge_method, {}, spec.ta_model_path, described)
 
 
 def suite_record(spec: RunSpec) -> dict[str, str]:
@@ -120,6 +131,7 @@ def stage_identities(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> di
         ids[evaluate_step(merged)] = digest(evaluation, merge_id)
     else:
         calibrate_from = digest("from", folder_fingerprint(spec.ta_model_path))
+        ids[evaluate_step(merged)] = digest(evaluation, calibrate_from)
     # bf16 forwards change the calibrated weights and are part of the identity; tf32, which changes only
     # the rounding of CUDA matmuls, is not (a tf32 run reuses a float32 calibration, and the reverse).
     forwards = ["forwards", spec.precision] if spec.precision == "bf16" else []
@@ -181,6 +193,7 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
             ("test",) if spec.skip_featcal else ("train", "test"),
             calibration_examples=None if spec.skip_featcal else spec.featcal.num_calibration_examples,
             allow_fewer=spec.allow_fewer_calibration_examples,
+            seed=spec.seed,
         )
         if not spec.skip_featcal:
             check_calibration_shares(
@@ -271,13 +284,11 @@ class _Run:
         model: Callable[[], Any],
         *,
         extra: Mapping[str, Any] | None = None,
-        written: bool = True,
         weights_of: str | None = None,
     ) -> Step:
-        """The evaluation of ``model`` whose report is written into ``folder``; a merged model the run did not
-        make (``skip_ta``) is only reported, never written, and evaluated every time. With ``weights_of``
-        (the model's step), the report records the weights it measured, and holds only while the stage's
-        weights are those."""
+        """The evaluation of ``model`` whose report is written into ``folder`` (for a merged model the run did
+        not make, ``skip_ta``, a folder of the report alone). With ``weights_of`` (the model's step), the
+        report records the weights it measured, and holds only while the stage's weights are those."""
 
         def run() -> MetricsReport:
             report = self.evaluator.evaluate(
@@ -285,7 +296,7 @@ class _Run:
             )
             measured = {WEIGHTS_SHA256: self._stage_weights(weights_of, folder)} if weights_of else {}
             report = report.with_extra({k: v for k, v in {**(extra or {}), **measured}.items() if v})
-            if written and self.writes:
+            if self.writes:
                 write_stage_report(self.out / folder, report, self.run_id)
             return report
 
@@ -296,14 +307,16 @@ class _Run:
         name = evaluate_step(folder)
         outputs = (folder,) if folder == ZERO_SHOT_DIR else (f"{folder}/{METRICS}", f"{folder}/{RUN_LOG}")
         return Step(
-            name, self.identities[name] if written else "", outputs, run, done=lambda: self._restamped(folder),
-            measure=evaluation_step(folder), recorded=written, label=f"Evaluation of {folder}/",
+            name, self.identities[name], outputs, run, done=lambda: self._restamped(folder),
+            measure=evaluation_step(folder), label=f"Evaluation of {folder}/",
             valid=measured_these_weights if weights_of else None,
         )  # fmt: skip
 
     def _stage_weights(self, step: str, folder: str) -> dict[str, str]:
         """The SHA-256 of the weight files of a model stage's folder, as the ledger recorded them when the
-        stage's step ended, by path in the folder."""
+        stage's step ended, by path in the folder (a merged folder the run did not make: hashed now)."""
+        if step == MERGE_STEP and self.spec.skip_ta:
+            return weights_sha256(self.merged_folder)
         recorded = (self.ledger.done.get(step) or {}).get("weights") or {}
         prefix = f"{folder}/"
         return {path.removeprefix(prefix): sha for path, (_, sha) in recorded.items() if path.startswith(prefix)}
@@ -329,9 +342,7 @@ class _Run:
                 )
             )
         if not spec.skip_eval_ta:
-            table.append(
-                self._evaluation(self.merged_name, self.merged, written=not spec.skip_ta, weights_of=MERGE_STEP)
-            )
+            table.append(self._evaluation(self.merged_name, self.merged, weights_of=MERGE_STEP))
         if not spec.skip_featcal:
             table.append(
                 self._step(CALIBRATE_STEP, self._calibrate, (self.calibrated_name,), measure=CALIBRATE_STEP,

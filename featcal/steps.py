@@ -37,7 +37,6 @@ class Step:
         done: Gives the result of a step the folder already holds (None: the step gives nothing then).
         measure: The name its seconds and peak memory are recorded under (None: not measured).
         timed: Record its seconds too, not only its peak memory.
-        recorded: Keep a ledger entry (False: a step whose result is not written, always run).
         label: What the log calls its result when it is skipped (``Merge: ta/``).
         valid: Whether the folder's copy of its result still holds, beyond the ledger's record of it (an
             evaluation's report: of the weights its model stage holds now); None: the ledger decides.
@@ -50,7 +49,6 @@ class Step:
     done: Callable[[], Any] | None = None
     measure: str | None = None
     timed: bool = True
-    recorded: bool = True
     label: str = ""
     valid: Callable[[], bool] | None = None
 
@@ -70,7 +68,7 @@ class StepExecutor:
 
     def fresh(self, step: Step) -> bool:
         """Whether the folder holds ``step``'s result from the same inputs, its weights as written."""
-        done = step.recorded and self.ledger.is_done(step.name, step.identity)
+        done = self.ledger.is_done(step.name, step.identity)
         return done and (step.valid is None or step.valid())
 
     @contextmanager
@@ -94,8 +92,7 @@ class StepExecutor:
         else:
             with self.measured(step.measure, timed=step.timed):
                 result = step.run()
-        if step.recorded:
-            self.mark(step)
+        self.mark(step)
         return result
 
     def mark(self, step: Step) -> None:

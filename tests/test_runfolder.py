@@ -3,6 +3,9 @@
 import dataclasses
 import json
 import math
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -129,10 +132,30 @@ def test_readers_share_the_lock_and_exclude_a_writer(tmp_path) -> None:
         with pytest.raises(RunLockedError, match="is being read by another featcal process"):
             RunLock(run).__enter__()
     assert not (run / LOCK_FILE).exists()  # the last reader removed it
-    with RunLock(run):
-        with pytest.raises(RunLockedError, match=r"is being written by process \d+"):
-            RunLock(run, shared=True).__enter__()
+    with RunLock(run):  # a reader in another process is refused while this one writes
+        reader = subprocess.run(
+            [sys.executable, "-c", _READ_ONCE, str(run)], capture_output=True, text=True, timeout=120, check=False
+        )
+        assert reader.returncode == 3, reader.stderr
+        assert re.search(r"is being written by process \d+", reader.stdout), reader.stdout
+        with RunLock(run, shared=True):  # within the writing process a read nests in the write
+            pass
+        assert (run / LOCK_FILE).exists()
     assert not (run / LOCK_FILE).exists()
+
+
+_READ_ONCE = """
+import sys
+from pathlib import Path
+from featcal.errors import RunLockedError
+from featcal.runfolder.lock import RunLock
+try:
+    with RunLock(Path(sys.argv[1]), shared=True):
+        pass
+except RunLockedError as exc:
+    print(exc)
+    sys.exit(3)
+"""
 
 
 def test_a_lock_on_a_removed_file_is_not_held(tmp_path, monkeypatch) -> None:

@@ -123,6 +123,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 splits=("train",),
                 calibration_examples=spec.featcal.num_calibration_examples,
                 allow_fewer=spec.allow_fewer_calibration_examples,
+                seed=spec.seed,
             )
             family.check_model_folder(Path(args.merged), inputs.base)
             preprocessor = family.preprocessor(inputs.base_folder)

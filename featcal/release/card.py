@@ -75,6 +75,7 @@ def _method_info(method: str) -> tuple[str, str | None]:
 def card_data(run: RunFolder, *, model_name: str, license: str) -> ModelCardData:
     """The card's YAML metadata: Hub relations, tags, datasets and one accuracy per task."""
     parts = get_family(run.record.family).release
+    method, _ = run.record.merge.described
     released = run.released
     refs = [run.base_model, *(run.experts.get(t.name) for t in run.tasks)]
     base_models = list(dict.fromkeys(r for r in refs if is_hub_id(r)))
@@ -100,7 +101,7 @@ def card_data(run: RunFolder, *, model_name: str, license: str) -> ModelCardData
         pipeline_tag=parts.pipeline_tag,
         base_model=base_models or None,
         base_model_relation="merge" if base_models else None,
-        tags=[*TAGS, *parts.tags, run.method.replace("_", "-")],
+        tags=[*TAGS, *parts.tags, *([method.replace("_", "-")] if method else [])],
         datasets=datasets or None,
         eval_results=results,
     )
@@ -181,7 +182,8 @@ def _context(
     """The template's variables. References to inputs are given as published (see
     :mod:`featcal.release.published`): Hub ids as they are, local folders as ``local:<folder name>``,
     so that no template, featcal's or a user's, can put a local path in the card."""
-    pretty_name, url = _method_info(run.method)
+    method, params = run.record.merge.described
+    pretty_name, url = _method_info(method) if method else ("an existing merge", None)
     rows = results_rows(run)
     model_name = repo_id or default_model_name(run)
     featcal = run.record.featcal.to_json() if run.record.featcal else None
@@ -201,10 +203,10 @@ def _context(
         "seed": run.record.seed,
         "calibrated": run.calibrated is not None,
         "method": {
-            "name": run.method,
+            "name": method,
             "pretty_name": pretty_name,
             "url": url,
-            "params": dict(run.merge_params),
+            "params": dict(params),
             "source": published_ref(run.record.merge.merged_from),
         },
         "featcal": [
@@ -373,7 +375,8 @@ def write_card_files(
                 f"{out} holds the release of another run (recipe {recorded[:12]}) than {run.path} "
                 f"(recipe {run.recipe_sha256[:12]}): write the card into another folder, or export this run there.",
             )
-    pretty_name, _ = _method_info(run.method)
+    method, _ = run.record.merge.described
+    pretty_name = _method_info(method)[0] if method else "merged"
     plot_path, plot_tmp = out / PLOT_FILE, out / f".{PLOT_FILE}.tmp"
     drift_path, drift_tmp = out / DIAGNOSTICS_PLOT, out / f".{DIAGNOSTICS_PLOT}.tmp"
     sweep_path, sweep_tmp = out / SWEEP_PLOT, out / f".{SWEEP_PLOT}.tmp"

@@ -41,6 +41,7 @@ def results_rows(run: RunFolder) -> list[ResultRow]:
     """One row per task, in run order, then an ``average`` row (plain mean, as the evaluator does)."""
     merged = run.merged.metrics if run.merged else None
     calibrated = run.calibrated.metrics if run.calibrated else None
+    method, _ = run.record.merge.described  # the published references are the merged model's method's
     rows = [
         ResultRow(
             task=task.name,
@@ -48,8 +49,10 @@ def results_rows(run: RunFolder) -> list[ResultRow]:
             expert=_accuracy(run.expert_metrics, task.name),
             merged=_accuracy(merged, task.name),
             calibrated=_accuracy(calibrated, task.name),
-            reference_merged=task.reference_accuracy.get(run.method),
-            reference_calibrated=task.reference_accuracy.get(run.method + FEATCAL_SUFFIX) if calibrated else None,
+            reference_merged=task.reference_accuracy.get(method) if method else None,
+            reference_calibrated=task.reference_accuracy.get(method + FEATCAL_SUFFIX)
+            if calibrated and method
+            else None,
         )
         for task in run.tasks
     ]

@@ -49,17 +49,34 @@ class MergeRecord:
     """How the merged model came about: a method and its hyper-parameters, or an existing merged folder.
 
     Attributes:
-        method: The merging method's registry name (with ``merged_from``: what the run was told it is).
+        method: The merging method's registry name; with ``merged_from``, the method the run's stage
+            folders are named after (``--merge-method``), which need not be the folder's.
         params: Its hyper-parameters, every one resolved.
         merged_from: The merged model's folder when the run did not merge (``skip_ta``), else None.
+        recipe: What that folder's own recipe (``featcal_recipe.json``) says of its merge, ``{"method",
+            "params"}``; None when it records none (the merge's method is then unknown).
     """
 
     method: str
     params: Mapping[str, Any] = field(default_factory=dict)
     merged_from: str | None = None
+    recipe: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"method": self.method, "params": dict(self.params), "from": self.merged_from}
+        data = {"method": self.method, "params": dict(self.params), "from": self.merged_from}
+        if self.recipe is not None:
+            data["recipe"] = dict(self.recipe)
+        return data
+
+    @property
+    def described(self) -> tuple[str, Mapping[str, Any]]:
+        """The method and hyper-parameters of the merged model itself: the run's own merge, or what the
+        folder it started from records (``("", {})`` when it records nothing)."""
+        if self.merged_from is None:
+            return self.method, self.params
+        if self.recipe is None:
+            return "", {}
+        return str(self.recipe.get("method", "")), dict(self.recipe.get("params") or {})
 
     @classmethod
     def from_json(cls, data: Any, where: Path) -> MergeRecord:
@@ -68,7 +85,8 @@ class MergeRecord:
         params = data.get("params") or {}
         if not isinstance(params, Mapping):
             raise RunFolderError(where, f"{where}: 'merge.params' must be an object of hyper-parameters.")
-        return cls(data["method"], dict(params), data.get("from"))
+        recipe = data.get("recipe")
+        return cls(data["method"], dict(params), data.get("from"), recipe if isinstance(recipe, Mapping) else None)
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ def run_sweep(run_dir: str | Path, spec: RunSpec, request: SweepRequest | None =
     merged_name, merged_folder = found
     data = validate_datasets(
         family, inputs.tasks, ("train", "test"), calibration_examples=max(sizes),
-        allow_fewer=spec.allow_fewer_calibration_examples,
+        allow_fewer=spec.allow_fewer_calibration_examples, seed=run.record.seed,
     )  # fmt: skip
     evaluator = family.evaluator(inputs.base_folder, compute, world=SINGLE)
     preprocessor = family.preprocessor(inputs.base_folder)

@@ -78,3 +78,63 @@ def test_fewer_calibration_images_need_the_explicit_option_and_are_recorded(worl
     assert "calibration_examples_used" not in json.loads((out / "ta" / "metrics.json").read_text())
     card = (out / "release" / "README.md").read_text()
     assert "featcal.calibration_examples_used" in card and "'task0': 12" in card and "fewer than n" in card
+
+
+def png_bytes(size: tuple[int, int] = (32, 32)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (10, 20, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def damage_image(parquet, row: int, how: str) -> None:
+    """Replace the image bytes of ``row`` as a broken download or a hostile file would."""
+    import struct
+    import zlib
+
+    table = pq.read_table(parquet)
+    images = table.column("image").to_pylist()
+    good = images[row]["bytes"]
+    if how == "garbage":
+        data = b"not an image at all" * 3
+    elif how == "truncated":
+        data = good[: len(good) // 2]
+    else:  # a header declaring 60000 x 60000 pixels: decoding it would take gigabytes
+        header = struct.pack(">IIBBBBB", 60000, 60000, 8, 2, 0, 0, 0)
+        chunk = b"IHDR" + header
+        data = good[:8] + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk)) + good[33:]
+    images[row] = {"bytes": data, "path": None}
+    index = table.schema.get_field_index("image")
+    table = table.set_column(index, table.schema.field(index), pa.array(images, table.schema.field(index).type))
+    pq.write_table(table, parquet)
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "bomb"])
+def test_a_damaged_calibration_image_is_named_before_anything_is_written(world_copy, tmp_path, capsys, how) -> None:
+    from featcal.data import calibration_indices
+
+    parquet = next((world_copy / "data" / "task1" / "data").glob("train-*.parquet"))
+    row = calibration_indices(pq.read_metadata(parquet).num_rows, 4, 42)[2]  # one of the 4 the run reads
+    damage_image(parquet, row, how)
+    out = tmp_path / "out"
+    code, err = run(capsys, world_copy, out, "cpu")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"Task 'task1': row {row} of the train split of" in err and "is not a readable image" in err
+    assert not out.exists()
+
+
+def test_a_damaged_test_image_stops_its_evaluation_in_one_line_and_leaves_the_stage_consistent(
+    world_copy, tmp_path, capsys
+) -> None:
+    parquet = next((world_copy / "data" / "task0" / "data").glob("test-*.parquet"))
+    damage_image(parquet, 1, "truncated")  # read by the evaluation of the first two test images
+    out = tmp_path / "out"
+    code, err = run(capsys, world_copy, out, "cpu", "--skip-featcal")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "Task 'task0': row 1 of the test split of" in err and "is not a readable image" in err
+    ledger = json.loads((out / "stages.json").read_text())
+    assert "merge" in ledger and "evaluate:ta" not in ledger  # the merge is whole; no half evaluation
+    assert not (out / "ta" / "metrics.json").exists()

@@ -9,7 +9,7 @@ on first use, so looking the family up imports no torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +112,11 @@ class ClipVisionFamily:
         from featcal.families.clip_vision.images import load_task_split
 
         return load_task_split(task, split)
+
+    def check_examples(self, task: Task, dataset: Any, split: str, rows: Sequence[int]) -> None:
+        from featcal.families.clip_vision.images import check_images
+
+        check_images(task, dataset, split, list(rows))
 
     def check_split(self, task: Task, dataset: Any, split: str) -> None:
         from featcal.families.clip_vision.images import check_labels

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,8 @@ from featcal.files.safetensors_writer import SafetensorsWriter
 
 if TYPE_CHECKING:
     from transformers import CLIPVisionConfig
+
+logger = logging.getLogger(__name__)
 
 VISION_PREFIX = "vision_model."  # a CLIPModel's vision tower in its checkpoint
 MODEL_TYPES = ("clip_vision_model", "clip")  # what a vision tower's config.json may say
@@ -79,16 +82,26 @@ def load_vision_folder(path: str | Path, base: Checkpoint | None = None):
         ModelInputError: for a folder without config or safetensors weights, a tensor that is not
             finite (naming file and tensor), or an architecture other than the base's.
     """
-    from transformers import CLIPVisionModel
+    from transformers import CLIPVisionConfig, CLIPVisionModel
 
-    check_vision_folder(path, base)
+    checkpoint = check_vision_folder(path, base)
     try:
+        if _model_type(Path(path)) == "clip":  # a whole CLIPModel: its vision tower alone, without the load
+            logger.info("%s is a CLIPModel: its vision tower is used, its text tower ignored", path)  # report
+            with checkpoint.reading():
+                state = {key: checkpoint[key].to(torch.float32) for key in checkpoint}
+            return build_vision_model(CLIPVisionConfig.from_pretrained(str(path)), state)
         return CLIPVisionModel.from_pretrained(str(path), use_safetensors=True, dtype=torch.float32).eval()
     except (OSError, ValueError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelInputError(
             str(path), f"{path} does not load as a CLIPVisionModel ({first}): its config.json and weights disagree."
         ) from None
+
+
+def _model_type(folder: Path) -> str | None:
+    """The ``model_type`` of a model folder's ``config.json``."""
+    return json.loads((folder / MODEL_CONFIG).read_text(encoding="utf-8")).get("model_type")
 
 
 def check_vision_folder(path: str | Path, base: Checkpoint | None = None) -> Checkpoint:
@@ -113,7 +126,7 @@ def check_vision_folder(path: str | Path, base: Checkpoint | None = None) -> Che
             "pass a folder written by `featcal merge` or `save_pretrained`.",
         )
     try:
-        model_type = json.loads((folder / MODEL_CONFIG).read_text(encoding="utf-8")).get("model_type")
+        model_type = _model_type(folder)
     except (OSError, ValueError, AttributeError):
         raise ModelInputError(
             str(folder), f"{folder / 'config.json'} is not readable JSON: save the model again with `save_pretrained`."

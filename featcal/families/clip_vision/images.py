@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -53,6 +54,47 @@ def with_decoded_images(ds, column: str):
     if isinstance(feature, dict) and set(feature) == {"bytes", "path"}:
         return ds.cast_column(column, datasets.Image())
     return ds
+
+
+# What PIL raises for an image it cannot read: garbage bytes, a truncated file, a decompression bomb.
+UNREADABLE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+def damaged(task: Task, split: str, row: int, reason: BaseException | str) -> DatasetInputError:
+    """The error naming a row of a task's split that holds no readable image."""
+    text = reason if isinstance(reason, str) else (str(reason).strip().splitlines() or [type(reason).__name__])[0]
+    split_name = task.dataset.train_split if split == "train" else task.dataset.test_split
+    return DatasetInputError(
+        task.name,
+        task.dataset.path,
+        f"Task {task.name!r}: row {row} of the {split_name} split of {task.dataset.path} is not a readable image "
+        f"({text}): fix or remove that row of the dataset.",
+    )
+
+
+def read_image(ds, row: int, column: str) -> Image.Image:
+    """Row ``row``'s image, decoded whole (a truncated file fails here, not later in the processor).
+
+    Raises:
+        One of :data:`UNREADABLE` when the row holds no readable image.
+    """
+    image = ds[row][column]
+    image.load()
+    return image
+
+
+def check_images(task: Task, ds, split: str, rows: list[int]) -> None:
+    """Decode the images of ``rows`` of a split, so that a damaged one is named before any work.
+
+    Raises:
+        DatasetInputError: naming the task, the split and the first row whose image does not read.
+    """
+    column = task.dataset.image_column
+    for row in rows:
+        try:
+            read_image(ds, row, column)
+        except UNREADABLE as exc:
+            raise damaged(task, split, row, exc) from None
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -111,9 +153,23 @@ def calibration_pixels(
     column = task.dataset.image_column
     chunks = []
     for start in range(0, len(rows), batch_size):
-        batch = ds.select(rows[start : start + batch_size])[column]
+        batch = []
+        for row in rows[start : start + batch_size]:
+            try:
+                batch.append(read_image(ds, row, column))
+            except UNREADABLE as exc:
+                raise damaged(task, "train", row, exc) from None
         chunks.append(pixel_values(processor, batch))
     return torch.cat(chunks)
+
+
+@dataclass(frozen=True)
+class Damaged:
+    """A row whose image does not read, in place of its image: what a data-loading worker hands back
+    (an exception raised there would reach the run as a traceback)."""
+
+    row: int
+    reason: str
 
 
 class LabelledImages(Dataset):
@@ -127,13 +183,18 @@ class LabelledImages(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
-        row = self.dataset[index]
+    def __getitem__(self, index: int) -> tuple[Image.Image | Damaged, int]:
+        try:
+            row = self.dataset[index]  # decodes the image's header: garbage bytes fail here
+            row[self.image_column].load()  # and its pixels: a truncated file fails here
+        except UNREADABLE as exc:
+            return Damaged(index, (str(exc).strip().splitlines() or [type(exc).__name__])[0]), -1
         return row[self.image_column], int(row[self.label_column])
 
 
 class PixelBatch:
-    """The collate function: one call of the image processor on the whole batch, and the labels.
+    """The collate function: one call of the image processor on the whole batch, and the labels; a batch
+    holding a row whose image does not read is that row's :class:`Damaged` instead of its pixels.
 
     Runs in the data-loading workers when there are any; picklable for them.
     """
@@ -141,8 +202,11 @@ class PixelBatch:
     def __init__(self, processor: ImageProcessor) -> None:
         self.processor = processor
 
-    def __call__(self, rows: list[tuple[Image.Image, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, rows: list[tuple[Image.Image | Damaged, int]]) -> tuple[torch.Tensor | Damaged, torch.Tensor]:
         images, labels = zip(*rows)
+        bad = next((image for image in images if isinstance(image, Damaged)), None)
+        if bad is not None:
+            return bad, torch.tensor(labels, dtype=torch.int64)
         return pixel_values(self.processor, list(images)), torch.tensor(labels, dtype=torch.int64)
 
 
@@ -237,9 +301,16 @@ class TestImages:
         return self._batches.rows(self.index[task.name])
 
     def batches(self, task: Task) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``(pixels, labels)`` batches of ``task``'s test images (this process's), in order."""
+        """``(pixels, labels)`` batches of ``task``'s test images (this process's), in order.
+
+        Raises:
+            DatasetInputError: naming the task, the split and the row, at the first image that does not read.
+        """
         self._batches.task = self.index[task.name]
-        return iter(self.loader)
+        for pixels, labels in self.loader:
+            if isinstance(pixels, Damaged):
+                raise damaged(task, "test", pixels.row, pixels.reason)
+            yield pixels, labels
 
 
 def check_labels(task: Task, dataset, split: str) -> None:
@@ -270,9 +341,16 @@ def check_labels(task: Task, dataset, split: str) -> None:
 
 
 def test_pixels(task: Task, processor: ImageProcessor, n: int) -> torch.Tensor:
-    """The first ``n`` images of a task's test split (all of them when it has fewer), as pixel tensors."""
+    """The first ``n`` images of a task's test split (all of them when it has fewer), as pixel tensors.
+
+    Raises:
+        DatasetInputError: naming the task, the split and the row of an image that does not read.
+    """
     ds = load_task_split(task, "test")
-    ds = ds.select(range(min(n, len(ds))))
+    rows = list(range(min(n, len(ds))))
+    check_images(task, ds, "test", rows)
     column = task.dataset.image_column
-    chunks = [pixel_values(processor, ds[s : s + PIXEL_BATCH][column]) for s in range(0, len(ds), PIXEL_BATCH)]
+    chunks = [
+        pixel_values(processor, ds.select(rows[s : s + PIXEL_BATCH])[column]) for s in range(0, len(rows), PIXEL_BATCH)
+    ]
     return torch.cat(chunks)
