@@ -8,8 +8,9 @@ rows (images and labels, texts) is the family's.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,7 +18,7 @@ from featcal.errors import DatasetInputError
 from featcal.fingerprints import dataset_fingerprint
 from featcal.hub.connection import OFFLINE_HINT, hub_reachable, is_offline
 from featcal.hub.downloads import download_failure, gated_repo_message
-from featcal.hub.refs import is_hub_id, local_path
+from featcal.hub.refs import is_commit, is_hub_id, local_path
 from featcal.hub.retries import retry_transient
 
 if TYPE_CHECKING:
@@ -27,17 +28,30 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def load_dataset_split(path: str, split: str, *, name: str | None = None, task: str = "?"):
+def dataset_commit(dataset: Any) -> str | None:
+    """The Hub commit a loaded split was read at, from the folder ``datasets`` caches it in
+    (``<cache>/<namespace>___<name>/<config>/<version>/<commit>/``); None when it was not read from the Hub."""
+    for entry in getattr(dataset, "cache_files", None) or []:
+        parent = Path(entry.get("filename", "")).parent.name
+        if is_commit(parent):
+            return parent
+    return None
+
+
+def load_dataset_split(path: str, split: str, *, name: str | None = None, task: str = "?", revision: str | None = None):
     """One split of a dataset, from a local parquet repo folder or a Hub id.
 
     A Hub dataset is asked for only when the Hub answers, or from the cache when ``HF_HUB_OFFLINE``
     is set; passing refusals of the Hub (429, 5xx) are retried (:func:`~featcal.hub.retry_transient`).
+    A ``revision`` that is a full commit is checked against the commit read (:func:`dataset_commit`):
+    offline, ``datasets`` serves the newest cached copy whatever revision is asked for.
 
     Args:
         path: A local dataset folder or a Hub dataset id.
         split: The split to load (``"train"``, ``"test"``).
         name: The dataset's configuration, if it has several.
         task: The task the dataset is for (carried by the errors).
+        revision: The branch, tag or commit of a Hub dataset to read (default: ``main``).
 
     Returns:
         The split, a ``datasets.Dataset``.
@@ -65,11 +79,18 @@ def load_dataset_split(path: str, split: str, *, name: str | None = None, task: 
             task, path, f"Task {task!r}: cannot load dataset {path!r}: the Hub cannot be reached. {OFFLINE_HINT}"
         )
 
+    if local is not None and revision is not None:
+        raise DatasetInputError(
+            task, path, f"Task {task!r}: the dataset folder {path} is local: a revision pins Hub datasets only."
+        )
+
     def load():
-        return datasets.load_dataset(str(local) if local is not None else path, name, split=split)
+        if local is not None:
+            return datasets.load_dataset(str(local), name, split=split)
+        return datasets.load_dataset(path, name, split=split, revision=revision)
 
     try:
-        return load() if local is not None or is_offline() else retry_transient(load, what=f"dataset {path}")
+        dataset = load() if local is not None or is_offline() else retry_transient(load, what=f"dataset {path}")
     except ValueError as exc:
         if "split" in str(exc).lower():
             raise DatasetInputError(
@@ -103,6 +124,15 @@ def load_dataset_split(path: str, split: str, *, name: str | None = None, task: 
         if message is None:
             raise
         raise DatasetInputError(task, path, f"Task {task!r}: {message}") from None
+    read = dataset_commit(dataset) if local is None else None
+    if is_commit(revision) and read is not None and read != revision:
+        raise DatasetInputError(
+            task,
+            path,
+            f"Task {task!r}: the dataset {path!r} is pinned to commit {revision[:12]} but the cache holds commit "
+            f"{read[:12]}: run once where the Hub is reachable to download the pinned one.",
+        )
+    return dataset
 
 
 def calibration_indices(num_rows: int, n: int, seed: int) -> list[int]:
@@ -118,6 +148,7 @@ class DatasetFacts:
 
     fingerprints: dict[str, dict[str, str]]
     calibration_counts: dict[str, int]
+    commits: dict[str, str] = field(default_factory=dict)  # task -> the Hub commit its dataset was read at
 
 
 def validate_datasets(
@@ -140,11 +171,15 @@ def validate_datasets(
     """
     fingerprints: dict[str, dict[str, str]] = {}
     fewer: dict[str, int] = {}
+    commits: dict[str, str] = {}
     for task in tasks:
         for split in splits:
             dataset = family.load_split(task, split)
             family.check_split(task, dataset, split)
             fingerprints.setdefault(task.name, {})[split] = dataset_fingerprint(dataset)
+            commit = dataset_commit(dataset) if is_hub_id(task.dataset.path) else None
+            if commit is not None:
+                commits[task.name] = commit
             if split == "train" and calibration_examples is not None and len(dataset) < calibration_examples:
                 if not allow_fewer:
                     raise DatasetInputError(
@@ -159,4 +194,4 @@ def validate_datasets(
             if split == "train" and calibration_examples is not None and seed is not None:
                 rows = calibration_indices(len(dataset), calibration_examples, seed)
                 family.check_examples(task, dataset, split, rows)
-    return DatasetFacts(fingerprints, fewer)
+    return DatasetFacts(fingerprints, fewer, commits)

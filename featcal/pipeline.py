@@ -68,13 +68,16 @@ from featcal.version import __version__
 logger = logging.getLogger(__name__)
 
 
-def run_record(spec: RunSpec, inputs: RunInputs, calibration_counts: Mapping[str, int] | None = None) -> RunRecord:
+def run_record(spec: RunSpec, inputs: RunInputs, data: DatasetFacts | None = None) -> RunRecord:
     """What ``run_config.json`` records: the spec's reproducible part, with tasks and models resolved.
 
     Its hash is the run's id (``run_id``, and ``recipe_sha256`` in the released weights). When some
     task's train split holds fewer examples than ``num_calibration_examples`` (and that was allowed),
-    the FeatCal section records the number each such task used.
+    the FeatCal section records the number each such task used. The commit every Hub model and
+    dataset was read at is recorded too, so the run can be repeated on the same inputs.
     """
+    calibration_counts = data.calibration_counts if data is not None else {}
+    commits = {"models": inputs.model_commits(), "datasets": dict(data.commits) if data is not None else {}}
     return RunRecord(
         featcal_version=__version__,
         base_model_id=inputs.base_ref,
@@ -87,6 +90,7 @@ def run_record(spec: RunSpec, inputs: RunInputs, calibration_counts: Mapping[str
         evaluation=EvaluationRecord(spec.max_eval_samples, inputs.family.evaluation_record()),
         precision=spec.precision,
         family=inputs.family.name,
+        hub_commits={kind: refs for kind, refs in commits.items() if refs},
         **suite_record(spec),
     )
 
@@ -199,7 +203,7 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
             check_calibration_shares(
                 inputs.tasks, data.calibration_counts, spec.featcal.num_calibration_examples, world, family.noun
             )
-        record = run_record(spec, inputs, data.calibration_counts)
+        record = run_record(spec, inputs, data)
         if not spec.force:
             check_same_run(out, list(record.tasks), record.base_model_id)
         threads = choose_threads(spec.threads, family.hidden_size(inputs.config))

@@ -58,6 +58,15 @@ class RunInputs:
         """The configuration merged and calibrated models are written with (the base's)."""
         return self.family.model_config(self.base_folder)
 
+    def model_commits(self) -> dict[str, str]:
+        """The commit each Hub model was read at, by reference as given (base and experts; local ones left out)."""
+        from featcal.hub.downloads import snapshot_commit
+
+        folders = {self.base_ref: self.base_folder}
+        folders.update({self.expert_refs[name]: expert.path for name, expert in self.experts.items()})
+        commits = {ref: snapshot_commit(folder) for ref, folder in folders.items()}
+        return {ref: commit for ref, commit in commits.items() if commit is not None}
+
     def local_folders(self) -> list[Path]:
         """The folders the run reads its models from: the base's and every expert's."""
         return [self.base_folder, *(expert.path for expert in self.experts.values())]

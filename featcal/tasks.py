@@ -17,7 +17,7 @@ from typing import Any
 
 from featcal.errors import FeatcalError, UnknownNameError
 from featcal.files.reading import read_structured
-from featcal.hub.refs import local_path
+from featcal.hub.refs import local_path, split_revision
 from featcal.metrics import RESERVED_TASK_NAMES
 
 BUILTIN_TABLE = "ta8_tasks.json"
@@ -25,7 +25,11 @@ BUILTIN_TABLE = "ta8_tasks.json"
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """Where a task's images live: a Hub dataset id or a local folder in the Hub parquet layout."""
+    """Where a task's examples live: a Hub dataset id or a local folder in the Hub parquet layout.
+
+    ``revision`` pins a Hub dataset to a branch, tag or commit (a tasks file may also write it as
+    ``path: namespace/name@revision``); without it the dataset's ``main`` is read.
+    """
 
     path: str
     name: str | None = None
@@ -33,6 +37,7 @@ class DatasetSpec:
     test_split: str = "test"
     image_column: str = "image"
     label_column: str = "label"
+    revision: str | None = None
 
 
 DEFAULT_FAMILY = "clip_vision"  # the model family of a task whose entry names none
@@ -62,6 +67,8 @@ class Task:
         data["classnames"] = list(self.classnames)
         data["templates"] = list(self.templates)
         data["reference_accuracy"] = dict(self.reference_accuracy)
+        if self.dataset.revision is None:  # absent rather than null: unpinned tables record as before
+            data["dataset"].pop("revision")
         if self.reference_source is None:  # absent rather than null: tables without one record as before
             data.pop("reference_source")
         if self.family == DEFAULT_FAMILY:  # likewise: a CLIP task's entry names no family
@@ -136,10 +143,15 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     bad = set(dataset) - allowed
     if bad:
         raise FeatcalError(f"{where}: unknown dataset field(s) {sorted(bad)}; allowed: {sorted(allowed)}.")
-    not_text = sorted(k for k, v in dataset.items() if not isinstance(v, str) and not (k == "name" and v is None))
+    optional = ("name", "revision")
+    not_text = sorted(k for k, v in dataset.items() if not isinstance(v, str) and not (k in optional and v is None))
     if not_text:
         raise FeatcalError(f"{where}: dataset field(s) {not_text} must be text.")
-    spec = DatasetSpec(**{**dataset, "path": _resolve_ref(dataset["path"], root)})
+    path = _resolve_ref(dataset["path"], root)
+    repo, pinned = split_revision(path) if local_path(path) is None else (path, None)
+    if pinned is not None and dataset.get("revision") is not None:
+        raise FeatcalError(f"{where}: the dataset pins a revision twice ('@' in 'path' and 'revision'): keep one.")
+    spec = DatasetSpec(**{**dataset, "path": repo, "revision": dataset.get("revision") or pinned})
     classnames = entry.get("classnames")
     if not isinstance(classnames, list) or len(classnames) < 2 or not all(isinstance(c, str) for c in classnames):
         raise FeatcalError(f"{where}: 'classnames' must be a list of at least two strings.")

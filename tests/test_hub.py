@@ -13,10 +13,11 @@ import featcal.cli
 import featcal.cli.release
 import featcal.cli.space
 import featcal.hub
+import featcal.hub.retries
 from featcal.data import load_dataset_split
 from featcal.errors import DatasetInputError, HubError, InvalidParameterError, ModelInputError
-from featcal.hub.downloads import download_failure, resolve_model_folder
-from featcal.hub.refs import check_repo_id, is_hub_id, local_path
+from featcal.hub.downloads import download_failure, resolve_model_folder, snapshot_commit
+from featcal.hub.refs import check_repo_id, is_hub_id, local_path, split_revision
 from featcal.hub.retries import retry_transient
 from featcal.hub.verification import HubFile, local_files
 from featcal.release import export_release, push_release
@@ -81,6 +82,11 @@ def places(tmp_path, monkeypatch):
         (".hidden", False, None, False),
         ("", False, None, False),
         (None, False, None, False),
+        # A Hub id may be pinned to a branch, tag or commit; a local folder's '@' is part of its name.
+        ("openai/clip-vit-base-patch32@v1.0", False, None, True),
+        ("openai/clip-vit-base-patch32@" + "ab" * 20, False, None, True),
+        ("./models/clip@v1", False, "models/clip@v1", False),
+        ("no//good@v1", False, None, False),
     ],
 )
 def test_one_rule_decides_local_or_hub(places, ref, with_root, expected, hub):
@@ -92,6 +98,30 @@ def test_one_rule_decides_local_or_hub(places, ref, with_root, expected, hub):
         expected = expected.resolve() if anchored else expected
     assert local_path(ref, root_arg) == expected
     assert is_hub_id(ref, root_arg) is hub
+
+
+@pytest.mark.parametrize(
+    ("ref", "split"),
+    [
+        ("ns/name@v1.0", ("ns/name", "v1.0")),
+        ("ns/name@refs/pr/3", ("ns/name", "refs/pr/3")),
+        ("ns/name@" + "0" * 40, ("ns/name", "0" * 40)),
+        ("ns/name", ("ns/name", None)),
+        ("ns/name@", ("ns/name@", None)),  # no revision after the '@': not a pin (and no valid id)
+        ("ns/name@a b", ("ns/name@a b", None)),
+        ("./here/x@v1", ("./here/x@v1", None)),  # local: never split
+        ("/abs/x@v1", ("/abs/x@v1", None)),
+    ],
+)
+def test_a_pinned_hub_id_splits_into_its_repository_and_revision(ref, split):
+    assert split_revision(ref) == split
+
+
+def test_a_snapshot_folder_names_the_commit_it_holds(tmp_path):
+    commit = "0123456789abcdef" * 2 + "01234567"
+    assert snapshot_commit(tmp_path / "models--ns--m" / "snapshots" / commit) == commit
+    assert snapshot_commit(tmp_path / "snapshots" / "main") is None  # a branch name is no commit
+    assert snapshot_commit(tmp_path / "model") is None
 
 
 def test_every_caller_uses_the_rule(places, tmp_path):
@@ -216,7 +246,7 @@ def _http_error(status: int, headers: dict[str, str] | None = None, cls=None):
 def waits(monkeypatch) -> list[float]:
     """The waits of :func:`featcal.hub.retry_transient`, recorded instead of slept."""
     slept: list[float] = []
-    monkeypatch.setattr(featcal.hub.time, "sleep", slept.append)
+    monkeypatch.setattr(featcal.hub.retries.time, "sleep", slept.append)
     return slept
 
 

@@ -10,7 +10,9 @@ it, in a fresh process whose only link to the double is ``HF_ENDPOINT``, with an
 3. ``featcal run --recipe recipes/wudi-featcal-b32-ta8.yaml`` does the same for the named release;
 4. ``featcal push`` publishes it, and ``CLIPVisionModel.from_pretrained`` loads it back over HTTP;
 5. ``featcal space push`` publishes the Space, and ``featcal space --model`` serves the published
-   model from the pushed files, answering one ``/predict`` call.
+   model from the pushed files, answering one ``/predict`` call;
+6. after the Hub's repositories move on, a run pinned to the commits the first run recorded
+   (``namespace/name@commit``, ``revision`` in a tasks file) reads those commits again.
 
 The Hub's refusals (429, 503, gated, 404, a missing split, a cut-off download) are in
 tests/faults/test_hub_faults.py.
@@ -119,6 +121,7 @@ def test_a_default_run_downloads_every_standin_and_exports(online, hub, home, st
     recorded = json.loads((run / "run_config.json").read_text())
     assert recorded["base_model_id"] == table["base_model"] and recorded["tasks"] == list(table["tasks"])
     assert recorded["experts"] == {t: e["expert"] for t, e in table["tasks"].items()}
+    assert recorded["hub_commits"] == head_commits(hub, table)  # every input, at the commit it was read at
     assert cache_problems(home) == []
     files = [s for s in served if s.method == "GET" and ("/resolve/" in s.path or s.path.startswith("/cdn-lfs/"))]
     TIMINGS["requests"] = len(served)
@@ -137,6 +140,15 @@ def test_the_same_run_offline_uses_the_cache_alone_with_identical_weights(online
     assert json.loads((run / "featcal-ta" / "metrics.json").read_text()) == json.loads(
         (again / "featcal-ta" / "metrics.json").read_text()
     )
+    assert json.loads((again / "run_config.json").read_text())["hub_commits"] == head_commits(hub, ta8_table())
+
+
+def head_commits(hub: HubDouble, table: dict) -> dict[str, dict[str, str]]:
+    """The commit on ``main`` of each model (by id) and each task's dataset (by task) the table names."""
+    refs = [table["base_model"], *(e["expert"] for e in table["tasks"].values())]
+    models = {ref: hub.store("model")[ref].refs["main"] for ref in refs}
+    datasets = {t: hub.store("dataset")[e["dataset"]["path"]].refs["main"] for t, e in table["tasks"].items()}
+    return {"models": models, "datasets": datasets}
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +253,25 @@ def test_space_push_then_featcal_space_serves_the_published_model(pushed, hub, h
     )
     expected = SpaceModel(settings, progress=False).top_classes(Image.open(image), ["mnist"], 3)
     assert reply["results"]["mnist"]["model"] == pytest.approx(expected["mnist"], abs=2e-6)
+
+
+def test_a_run_pinned_to_recorded_commits_reads_them_after_the_hub_moves_on(online, hub, home, tmp_path):
+    """Runs last: it adds a commit to the base's and MNIST's repositories."""
+    run, _, _ = online
+    table = ta8_table()
+    recorded = json.loads((run / "run_config.json").read_text())["hub_commits"]
+    base, mnist = table["base_model"], table["tasks"]["mnist"]
+    old_base, old_mnist = recorded["models"][base], recorded["datasets"]["mnist"]
+    new_base = hub.publish(base, {"NOTES.md": b"a later commit"})
+    new_mnist = hub.publish(mnist["dataset"]["path"], {"NOTES.md": b"a later commit"}, repo_type="dataset")
+    pins = tmp_path / "pinned.json"
+    pinned_entry = {**mnist, "dataset": {**mnist["dataset"], "revision": old_mnist}}
+    pins.write_text(json.dumps({"tasks": {"mnist": pinned_entry}}))
+    again = tmp_path / "pinned-run"
+    args = ["run", *SMALL, "--tasks", "mnist", "--tasks-file", str(pins), "--base-model-id", f"{base}@{old_base}"]
+    before = len(hub.served)
+    timed("pinned run", [*args, "--no-export", "--output-dir", str(again)], user_env(hub.url, home))
+    commits = json.loads((again / "run_config.json").read_text())["hub_commits"]
+    assert commits["models"][f"{base}@{old_base}"] == old_base and commits["datasets"] == {"mnist": old_mnist}
+    asked = [s.path for s in hub.served[before:]]
+    assert not [p for p in asked if new_base in p or new_mnist in p], "a pinned run asked for the new commits"

@@ -44,7 +44,7 @@ def test_metadata_names_base_experts_datasets_and_relation(ta8, ta8_card):
     data = ta8_card.data
     assert data.library_name == "transformers"
     assert data.license == "mit"
-    assert data.pipeline_tag == "zero-shot-image-classification"
+    assert data.pipeline_tag == "image-feature-extraction"  # what the Hub tags CLIP vision towers
     assert data.base_model == ["openai/clip-vit-base-patch32", *(ta8.experts[t.name] for t in ta8.tasks)]
     assert data.base_model_relation == "merge"
     assert {"merge", "featcal", "model-merging", "clip"} <= set(data.tags)
@@ -78,7 +78,7 @@ def test_results_table_has_merged_calibrated_and_reference_columns(ta8_card):
 
 def test_recipe_lists_every_hyper_parameter(ta8, ta8_card):
     assert "| task_arithmetic.scaling_factor | `0.3` |" in ta8_card.text
-    for name, value in ta8.featcal_params.items():
+    for name, value in ta8.record.featcal.to_json().items():
         assert f"featcal.{name}" in ta8_card.text and f"`{value}`" in ta8_card.text
     assert "| seed | `42` |" in ta8_card.text
     assert ta8.recipe_sha256 in ta8_card.text
@@ -100,6 +100,28 @@ def test_card_without_repo_id_uses_a_placeholder(ta8):
     card = render_card(ta8)
     assert card.data.model_name == "clip-vit-base-patch32-ta-featcal"
     assert 'repo_id = "<namespace>/clip-vit-base-patch32-ta-featcal"' in card.text
+
+
+def test_the_card_links_each_hub_input_at_the_commit_the_run_read(tmp_path):
+    base_commit, mnist_commit, expert_commit = "a" * 40, "b" * 40, "c" * 40
+    expert = "tanganke/clip-vit-base-patch32_mnist"
+    commits = {
+        "models": {"openai/clip-vit-base-patch32@v1.0": base_commit, expert: expert_commit},
+        "datasets": {"mnist": mnist_commit},
+    }
+    run = read_run(make_ta8_run(tmp_path, base_model_id="openai/clip-vit-base-patch32@v1.0", hub_commits=commits))
+    assert run.record.hub_commits == commits
+    card = ModelCard(str(render_card(run, repo_id=REPO)))
+    base_row = " | ".join(table_row(card, "base model", "Recipe"))
+    base_url = f"https://huggingface.co/openai/clip-vit-base-patch32/tree/{base_commit}"
+    assert f"({base_url}) at `{base_commit[:12]}`" in base_row
+    mnist = " | ".join(table_row(card, "mnist", "Recipe"))
+    assert f"huggingface.co/datasets/ylecun/mnist/tree/{mnist_commit}" in mnist
+    assert f"{expert}/tree/{expert_commit}" in mnist
+    svhn = " | ".join(table_row(card, "svhn", "Recipe"))
+    assert "/tree/" not in svhn  # no commit recorded for it: its page, unpinned
+    assert card.data.base_model[0] == "openai/clip-vit-base-patch32"  # the Hub's relation names the repository
+    assert 'base_id = "openai/clip-vit-base-patch32"' in card.text  # the snippet loads the repository
 
 
 def test_local_refs_stay_out_of_hub_metadata(tmp_path):

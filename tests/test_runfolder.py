@@ -120,6 +120,18 @@ def _edit_json(path, **changes) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
+def test_hub_commits_are_recorded_when_there_are_some_and_leave_a_local_run_s_id_alone(tmp_path) -> None:
+    local = RunRecord.from_json(tiny_config())
+    assert "hub_commits" not in local.to_json()
+    pinned = dataclasses.replace(local, hub_commits={"models": {"ns/base": "a" * 40}, "datasets": {}})
+    assert pinned.to_json()["hub_commits"] == {"models": {"ns/base": "a" * 40}}  # empty kinds left out
+    assert pinned.run_id != local.run_id
+    assert RunRecord.from_json(pinned.to_json()).commit_of("models", "ns/base") == "a" * 40
+    assert RunRecord.from_json(pinned.to_json()).commit_of("datasets", "t0") is None
+    with pytest.raises(RunFolderError, match="'hub_commits' must map"):
+        RunRecord.from_json({**tiny_config(), "hub_commits": {"models": "a"}}, tmp_path / "run_config.json")
+
+
 def test_missing_loss_reads_as_nan() -> None:
     report = MetricsReport.from_json({"t": {"accuracy": 1.0}})
     assert math.isnan(report.tasks["t"].loss)

@@ -37,6 +37,22 @@ def test_yaml_file_adds_tasks_and_resolves_local_paths(tmp_path):
     assert list(task_table(tmp_path / "tasks.yaml", replace=True).tasks) == ["mine"]
 
 
+def test_a_dataset_is_pinned_by_revision_or_by_at_and_unpinned_entries_record_as_before(tmp_path):
+    commit = "ab" * 20
+    entry = {"classnames": ["a", "b"], "templates": ["{}"]}
+    tasks = {
+        "by_key": {**entry, "dataset": {"path": "ns/one", "revision": "v1.0"}},
+        "by_at": {**entry, "dataset": f"ns/two@{commit}"},
+        "unpinned": {**entry, "dataset": "ns/three"},
+    }
+    (tmp_path / "t.json").write_text(json.dumps({"tasks": tasks}))
+    table = load_task_file(tmp_path / "t.json").tasks
+    assert (table["by_key"].dataset.path, table["by_key"].dataset.revision) == ("ns/one", "v1.0")
+    assert (table["by_at"].dataset.path, table["by_at"].dataset.revision) == ("ns/two", commit)
+    assert table["by_at"].to_dict()["dataset"]["revision"] == commit
+    assert "revision" not in table["unpinned"].to_dict()["dataset"]  # so an unpinned run's id is unchanged
+
+
 @pytest.mark.parametrize(
     "entry, message",
     [
@@ -49,6 +65,11 @@ def test_yaml_file_adds_tasks_and_resolves_local_paths(tmp_path):
         ),
         ({"dataset": {"path": "x", "name": 5}, "classnames": ["a", "b"], "templates": ["{}"]}, "must be text"),
         ({"dataset": "x", "classnames": ["cat", "dog", "cat"], "templates": ["{}"]}, "'cat' more than once"),
+        (
+            {"dataset": {"path": "ns/x@v1", "revision": "v2"}, "classnames": ["a", "b"], "templates": ["{}"]},
+            "pins a revision twice",
+        ),
+        ({"dataset": {"path": "ns/x", "revision": 3}, "classnames": ["a", "b"], "templates": ["{}"]}, "must be text"),
     ],
 )
 def test_invalid_entries_name_the_task_and_the_problem(tmp_path, entry, message):

@@ -11,11 +11,12 @@ from huggingface_hub.errors import (
     IncompleteSnapshotError,
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
+    RevisionNotFoundError,
 )
 
 from featcal.errors import ModelInputError
 from featcal.hub.connection import OFFLINE_HINT, hub_reachable, is_offline
-from featcal.hub.refs import local_path, valid_repo_id
+from featcal.hub.refs import is_commit, local_path, split_revision, valid_repo_id
 from featcal.hub.retries import MAX_RETRY_WAIT, RETRY_WAITS, asked_wait, retry_transient, transient_refusal
 
 try:
@@ -63,6 +64,11 @@ def download_failure(exc: BaseException, what: str, ref: str, *, repo_type: str 
         )
     if isinstance(exc, GatedRepoError):
         return gated_repo_message(what, ref, repo_type=repo_type)
+    if isinstance(exc, RevisionNotFoundError):
+        return (
+            f"The {what} {ref!r} names a revision its repository does not have: pin a branch, tag or commit "
+            "listed on the repository's page (Files and versions)."
+        )
     if isinstance(exc, RepositoryNotFoundError):
         return (
             f"The {what} {ref!r} is neither a local folder nor a Hub repository you can access "
@@ -87,15 +93,23 @@ def download_failure(exc: BaseException, what: str, ref: str, *, repo_type: str 
     return None
 
 
+def snapshot_commit(folder: str | Path) -> str | None:
+    """The commit a Hub cache snapshot folder holds (``.../snapshots/<commit>``); None for any other folder."""
+    folder = Path(folder)
+    return folder.name if folder.parent.name == "snapshots" and is_commit(folder.name) else None
+
+
 def resolve_model_folder(ref: str, *, what: str = "model", cache_dir: str | Path | None = None) -> Path:
     """A local folder holding the model ``ref`` (a folder path or a Hub id), downloading it if needed.
 
     Only configs, tokenizer files and safetensors are fetched: pickles never are. A Hub id is fetched
     only when the Hub answers; otherwise the local cache is used. Passing refusals of the Hub (429,
-    5xx) are retried (:func:`retry_transient`).
+    5xx) are retried (:func:`retry_transient`). A Hub id pinned to a revision (``namespace/name@rev``)
+    is read at that branch, tag or commit; the folder returned is the snapshot of the commit read
+    (:func:`snapshot_commit`).
 
     Args:
-        ref: A model folder or a Hub model id.
+        ref: A model folder or a Hub model id, pinned to a revision or not.
         what: What the model is, for messages (``"base model"``, ``"expert for task 'mnist'"``).
         cache_dir: The Hub cache folder (default: huggingface_hub's).
 
@@ -111,14 +125,25 @@ def resolve_model_folder(ref: str, *, what: str = "model", cache_dir: str | Path
         if local.exists():
             return local
         raise ModelInputError(ref, f"The {what} folder {ref} does not exist.")
-    if not valid_repo_id(ref):
-        raise ModelInputError(ref, f"The {what} {ref!r} is neither an existing folder nor a Hub id ('namespace/name').")
+    repo_id, revision = split_revision(ref)
+    if not valid_repo_id(repo_id):
+        raise ModelInputError(
+            ref,
+            f"The {what} {ref!r} is neither an existing folder nor a Hub id ('namespace/name', pinned or not "
+            "with '@revision').",
+        )
     from huggingface_hub import snapshot_download
 
     offline = is_offline() or not hub_reachable()
 
     def download() -> str:
-        return snapshot_download(ref, allow_patterns=MODEL_FILE_PATTERNS, cache_dir=cache_dir, local_files_only=offline)
+        return snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=MODEL_FILE_PATTERNS,
+            cache_dir=cache_dir,
+            local_files_only=offline,
+        )
 
     try:
         folder = download() if offline else retry_transient(download, what=f"{what} {ref}")

@@ -2,12 +2,14 @@
 
 One rule for every reference: an existing path, or one starting with ``/``, ``./``, ``../`` or ``~``,
 or one that exists relative to ``root`` (the folder of a tasks file), is local; anything else that is a
-valid Hub repository id is a Hub id.
+valid Hub repository id is a Hub id. A Hub id may carry a revision after ``@`` (``namespace/name@v1.0``,
+``namespace/name@<commit>``): the branch, tag or commit to read, as the Hub's own URLs name one.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 from huggingface_hub.errors import HFValidationError
@@ -18,6 +20,34 @@ from featcal.errors import InvalidParameterError
 logger = logging.getLogger(__name__)
 
 LOCAL_PREFIXES = ("/", "./", "../", "~")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_REVISION = re.compile(r"[^\s@]+")  # a branch, tag or commit: no space, no second '@'
+
+
+def is_commit(revision: str | None) -> bool:
+    """Whether ``revision`` is a full commit hash (40 lower-case hex digits), which names one snapshot for good."""
+    return revision is not None and _COMMIT.fullmatch(revision) is not None
+
+
+def split_revision(ref: str) -> tuple[str, str | None]:
+    """A Hub reference split into its repository id and its pinned revision (None when it pins none).
+
+    Only ``namespace/name@revision`` with a valid repository id before the ``@`` is split: a local path
+    is returned whole, whatever it holds.
+
+    Args:
+        ref: A Hub id, pinned or not, or a local path.
+
+    Returns:
+        ``(repo_id, revision)``; ``(ref, None)`` when ``ref`` pins no revision.
+    """
+    text = str(ref)
+    repo, sep, revision = text.rpartition("@")
+    if not sep or text.startswith(LOCAL_PREFIXES) or Path(text).expanduser().exists():
+        return text, None
+    if not _REVISION.fullmatch(revision) or not valid_repo_id(repo):
+        return text, None
+    return repo, revision
 
 
 def local_path(ref: str | Path | None, root: str | Path | None = None) -> Path | None:
@@ -68,9 +98,10 @@ def is_hub_id(ref: str | Path | None, root: str | Path | None = None) -> bool:
         root: The folder relative references are written against, if any (see :func:`local_path`).
 
     Returns:
-        True when ``ref`` is not local (:func:`local_path` is None) and is a valid repository id.
+        True when ``ref`` is not local (:func:`local_path` is None) and is a valid repository id, pinned
+        to a revision (:func:`split_revision`) or not.
     """
-    return bool(ref) and local_path(ref, root) is None and valid_repo_id(str(ref))
+    return bool(ref) and local_path(ref, root) is None and valid_repo_id(split_revision(str(ref))[0])
 
 
 def check_repo_id(repo_id: str, *, name: str = "repo_id", namespace: bool = False) -> str:

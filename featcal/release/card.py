@@ -23,7 +23,7 @@ from featcal.errors import FeatcalError, OutputPathError, ReleaseError
 from featcal.families import get_family
 from featcal.files.atomic import atomic_write_text
 from featcal.files.reading import read_text_input
-from featcal.hub.refs import check_repo_id, is_hub_id
+from featcal.hub.refs import check_repo_id, is_hub_id, split_revision
 from featcal.options import option_fields, option_of
 from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
 from featcal.release.options import DEFAULT_LICENSE
@@ -78,7 +78,7 @@ def card_data(run: RunFolder, *, model_name: str, license: str) -> ModelCardData
     method, _ = run.record.merge.described
     released = run.released
     refs = [run.base_model, *(run.experts.get(t.name) for t in run.tasks)]
-    base_models = list(dict.fromkeys(r for r in refs if is_hub_id(r)))
+    base_models = list(dict.fromkeys(split_revision(r)[0] for r in refs if is_hub_id(r)))
     datasets = list(dict.fromkeys(t.dataset.path for t in run.tasks if is_hub_id(t.dataset.path)))
     results = [
         EvalResult(
@@ -122,13 +122,18 @@ def _reference(row: ResultRow) -> str:
     return " → ".join(_pct(v) for v in values) or "–"
 
 
-def _link(ref: str | None, kind: str) -> str:
-    """A Hub id as a link to its page; a local folder (a path or ``local:<name>``) by its name only."""
+def _link(ref: str | None, kind: str, commit: str | None = None) -> str:
+    """A Hub id as a link to its page, or to the files of the ``commit`` it was read at (named beside it);
+    a local folder (a path or ``local:<name>``) by its name only."""
     if not ref:
         return "–"
     if is_hub_id(ref):
-        prefix = "datasets/" if kind == "dataset" else ""
-        return f"[{ref}](https://huggingface.co/{prefix}{ref})"
+        repo_id, revision = split_revision(ref)
+        url = f"https://huggingface.co/{'datasets/' if kind == 'dataset' else ''}{repo_id}"
+        at = commit or revision
+        if at is None:
+            return f"[{repo_id}]({url})"
+        return f"[{repo_id}]({url}/tree/{at}) at `{at[:12]}`"
     name = ref[len(LOCAL_MARK) :] if is_published_local(ref) else local_name(ref)
     return f"`{name}` (local folder)"
 
@@ -143,8 +148,8 @@ def _environment(template: str | Path | None, family: ModelFamily) -> tuple[jinj
     env.filters.update(
         pct=_pct,
         reference=_reference,
-        model_link=lambda ref: _link(ref, "model"),
-        dataset_link=lambda ref: _link(ref, "dataset"),
+        model_link=lambda ref, commit=None: _link(ref, "model", commit),
+        dataset_link=lambda ref, commit=None: _link(ref, "dataset", commit),
         tojson=lambda value: json.dumps(value, ensure_ascii=False),
     )
     return env, source
@@ -194,7 +199,8 @@ def _context(
         "repo_id": repo_id or f"<namespace>/{model_name}",
         "repo_id_known": repo_id is not None,
         "base_model": published_ref(run.base_model),
-        "base_id": run.base_model if is_hub_id(run.base_model) else local_name(run.base_model),
+        "base_commit": run.record.commit_of("models", run.base_model),
+        "base_id": split_revision(run.base_model)[0] if is_hub_id(run.base_model) else local_name(run.base_model),
         "base_is_hub": is_hub_id(run.base_model),
         "featcal_version": __version__,
         "recipe_sha256": run.recipe_sha256,
@@ -224,10 +230,12 @@ def _context(
             {
                 "name": t.name,
                 "dataset": published_ref(t.dataset.path),
+                "dataset_commit": run.record.commit_of("datasets", t.name) or t.dataset.revision,
                 "config": t.dataset.name,
                 "test_split": evaluated_split(t, run.max_eval_samples),
                 "classes": len(t.classnames),
                 "expert": published_ref(run.experts.get(t.name)),
+                "expert_commit": run.record.commit_of("models", run.experts.get(t.name)),
             }
             for t in run.tasks
         ],

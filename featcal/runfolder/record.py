@@ -150,6 +150,8 @@ class RunRecord:
         backbone: The built-in backbone, when not the default (``b32``).
         family: The model family (``clip_vision``).
         schema: The layout of the record (:data:`SCHEMA`).
+        hub_commits: The commit each Hub input was read at: ``models`` by reference as given (base and
+            experts), ``datasets`` by task. Empty when every input was a local folder.
     """
 
     featcal_version: str
@@ -166,6 +168,7 @@ class RunRecord:
     backbone: str | None = None
     family: str = DEFAULT_FAMILY
     schema: int = SCHEMA
+    hub_commits: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     @property
     def run_id(self) -> str:
@@ -198,7 +201,14 @@ class RunRecord:
                 "precision": self.precision,
             }
         )
+        commits = {kind: dict(refs) for kind, refs in self.hub_commits.items() if refs}
+        if commits:  # absent when every input is local, so such a run's record (and id) has no such key
+            data["hub_commits"] = commits
         return data
+
+    def commit_of(self, kind: str, key: str | None) -> str | None:
+        """The commit the Hub input ``key`` (a model reference, or a task for ``kind="datasets"``) was read at."""
+        return self.hub_commits.get(kind, {}).get(key) if key is not None else None
 
     @classmethod
     def from_json(cls, data: Any, where: str | Path = RUN_CONFIG) -> RunRecord:
@@ -241,7 +251,16 @@ class RunRecord:
             backbone=data.get("backbone"),
             family=str(data.get("family", DEFAULT_FAMILY)),
             schema=SCHEMA,
+            hub_commits=_hub_commits(data.get("hub_commits"), where),
         )
+
+
+def _hub_commits(value: Any, where: Path) -> dict[str, dict[str, str]]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
+        raise RunFolderError(where, f"{where}: 'hub_commits' must map 'models' and 'datasets' to objects.")
+    return {str(kind): {str(k): str(v) for k, v in refs.items()} for kind, refs in value.items()}
 
 
 def write_run_config(run: Path, record: RunRecord, *, processes: Mapping[str, Any] | None = None) -> str:

@@ -132,14 +132,17 @@ def make_run(
     return run, {"model": model, "config": config, "run_id": run_id}
 
 
-def make_ta8_run(root: Path, *, base_model_id: str | None = None) -> Path:
+def make_ta8_run(root: Path, *, base_model_id: str | None = None, hub_commits: dict | None = None) -> Path:
     """A TA8 run folder with the published reference numbers as its metrics (metrics only); its recipe
-    names ``base_model_id`` as the base when given (a local folder, say), else the Hub id."""
+    names ``base_model_id`` as the base when given (a local folder, say), else the Hub id, and records
+    ``hub_commits`` when given."""
     run = root / "ta8"
     run.mkdir(parents=True)
     recipe = ta8_config()
     if base_model_id is not None:
         recipe["base_model_id"] = base_model_id
+    if hub_commits is not None:
+        recipe["hub_commits"] = hub_commits
     config = with_run_id(recipe)
     (run / "run_config.json").write_text(json.dumps(config))
     run_id = config["run_id"]

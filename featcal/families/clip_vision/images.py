@@ -26,7 +26,7 @@ def load_task_split(task: Task, split: str):
     """The ``train`` or ``test`` split of a task's dataset, with its columns checked."""
     spec = task.dataset
     split_name = spec.train_split if split == "train" else spec.test_split
-    ds = load_dataset_split(spec.path, split_name, name=spec.name, task=task.name)
+    ds = load_dataset_split(spec.path, split_name, name=spec.name, task=task.name, revision=spec.revision)
     missing = [c for c in (spec.image_column, spec.label_column) if c not in ds.column_names]
     if missing:
         raise DatasetInputError(
