@@ -181,6 +181,34 @@ def test_skip_ta_starts_from_a_merged_folder(run_dir, world, tmp_path, device):
     assert all(torch.allclose(cal[k], ref[k], atol=1e-6) for k in ref)
 
 
+def test_a_card_describes_the_merge_a_skip_ta_run_started_from(world, tmp_path, device):
+    """The card names the method the merged folder's own recipe records, else says it is not recorded:
+    never the run's default (Task Arithmetic) for a merge it did not make."""
+    from huggingface_hub import ModelCard
+
+    common = ["--tasks-file", str(world["tasks_file"]), "--device", device]
+    assert main(["-q", "merge", "--method", "ties", "--output", str(tmp_path / "ties"), *common]) == 0
+    ties_run = tmp_path / "from-ties"
+    argv = ["-q", "run", *common, *FAST, "--skip-ta", "--ta-model-path", str(tmp_path / "ties")]
+    assert main([*argv, "--output-dir", str(ties_run)]) == 0
+    card = ModelCard.load(ties_run / "release" / "README.md")
+    assert "merged with **TIES-Merging**" in card.text and "Task Arithmetic" not in card.text
+    assert "| ties.top_k | `20.0` |" in card.text and "| ties.scaling_factor | `0.3` |" in card.text
+    assert "ties" in card.data.tags and "task-arithmetic" not in card.data.tags
+    assert "TIES-Merging |" in card.text  # the merged model's accuracy column, beside + FeatCal
+
+    unrecorded = tmp_path / "unrecorded"
+    shutil.copytree(tmp_path / "ties", unrecorded)
+    (unrecorded / "featcal_recipe.json").unlink()
+    (unrecorded / "mergekit_config.yml").unlink(missing_ok=True)
+    plain_run = tmp_path / "from-unrecorded"
+    argv = ["-q", "run", *common, *FAST, "--skip-ta", "--ta-model-path", str(unrecorded)]
+    assert main([*argv, "--output-dir", str(plain_run)]) == 0
+    card = ModelCard.load(plain_run / "release" / "README.md")
+    assert "an existing merge" in card.text and "not recorded" in card.text
+    assert "Task Arithmetic" not in card.text and "task-arithmetic" not in card.data.tags
+
+
 def run_error(capsys, argv):
     code = main(["-q", *argv])
     err = capsys.readouterr().err.strip().splitlines()

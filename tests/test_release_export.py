@@ -119,6 +119,20 @@ def test_usage_snippet_in_the_card_runs(exported, capsys, tmp_path):
     assert label.startswith("thing0x") and 0.0 < float(probability) <= 1.0
 
 
+def test_the_card_s_pipeline_tag_runs_on_the_release(exported):
+    """The Hub offers the transformers pipeline the card's ``pipeline_tag`` names: it must load the release."""
+    from PIL import Image
+    from transformers import pipeline
+
+    _, release, _ = exported
+    tag = ModelCard.load(release / "README.md").data.pipeline_tag
+    assert tag == "image-feature-extraction"
+    features = torch.as_tensor(pipeline(tag, model=str(release))(Image.new("RGB", (40, 30), "red")))
+    config = json.loads((release / "config.json").read_text())
+    tokens = (config["image_size"] // config["patch_size"]) ** 2 + 1
+    assert features.shape == (1, tokens, config["hidden_size"]) and torch.isfinite(features).all()
+
+
 def test_merged_only_run_releases_the_merged_model(tmp_path):
     run, _ = make_run(tmp_path, calibrated=False, base_dir=None)
     release = export_release(run, tmp_path / "out")
