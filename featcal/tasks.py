@@ -1,9 +1,13 @@
-"""Task metadata: datasets, class names, prompt templates and reference numbers.
+"""Task metadata: datasets, class names, prompt templates, text formats and reference numbers.
 
 One source of truth for the evaluator, the model card and the Space. The eight TA8 tasks ship with
 the package (``featcal/resources/ta8_tasks.json``), and with them the 14- and 20-task suites on three
 CLIP backbones (:mod:`featcal.suites`); users add or replace tasks with a tasks file in the same
 schema (JSON or YAML).
+
+A task belongs to one model family (``family``, default ``clip_vision``), which decides what else its
+entry says: a CLIP task its class names and zero-shot prompt templates; a causal-LM task how a row of
+its dataset becomes a text (:class:`TextFormat`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,34 @@ class DatasetSpec:
 
 
 DEFAULT_FAMILY = "clip_vision"  # the model family of a task whose entry names none
+TEXT_FAMILIES = ("causal_lm",)  # families whose tasks are texts (a TextFormat), not labelled images
+WEIGHTS = ("all", "response")  # which tokens of a text weigh in the calibration's statistics
+
+
+@dataclass(frozen=True)
+class TextFormat:
+    """How a row of a text task's dataset becomes one calibration text.
+
+    Either ``text`` alone, or ``prompt`` and ``response`` (the text is the prompt followed by the
+    response). Each is a column name or a template over the row's columns (``"{query}\n{response}"``).
+
+    Attributes:
+        text: The whole text.
+        prompt: The text's first part (an instruction, a question).
+        response: Its second part (the answer).
+        weigh: ``all`` (every token of the text weighs 1) or ``response`` (the prompt's tokens weigh
+            0); ``response`` needs ``prompt`` and ``response``.
+    """
+
+    text: str | None = None
+    prompt: str | None = None
+    response: str | None = None
+    weigh: str = "all"
+
+    def to_dict(self) -> dict[str, str]:
+        """The entry's keys, those that are set."""
+        data = {k: v for k, v in (("text", self.text), ("prompt", self.prompt), ("response", self.response)) if v}
+        return data if self.weigh == "all" else {**data, "weigh": self.weigh}
 
 
 @dataclass(frozen=True)
@@ -50,22 +82,30 @@ class Task:
 
     name: str
     dataset: DatasetSpec
-    classnames: tuple[str, ...]
-    templates: tuple[str, ...]
+    classnames: tuple[str, ...] = ()
+    templates: tuple[str, ...] = ()
     expert: str | None = None
     reference_accuracy: Mapping[str, float] = field(default_factory=dict)
     reference_source: str | None = None
     family: str = DEFAULT_FAMILY
+    text: TextFormat | None = None
 
     def prompts(self, classname: str) -> list[str]:
         """The task's templates filled with one class name."""
         return [template.format(classname) for template in self.templates]
 
     def to_dict(self) -> dict[str, Any]:
+        """The task's entry as a tasks file writes it (and a run records it)."""
         data = asdict(self)
         data.pop("name")
-        data["classnames"] = list(self.classnames)
-        data["templates"] = list(self.templates)
+        data.pop("text")
+        if self.text is not None:  # a text task: its format instead of classes and templates
+            data.pop("classnames")
+            data.pop("templates")
+            data.update(self.text.to_dict())
+        else:
+            data["classnames"] = list(self.classnames)
+            data["templates"] = list(self.templates)
         data["reference_accuracy"] = dict(self.reference_accuracy)
         if self.dataset.revision is None:  # absent rather than null: unpinned tables record as before
             data["dataset"].pop("revision")
@@ -125,15 +165,12 @@ def _resolve_ref(value: str | None, root: Path | None) -> str | None:
     return str(local if local.is_absolute() else local.resolve())
 
 
-def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
-    where = f"task {name!r} in {source}"
-    if not isinstance(entry, Mapping):
-        raise FeatcalError(f"{where}: expected a mapping, got {type(entry).__name__}.")
-    unknown = set(entry) - {
-        "dataset", "classnames", "templates", "expert", "reference_accuracy", "reference_source", "family"
-    }  # fmt: skip
-    if unknown:
-        raise FeatcalError(f"{where}: unknown field(s) {sorted(unknown)}.")
+COMMON_FIELDS = frozenset({"dataset", "expert", "reference_accuracy", "reference_source", "family"})
+IMAGE_FIELDS = frozenset({"classnames", "templates"})
+TEXT_FIELDS = frozenset({"text", "prompt", "response", "weigh"})
+
+
+def _parse_dataset(entry: Mapping[str, Any], root: Path | None, where: str) -> DatasetSpec:
     dataset = entry.get("dataset")
     if isinstance(dataset, str):
         dataset = {"path": dataset}
@@ -151,7 +188,10 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     repo, pinned = split_revision(path) if local_path(path) is None else (path, None)
     if pinned is not None and dataset.get("revision") is not None:
         raise FeatcalError(f"{where}: the dataset pins a revision twice ('@' in 'path' and 'revision'): keep one.")
-    spec = DatasetSpec(**{**dataset, "path": repo, "revision": dataset.get("revision") or pinned})
+    return DatasetSpec(**{**dataset, "path": repo, "revision": dataset.get("revision") or pinned})
+
+
+def _parse_image_fields(entry: Mapping[str, Any], where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     classnames = entry.get("classnames")
     if not isinstance(classnames, list) or len(classnames) < 2 or not all(isinstance(c, str) for c in classnames):
         raise FeatcalError(f"{where}: 'classnames' must be a list of at least two strings.")
@@ -167,6 +207,44 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     for template in templates:
         if template.count("{}") != 1:
             raise FeatcalError(f"{where}: template {template!r} must contain exactly one '{{}}'.")
+    return tuple(classnames), tuple(templates)
+
+
+def _parse_text_fields(entry: Mapping[str, Any], where: str) -> TextFormat:
+    values = {key: entry.get(key) for key in ("text", "prompt", "response")}
+    not_text = sorted(k for k, v in values.items() if v is not None and (not isinstance(v, str) or not v.strip()))
+    if not_text:
+        raise FeatcalError(f"{where}: {', '.join(map(repr, not_text))} must be a column name or a template (text).")
+    weigh = entry.get("weigh", "all")
+    if weigh not in WEIGHTS:
+        raise FeatcalError(f"{where}: 'weigh' must be one of {', '.join(WEIGHTS)}, not {weigh!r}.")
+    text, prompt, response = values["text"], values["prompt"], values["response"]
+    if text is not None and (prompt is not None or response is not None):
+        raise FeatcalError(f"{where}: give 'text', or 'prompt' and 'response', not both.")
+    if text is None and (prompt is None or response is None):
+        raise FeatcalError(
+            f"{where}: say how a row becomes a text: 'text' (a column or a template such as "
+            "'{query}\\n{response}'), or 'prompt' and 'response'."
+        )
+    if weigh == "response" and text is not None:
+        raise FeatcalError(f"{where}: 'weigh: response' needs 'prompt' and 'response' (which part is the response).")
+    return TextFormat(text, prompt, response, weigh)
+
+
+def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
+    where = f"task {name!r} in {source}"
+    if not isinstance(entry, Mapping):
+        raise FeatcalError(f"{where}: expected a mapping, got {type(entry).__name__}.")
+    family = entry.get("family", DEFAULT_FAMILY)
+    if not isinstance(family, str):
+        raise FeatcalError(f"{where}: 'family' must name a model family (e.g. {DEFAULT_FAMILY}).")
+    is_text = family in TEXT_FAMILIES
+    unknown = set(entry) - COMMON_FIELDS - (TEXT_FIELDS if is_text else IMAGE_FIELDS)
+    if unknown:
+        raise FeatcalError(f"{where}: unknown field(s) {sorted(unknown)}.")
+    spec = _parse_dataset(entry, root, where)
+    classnames, templates = ((), ()) if is_text else _parse_image_fields(entry, where)
+    text = _parse_text_fields(entry, where) if is_text else None
     expert = entry.get("expert")
     if expert is not None and not isinstance(expert, str):
         raise FeatcalError(f"{where}: 'expert' must be a model id or folder.")
@@ -176,18 +254,16 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     source = entry.get("reference_source")
     if source is not None and not isinstance(source, str):
         raise FeatcalError(f"{where}: 'reference_source' must say in words where the reference accuracies come from.")
-    family = entry.get("family", DEFAULT_FAMILY)
-    if not isinstance(family, str):
-        raise FeatcalError(f"{where}: 'family' must name a model family (e.g. {DEFAULT_FAMILY}).")
     return Task(
         family=family,
         name=name,
         dataset=spec,
-        classnames=tuple(classnames),
-        templates=tuple(templates),
+        classnames=classnames,
+        templates=templates,
         expert=_resolve_ref(expert, root),
         reference_accuracy={str(k): float(v) for k, v in reference.items()},
         reference_source=source,
+        text=text,
     )
 
 
