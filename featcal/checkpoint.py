@@ -219,11 +219,18 @@ def reading_state(source: StateDict) -> Iterator[StateDict]:
 
 
 def load_params(module: nn.Module, source: StateDict, prefix: str) -> None:
-    """Copy ``source[prefix + name]`` into each parameter and buffer of ``module`` (strict)."""
+    """Copy ``source[prefix + name]`` into each parameter and buffer of ``module`` (strict).
+
+    A tensor the module holds under two names (an LM head tied to the token embedding) is read under
+    the one the checkpoint has: ``save_pretrained`` writes a tied tensor once.
+    """
+    state = module.state_dict(keep_vars=True)
     with reading_state(source) as tensors:
         with torch.no_grad():
-            for name, current in module.state_dict().items():
+            for name, current in state.items():
                 key = prefix + name
                 if key not in tensors:
+                    if any(other is current and prefix + alias in tensors for alias, other in state.items()):
+                        continue  # tied: filled under its other name
                     raise FeatcalError(f"Checkpoint has no tensor {key!r} needed for calibration.")
                 current.copy_(tensors[key])

@@ -149,6 +149,7 @@ class DatasetFacts:
     fingerprints: dict[str, dict[str, str]]
     calibration_counts: dict[str, int]
     commits: dict[str, str] = field(default_factory=dict)  # task -> the Hub commit its dataset was read at
+    examples: dict[str, dict[str, Any]] = field(default_factory=dict)  # task -> what its family found in them
 
 
 def validate_datasets(
@@ -159,12 +160,14 @@ def validate_datasets(
     calibration_examples: int | None = None,
     allow_fewer: bool = False,
     seed: int | None = None,
+    preprocessor: Any = None,
 ) -> DatasetFacts:
     """Load each task's splits once, so a missing split or column, an example the family cannot read
     (a label outside the task's classes), or a train split smaller than ``calibration_examples`` fails
     before anything is written. With ``seed``, the calibration examples themselves (the first
     ``calibration_examples`` of the train split after one shuffle with ``seed``) are read too, so that a
-    damaged one is named before the first stage is written.
+    damaged one is named before the first stage is written; ``preprocessor`` (the base's) lets a family
+    check what it makes of them (a text family: each text's tokens against its length limit).
 
     Raises:
         DatasetInputError: naming the task, the split and the fix.
@@ -172,6 +175,7 @@ def validate_datasets(
     fingerprints: dict[str, dict[str, str]] = {}
     fewer: dict[str, int] = {}
     commits: dict[str, str] = {}
+    examples: dict[str, dict[str, Any]] = {}
     for task in tasks:
         for split in splits:
             dataset = family.load_split(task, split)
@@ -193,5 +197,7 @@ def validate_datasets(
                 fewer[task.name] = len(dataset)
             if split == "train" and calibration_examples is not None and seed is not None:
                 rows = calibration_indices(len(dataset), calibration_examples, seed)
-                family.check_examples(task, dataset, split, rows)
-    return DatasetFacts(fingerprints, fewer, commits)
+                facts = family.check_examples(task, dataset, split, rows, preprocessor)
+                if facts:
+                    examples[task.name] = dict(facts)
+    return DatasetFacts(fingerprints, fewer, commits, examples)

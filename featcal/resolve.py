@@ -143,20 +143,75 @@ def resolve_models(
     return base_folder, base, experts
 
 
-def resolve_inputs(spec: RunSpec, *, need_experts: bool = True) -> RunInputs:
+def merge_description(folder: str | Path) -> tuple[str | None, list[str] | None]:
+    """The base and the experts a merged model's folder records: featcal's own recipe, else mergekit's
+    ``mergekit_config.yml``; ``(None, None)`` when it records neither.
+
+    Raises:
+        ModelInputError: when the record is damaged, or describes a merge featcal cannot calibrate.
+    """
+    from featcal.model_recipe import read_model_recipe
+
+    recipe = read_model_recipe(folder)
+    if recipe is not None:
+        return recipe.base_model, list(recipe.experts.values())
+    from featcal.families.causal_lm.mergekit import read_mergekit_folder
+
+    mergekit = read_mergekit_folder(folder)
+    if mergekit is not None:
+        return mergekit.base_model, list(mergekit.models)
+    return None, None
+
+
+def check_data_covers_merge(table_experts: Sequence[str], merged: Sequence[str], data: str, folder: str) -> None:
+    """Refuse a data file that misses an expert of the merge, or names one the merge does not have.
+
+    Raises:
+        InvalidParameterError: naming the expert and the fix.
+    """
+    from featcal.data_file import expert_key
+
+    listed = {expert_key(ref): ref for ref in table_experts}
+    merged_keys = {expert_key(ref): ref for ref in merged}
+    missing = [ref for key, ref in merged_keys.items() if key not in listed]
+    if missing:
+        raise InvalidParameterError(
+            "data", data, f"calibration texts for every expert the merge in {folder} merged; it lacks {missing}"
+        )
+    extra = [ref for key, ref in listed.items() if key not in merged_keys]
+    if extra:
+        raise InvalidParameterError(
+            "data", data, f"only the experts the merge in {folder} merged ({list(merged)}); it also names {extra}"
+        )
+
+
+def resolve_inputs(spec: RunSpec, *, need_experts: bool = True, merged: str | Path | None = None) -> RunInputs:
     """Tasks, base and experts of a run spec, validated before anything is written.
+
+    With ``merged`` (``featcal calibrate``'s merged folder), a base the spec does not name is the one the
+    folder records (:func:`merge_description`), and a data file must list exactly the experts it merged.
 
     Raises:
         InvalidParameterError: for tasks, a base or an expert pattern that cannot be used.
         ModelInputError: as :func:`resolve_models`.
     """
-    table = task_table(spec.tasks_file, suite=spec.suite, backbone=spec.backbone)
-    names = spec.tasks or (list(task_table(spec.tasks_file, replace=True).tasks) if spec.tasks_file else None)
+    if spec.data is not None:
+        from featcal.data_file import read_data_file
+
+        table = read_data_file(spec.data)
+        names = spec.tasks
+    else:
+        table = task_table(spec.tasks_file, suite=spec.suite, backbone=spec.backbone)
+        names = spec.tasks or (list(task_table(spec.tasks_file, replace=True).tasks) if spec.tasks_file else None)
     tasks = table.select(names)
     family = tasks_family(tasks)
-    base_ref = spec.base_model_id or table.base_model
+    described_base, described_experts = merge_description(merged) if merged is not None else (None, None)
+    if spec.data is not None and described_experts is not None and need_experts:
+        check_data_covers_merge([t.expert or "" for t in tasks], described_experts, spec.data, str(merged))
+    base_ref = spec.base_model_id or table.base_model or described_base
     if not base_ref:
-        raise InvalidParameterError("base_model_id", None, "a Hub id or folder, since the task table names none")
+        hint = "" if merged is None else f" and the merged folder {merged} records none"
+        raise InvalidParameterError("base_model_id", None, f"a Hub id or folder, since the task table names none{hint}")
     local = Path(base_ref).expanduser()
     base_ref = str(local.resolve()) if local.exists() else base_ref
     refs = (

@@ -75,6 +75,11 @@ class RunSpec:
         None, help="JSON or YAML task table adding to (or replacing) the built-in suite's tasks", group=TASKS,
         metavar="FILE",
     )  # fmt: skip
+    data: str | None = option(
+        None, help="calibration texts of each expert of a language-model merge (YAML: experts -> dataset and text "
+        "format; docs/causal-lm.md): the tasks, one per expert, instead of tasks-file and suite", group=TASKS,
+        metavar="FILE",
+    )  # fmt: skip
     base_model_id: str | None = option(
         None, help="base CLIPModel, Hub id or folder (default: the backbone's, openai/clip-vit-base-patch32 for b32)",
         group=TASKS, metavar="ID_OR_DIR",
@@ -164,6 +169,8 @@ class RunSpec:
         repeated = sorted({task for task in self.tasks or () if list(self.tasks).count(task) > 1})
         if repeated:
             raise InvalidParameterError("tasks", " ".join(repeated), "each task named once (repeated here)")
+        if self.data is not None and self.tasks_file is not None:
+            raise InvalidParameterError("data", self.data, "given without tasks_file: the data file names the tasks")
         if self.diagnose and self.skip_featcal and self.diagnose_split == "calibration":
             raise InvalidParameterError(
                 "diagnose_split", self.diagnose_split, "test, since skip_featcal is set (no calibration images)"

@@ -47,6 +47,7 @@ class DatasetSpec:
 DEFAULT_FAMILY = "clip_vision"  # the model family of a task whose entry names none
 TEXT_FAMILIES = ("causal_lm",)  # families whose tasks are texts (a TextFormat), not labelled images
 WEIGHTS = ("all", "response")  # which tokens of a text weigh in the calibration's statistics
+DEFAULT_MAX_LENGTH = 2048  # tokens of a calibration text (MergeBench's SFT length)
 
 
 @dataclass(frozen=True)
@@ -62,17 +63,21 @@ class TextFormat:
         response: Its second part (the answer).
         weigh: ``all`` (every token of the text weighs 1) or ``response`` (the prompt's tokens weigh
             0); ``response`` needs ``prompt`` and ``response``.
+        max_length: Texts are cut after this many tokens.
     """
 
     text: str | None = None
     prompt: str | None = None
     response: str | None = None
     weigh: str = "all"
+    max_length: int = DEFAULT_MAX_LENGTH
 
-    def to_dict(self) -> dict[str, str]:
-        """The entry's keys, those that are set."""
-        data = {k: v for k, v in (("text", self.text), ("prompt", self.prompt), ("response", self.response)) if v}
-        return data if self.weigh == "all" else {**data, "weigh": self.weigh}
+    def to_dict(self) -> dict[str, Any]:
+        """The entry's keys: those set, and ``weigh`` and ``max_length`` always."""
+        data: dict[str, Any] = {
+            k: v for k, v in (("text", self.text), ("prompt", self.prompt), ("response", self.response)) if v
+        }
+        return {**data, "weigh": self.weigh, "max_length": self.max_length}
 
 
 @dataclass(frozen=True)
@@ -167,7 +172,7 @@ def _resolve_ref(value: str | None, root: Path | None) -> str | None:
 
 COMMON_FIELDS = frozenset({"dataset", "expert", "reference_accuracy", "reference_source", "family"})
 IMAGE_FIELDS = frozenset({"classnames", "templates"})
-TEXT_FIELDS = frozenset({"text", "prompt", "response", "weigh"})
+TEXT_FIELDS = frozenset({"text", "prompt", "response", "weigh", "max_length"})
 
 
 def _parse_dataset(entry: Mapping[str, Any], root: Path | None, where: str) -> DatasetSpec:
@@ -228,7 +233,10 @@ def _parse_text_fields(entry: Mapping[str, Any], where: str) -> TextFormat:
         )
     if weigh == "response" and text is not None:
         raise FeatcalError(f"{where}: 'weigh: response' needs 'prompt' and 'response' (which part is the response).")
-    return TextFormat(text, prompt, response, weigh)
+    max_length = entry.get("max_length", DEFAULT_MAX_LENGTH)
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise FeatcalError(f"{where}: 'max_length' must be a whole number of tokens, at least 2, not {max_length!r}.")
+    return TextFormat(text, prompt, response, weigh, max_length)
 
 
 def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:

@@ -37,17 +37,20 @@ def test_the_registry_knows_clip_and_names_the_known_families() -> None:
 
 
 def test_a_folder_of_no_known_family_is_named(tmp_path) -> None:
-    save_model(tmp_path / "llama", seed=0)
-    with pytest.raises(ModelInputError, match="'llama' model, of no model family featcal knows"):
-        family_of_folder(tmp_path / "llama")
-    family = TinyDecoderFamily({})
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(ModelInputError, match="'bert' model, of no model family featcal knows"):
+        family_of_folder(tmp_path / "bert")
+    family = TinyDecoderFamily({}, model_types=("bert",))
     register_family(family)
     try:
-        assert family_of_folder(tmp_path / "llama") is family
+        assert family_of_folder(tmp_path / "bert") is family
         with pytest.raises(ValueError, match="registered twice"):
             register_family(family)
     finally:
         unregister_family(family.name)
+    save_model(tmp_path / "llama", seed=0)
+    assert family_of_folder(tmp_path / "llama").name == "causal_lm"
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

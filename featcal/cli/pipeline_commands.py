@@ -114,9 +114,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     with session(spec.device, spec.dist_timeout) as world:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
-            inputs = resolve_inputs(spec)
+            inputs = resolve_inputs(spec, merged=args.merged)
             family = inputs.family
             check_output_folder(output, kind="calibrated model", inputs=[*inputs.local_folders(), args.merged])
+            preprocessor = family.preprocessor(inputs.base_folder)
             data = validate_datasets(
                 family,
                 inputs.tasks,
@@ -124,9 +125,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 calibration_examples=spec.featcal.num_calibration_examples,
                 allow_fewer=spec.allow_fewer_calibration_examples,
                 seed=spec.seed,
+                preprocessor=preprocessor,
             )
             family.check_model_folder(Path(args.merged), inputs.base)
-            preprocessor = family.preprocessor(inputs.base_folder)
         with compute_settings(spec, inputs):
             calibrate(
                 inputs, args.merged, output if world.is_main else None, spec.featcal, seed=spec.seed,
@@ -234,7 +235,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     command(p, cmd_merge)
 
     p = subparsers.add_parser("calibrate", help="calibrate a merged model folder with FeatCal")
-    p.add_argument("--merged", required=True, metavar="DIR", help="merged CLIPVisionModel folder")
+    p.add_argument(
+        "--merged",
+        required=True,
+        metavar="DIR",
+        help="merged model folder: a CLIPVisionModel, or a causal LM (featcal's merge or mergekit's output, "
+        "whose records name the base and the experts)",
+    )
     p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
     add_spec_options(p, groups=(TASKS, FEATCAL, RUNTIME))
     command(p, cmd_calibrate)

@@ -139,9 +139,13 @@ class ModelFamily(Protocol):
     def test_inputs(self, task: Task, preprocessor: Any, n: int) -> CalibrationBatch:
         """The first ``n`` examples of the task's test split (all of them when it has fewer)."""
 
-    def check_examples(self, task: Task, dataset: Any, split: str, rows: Sequence[int]) -> None:
-        """Read the examples ``rows`` of a split whole (CLIP: decode each image), so that a damaged one is
-        named (task, split, row) before any work reads it."""
+    def check_examples(
+        self, task: Task, dataset: Any, split: str, rows: Sequence[int], preprocessor: Any = None
+    ) -> Mapping[str, Any] | None:
+        """Read the examples ``rows`` of a split whole (CLIP: decode each image; a text family: render and,
+        with ``preprocessor``, tokenise each text), so that a damaged one is named (task, split, row)
+        before any work reads it. Returns what the run records of them (a text family: how many were
+        cut), or None."""
 
     def check_split(self, task: Task, dataset: Any, split: str) -> None:
         """Refuse a split whose examples the family cannot read (columns, labels), naming task and split."""

@@ -6,7 +6,8 @@ the caller, which knows the model's class and configuration; this module writes 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,11 +24,14 @@ WEIGHTS = "model.safetensors"  # a model folder's weights, in one file
 WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded model folder's index of its weight files
 
 
-def save_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], folder: str | Path) -> Path:
+def save_model_state(
+    model: nn.Module, state: Mapping[str, torch.Tensor], folder: str | Path, *, companions: Sequence[Path] = ()
+) -> Path:
     """Save ``state`` as the folder of ``model`` (on the meta device: its class, configuration and the
     keys, shapes and dtypes of its state dict), atomically.
 
     Tensors are written in the model's parameter dtype, as loading them into a materialised model would.
+    ``companions`` (a tokenizer's files, say) are copied in beside them, under their own names.
 
     Raises:
         ValueError: when ``state`` lacks a tensor of the model, has one it does not know, or one of
@@ -44,17 +48,26 @@ def save_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], folder
     tensors = {k: v.detach().to(device="cpu", dtype=expected[k].dtype) for k, v in state.items()}
     with atomic_folder(folder) as tmp:
         model.save_pretrained(tmp, state_dict=tensors)
+        _copy_companions(companions, tmp)
     return Path(folder)
 
 
+def _copy_companions(companions: Sequence[Path], folder: Path) -> None:
+    for path in companions:
+        shutil.copyfile(path, folder / path.name)
+
+
 @contextmanager
-def streamed_model_folder(model: nn.Module, folder: str | Path) -> Iterator[SafetensorsWriter]:
+def streamed_model_folder(
+    model: nn.Module, folder: str | Path, *, companions: Sequence[Path] = ()
+) -> Iterator[SafetensorsWriter]:
     """The folder of ``model`` (on the meta device), its weights written tensor by tensor, atomically.
 
     Args:
         model: The model whose configuration is written as ``config.json`` and whose state dict's keys,
             shapes and dtypes the weights file is laid out for.
         folder: The folder to write (replaced when it exists, once the block ends).
+        companions: Files copied in beside the weights, under their own names (a tokenizer's files).
 
     Yields a :class:`~featcal.files.safetensors_writer.SafetensorsWriter`; every tensor must be written
     before the block ends. The folder appears, with the ``config.json`` ``save_pretrained`` writes, only
@@ -74,3 +87,4 @@ def streamed_model_folder(model: nn.Module, folder: str | Path) -> Iterator[Safe
             writer.close()
         finally:
             writer.discard()
+        _copy_companions(companions, tmp)

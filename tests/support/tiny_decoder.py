@@ -173,7 +173,9 @@ class TinyDecoderFamily:
     def load_split(self, task: Task, split: str) -> Any:
         return self.corpora[task.name]
 
-    def check_examples(self, task: Task, dataset: Any, split: str, rows: Sequence[int]) -> None:
+    def check_examples(
+        self, task: Task, dataset: Any, split: str, rows: Sequence[int], preprocessor: Any = None
+    ) -> None:
         assert all(dataset[row] for row in rows)
 
     def check_split(self, task: Task, dataset: Any, split: str) -> None:

@@ -1,1 +1,151 @@
-"""Decoder-only causal language models (Llama, Mistral, Qwen2, Qwen3, Gemma-2): the calibration's adapter."""
+"""The causal-LM family: decoder-only language models (Llama, Mistral, Qwen2, Qwen3, Gemma-2), text tasks.
+
+Everything featcal knows of causal LMs lives in this package: model folders (:mod:`.folders`), the
+calibration's adapter (:mod:`.adapter`), calibration texts (:mod:`.texts`) and merges made by mergekit
+(:mod:`.mergekit`). :data:`FAMILY` is the :class:`~featcal.families.base.ModelFamily` the rest of
+featcal uses; its parts are imported on first use, so looking the family up imports no torch.
+
+What a family is also asked for and a causal LM does not have yet (its evaluation) raises
+:class:`~featcal.errors.FeatcalError` saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from featcal.errors import FeatcalError
+from featcal.families.base import ReleaseParts
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from featcal.calibration.adapters import CalibrationBatch, LayerAdapter
+    from featcal.checkpoint import Checkpoint
+    from featcal.distributed import World
+    from featcal.runfolder.reader import RunFolder
+    from featcal.tasks import Task
+
+
+class CausalLMFamily:
+    """Decoder-only causal LMs of transformers 5, calibrated on each expert's texts."""
+
+    name = "causal_lm"
+    title = "causal language model"
+    model_types = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+    noun = "text"
+    release = ReleaseParts(
+        model_class="AutoModelForCausalLM",
+        pipeline_tag="text-generation",
+        tags=("text-generation",),
+        files=(),
+        task_type="text-generation",
+        task_name="Text Generation",
+        card_template=(__name__, "model_card.md.j2"),
+    )
+
+    # --- models -------------------------------------------------------------------------------
+    def check_base_folder(self, folder: Path) -> None:
+        from featcal.families.causal_lm.folders import check_architecture_known
+
+        check_architecture_known(folder)
+
+    def checkpoint(self, folder: Path, name: str | None = None) -> Checkpoint:
+        from featcal.families.causal_lm.folders import lm_checkpoint
+
+        return lm_checkpoint(folder, name)
+
+    def model_config(self, base_folder: Path) -> Any:
+        from featcal.families.causal_lm.folders import load_config
+
+        return load_config(base_folder)
+
+    def hidden_size(self, config: Any) -> int:
+        return int(config.hidden_size)
+
+    def check_model_folder(self, folder: Path, base: Checkpoint | None = None) -> Checkpoint:
+        from featcal.families.causal_lm.folders import check_lm_folder
+
+        return check_lm_folder(folder, base)
+
+    def load_model(self, folder: Path, base: Checkpoint | None = None) -> nn.Module:
+        from featcal.families.causal_lm.folders import load_lm_folder
+
+        return load_lm_folder(folder, base)
+
+    def build_model(self, config: Any, state: Mapping[str, torch.Tensor]) -> nn.Module:
+        from featcal.families.causal_lm.folders import build_lm
+
+        return build_lm(config, state)
+
+    def save_model(self, state: Mapping[str, torch.Tensor], config: Any, folder: Path) -> Path:
+        from featcal.families.causal_lm.folders import save_lm
+
+        return save_lm(state, config, folder)
+
+    # --- calibration --------------------------------------------------------------------------
+    def adapter(self) -> LayerAdapter:
+        from featcal.families.causal_lm.adapter import DecoderAdapter
+
+        return DecoderAdapter()
+
+    def skeleton(self, folder: Path, merged: Checkpoint, device: torch.device) -> nn.Module:
+        from featcal.families.causal_lm.folders import lm_skeleton
+
+        return lm_skeleton(self.model_config(folder), merged, device)
+
+    def streamed_model(self, config: Any, folder: Path):
+        from featcal.families.causal_lm.folders import streamed_lm
+
+        return streamed_lm(config, folder)
+
+    def preprocessor(self, base_folder: Path) -> Any:
+        from featcal.families.causal_lm.texts import base_tokenizer
+
+        return base_tokenizer(base_folder)
+
+    def load_split(self, task: Task, split: str) -> Any:
+        from featcal.families.causal_lm.texts import load_text_split
+
+        return load_text_split(task, split)
+
+    def check_examples(
+        self, task: Task, dataset: Any, split: str, rows: Sequence[int], preprocessor: Any = None
+    ) -> Mapping[str, Any] | None:
+        from dataclasses import asdict
+
+        from featcal.families.causal_lm.texts import check_texts
+
+        facts = check_texts(task, dataset, rows, preprocessor)
+        return None if facts is None else asdict(facts)
+
+    def check_split(self, task: Task, dataset: Any, split: str) -> None:
+        """Nothing beyond what :meth:`load_split` checks: a text task's rows carry no labels."""
+
+    def calibration_inputs(self, task: Task, preprocessor: Any, n: int, seed: int, *, world: World) -> CalibrationBatch:
+        from featcal.families.causal_lm.texts import calibration_texts
+
+        return calibration_texts(task, preprocessor, n, seed, world=world)
+
+    def test_inputs(self, task: Task, preprocessor: Any, n: int) -> CalibrationBatch:
+        from featcal.families.causal_lm.texts import first_texts
+
+        return first_texts(task, preprocessor, n)
+
+    # --- evaluation and release ---------------------------------------------------------------
+    def evaluator(self, base_folder: Path, device: torch.device, *, world: World) -> Any:
+        raise FeatcalError(
+            "featcal does not evaluate causal LMs itself: calibrate with `featcal calibrate`, then evaluate the "
+            "folder with lm-evaluation-harness (docs/causal-lm.md)."
+        )
+
+    def evaluation_record(self) -> Mapping[str, Any]:
+        return {}
+
+    def card_context(self, run: RunFolder) -> Mapping[str, Any]:
+        return {}
+
+
+FAMILY = CausalLMFamily()

@@ -113,7 +113,9 @@ class ClipVisionFamily:
 
         return load_task_split(task, split)
 
-    def check_examples(self, task: Task, dataset: Any, split: str, rows: Sequence[int]) -> None:
+    def check_examples(
+        self, task: Task, dataset: Any, split: str, rows: Sequence[int], preprocessor: Any = None
+    ) -> None:
         from featcal.families.clip_vision.images import check_images
 
         check_images(task, dataset, split, list(rows))

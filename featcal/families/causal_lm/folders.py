@@ -1,0 +1,234 @@
+"""Causal-LM model folders: checked, read lazily, loaded, built from state dicts and written.
+
+A folder is a ``save_pretrained`` folder of one of the architectures in :data:`ARCHITECTURES`
+(safetensors only, one file or shards with an index). The base's tokenizer files and generation
+config travel with every merged and calibrated folder, so each loads with
+``AutoModelForCausalLM``/``AutoTokenizer`` and runs in ``pipeline("text-generation")``. No folder's
+code is ever run: configurations are read by transformers' own classes for the known model types.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from featcal.checkpoint import Checkpoint, check_same_architecture, load_params
+from featcal.errors import ModelInputError
+from featcal.files.model_folders import MODEL_CONFIG, save_model_state, streamed_model_folder
+from featcal.files.safetensors_writer import SafetensorsWriter
+
+logger = logging.getLogger(__name__)
+
+# model_type -> the transformers class featcal loads it with (decoder layers at model.model.layers).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+}
+# Files a merged or calibrated folder takes from the base beside config.json and the weights.
+COMPANION_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def model_type(folder: Path) -> str:
+    """The ``model_type`` of a folder's ``config.json``.
+
+    Raises:
+        ModelInputError: for a folder without a readable ``config.json``.
+    """
+    try:
+        value = json.loads((folder / MODEL_CONFIG).read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        raise ModelInputError(
+            str(folder),
+            f"{folder} is not a model folder (no readable config.json): pass a folder written by `save_pretrained`, "
+            "`featcal merge` or mergekit.",
+        ) from None
+    return str(value)
+
+
+def check_architecture_known(folder: Path) -> str:
+    """The folder's model type, when featcal calibrates it.
+
+    Raises:
+        ModelInputError: naming the model type and the ones featcal knows.
+    """
+    kind = model_type(folder)
+    if kind not in ARCHITECTURES:
+        raise ModelInputError(
+            str(folder),
+            f"{folder} holds a {kind!r} model; featcal calibrates causal LMs of the types "
+            f"{', '.join(sorted(ARCHITECTURES))}.",
+        )
+    return kind
+
+
+def lm_checkpoint(folder: str | Path, name: str | None = None) -> Checkpoint:
+    """The tensors of a causal-LM folder, keyed as its ``*ForCausalLM`` state dict keys them, read lazily."""
+    return Checkpoint(folder, name=name, part="language model")
+
+
+def model_class(config: Any) -> type[nn.Module]:
+    """The ``*ForCausalLM`` class of a configuration's model type."""
+    import transformers
+
+    return getattr(transformers, ARCHITECTURES[config.model_type])
+
+
+def load_config(folder: Path) -> Any:
+    """A folder's configuration, read by transformers' class for its (known) model type.
+
+    Raises:
+        ModelInputError: for an unknown model type or a configuration transformers cannot read.
+    """
+    from transformers import AutoConfig
+
+    check_architecture_known(folder)
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelInputError(str(folder), f"{folder / MODEL_CONFIG} does not read ({first}).") from None
+
+
+def tokenizer_identity(folder: Path) -> str | None:
+    """The SHA-256 of the vocabulary in a folder's ``tokenizer.json`` (its ``model`` and added tokens);
+    None for a folder without one."""
+    path = folder / TOKENIZER_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise ModelInputError(str(folder), f"{path} is not readable JSON: save the tokenizer again.") from None
+    vocabulary = {"model": data.get("model"), "added_tokens": data.get("added_tokens")}
+    return hashlib.sha256(json.dumps(vocabulary, sort_keys=True).encode()).hexdigest()
+
+
+def check_like_base(folder: Path, base_folder: Path, what: str) -> None:
+    """Refuse a model whose architecture, width, vocabulary or tokenizer differ from the base's.
+
+    Raises:
+        ModelInputError: naming the model, what differs and both values.
+    """
+    ours, theirs = load_config(folder), load_config(base_folder)
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
+        a, b = getattr(ours, key, None), getattr(theirs, key, None)
+        if a != b:
+            raise ModelInputError(
+                str(folder),
+                f"The {what} {folder} has {key} {a!r}, the base model {base_folder} {b!r}: merge and calibrate only "
+                "models fine-tuned from the same base.",
+            )
+    mine, base = tokenizer_identity(folder), tokenizer_identity(base_folder)
+    if mine is not None and base is not None and mine != base:
+        raise ModelInputError(
+            str(folder),
+            f"The {what} {folder} has another tokenizer vocabulary than the base model {base_folder}: its token "
+            "embeddings do not line up with the base's; use experts fine-tuned with the base's tokenizer.",
+        )
+
+
+def check_lm_folder(folder: Path, base: Checkpoint | None = None) -> Checkpoint:
+    """Check a causal-LM folder without loading the model: known architecture, safetensors weights (no
+    pickles), finite tensors, and the base's tensor shapes when ``base`` is given.
+
+    Returns:
+        The folder's tensors, read lazily.
+
+    Raises:
+        ModelInputError: naming the folder and the fix.
+    """
+    check_architecture_known(folder)
+    checkpoint = lm_checkpoint(folder)
+    checkpoint.check_finite()
+    if base is not None:
+        shapes = {key: checkpoint.shape(key) for key in checkpoint}
+        check_same_architecture(base, shapes, f"The model {folder}", str(folder))
+    return checkpoint
+
+
+def load_lm_folder(folder: Path, base: Checkpoint | None = None) -> nn.Module:
+    """A causal LM from its folder (safetensors only), checked, in float32, in eval mode.
+
+    Raises:
+        ModelInputError: as :func:`check_lm_folder`, or when the weights do not load into the model.
+    """
+    check_lm_folder(folder, base)
+    config = load_config(folder)
+    try:
+        return model_class(config).from_pretrained(str(folder), use_safetensors=True, dtype=torch.float32).eval()
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelInputError(
+            str(folder), f"{folder} does not load as a {type(config).__name__} model ({first})."
+        ) from None
+
+
+def meta_model(config: Any) -> nn.Module:
+    """The model of ``config`` on the meta device: its state dict's keys, shapes and dtypes, no memory."""
+    with torch.device("meta"):
+        return model_class(config)(config)
+
+
+def build_lm(config: Any, state: Mapping[str, torch.Tensor]) -> nn.Module:
+    """A model of ``config`` holding ``state`` (float32, eval mode)."""
+    model = model_class(config)(config)
+    model.load_state_dict(dict(state), strict=False)
+    return model.eval()
+
+
+def save_lm(state: Mapping[str, torch.Tensor], config: Any, folder: Path) -> Path:
+    """Write ``state`` as a model folder of ``config``, with the tokenizer files and generation config of
+    the folder ``config`` was read from (the base's), atomically."""
+    return save_model_state(meta_model(config), state, folder, companions=companions(config))
+
+
+@contextmanager
+def streamed_lm(config: Any, folder: Path) -> Iterator[SafetensorsWriter]:
+    """A model folder of ``config`` written tensor by tensor, with the tokenizer files and generation
+    config of the folder ``config`` was read from (the base's), appearing whole when the block ends."""
+    with streamed_model_folder(meta_model(config), folder, companions=companions(config)) as writer:
+        yield writer
+
+
+def lm_skeleton(config: Any, merged: Checkpoint, device: torch.device) -> nn.Module:
+    """The merged model with its embedding, final norm, LM head and rotary embedding on ``device`` (read
+    from ``merged``) and its decoder layers on the meta device."""
+    layers = meta_model(config).model.layers
+    shallow = copy.deepcopy(config)
+    shallow.num_hidden_layers = 0
+    if getattr(shallow, "layer_types", None) is not None:
+        shallow.layer_types = []
+    model = model_class(config)(shallow).to(device)
+    load_params(model, merged, "")
+    model.config = config
+    model.model.layers.extend(layers)
+    return model.eval()
+
+
+def companions(config: Any) -> list[Path]:
+    """The tokenizer files and generation config beside the folder ``config`` was read from (none when it
+    was not read from a folder)."""
+    source = Path(getattr(config, "name_or_path", "") or "")
+    if not str(source) or not source.is_dir():
+        return []
+    return [source / name for name in COMPANION_FILES if (source / name).is_file()]
