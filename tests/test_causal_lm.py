@@ -8,10 +8,12 @@ The models are two-layer Llamas of hidden size 64 with a word-level tokenizer, b
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from featcal.calibration.driver import featcal_calibrate
@@ -142,6 +144,35 @@ def test_the_calibrated_folder_runs_in_a_text_generation_pipeline(calibrated) ->
     assert out[0]["generated_text"].startswith(" ".join(WORDS[:3]))
     recipe = json.loads((calibrated / "featcal_recipe.json").read_text())
     assert recipe["family"] == "causal_lm" and recipe["merge"]["method"] == "task_arithmetic"
+
+
+def test_a_mergekit_output_folder_calibrates_as_featcal_s_own_merge(zoo, merged, calibrated, tmp_path) -> None:
+    """A folder whose only record is mergekit's ``mergekit_config.yml`` names its base and experts as
+    featcal's recipe does: the same calibrated weights."""
+    mergekit = tmp_path / "mergekit-out"
+    shutil.copytree(merged, mergekit)
+    (mergekit / "featcal_recipe.json").unlink()
+    config = yaml.safe_load((mergekit / "mergekit_config.yml").read_text())
+    assert config["merge_method"] == "task_arithmetic" and config["base_model"] == str(zoo / "base")
+    argv = ["-q", "calibrate", "--merged", str(mergekit), "--data", str(zoo / "data.yaml"), *CALIBRATE]
+    assert main([*argv, "--output", str(tmp_path / "out")]) == 0
+    ours, theirs = (
+        load_file(str(calibrated / "model.safetensors")),
+        load_file(str(tmp_path / "out" / "model.safetensors")),
+    )
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+
+
+def test_a_mergekit_merge_with_a_union_tokenizer_is_refused(zoo, merged, tmp_path, capsys) -> None:
+    mergekit = tmp_path / "union"
+    shutil.copytree(merged, mergekit)
+    (mergekit / "featcal_recipe.json").unlink()
+    config = yaml.safe_load((mergekit / "mergekit_config.yml").read_text())
+    (mergekit / "mergekit_config.yml").write_text(yaml.safe_dump({**config, "tokenizer_source": "union"}))
+    argv = ["calibrate", "--merged", str(mergekit), "--data", str(zoo / "data.yaml"), *CALIBRATE]
+    code, err = _run_error(capsys, [*argv, "--output", str(tmp_path / "out")])
+    assert code == 2 and len(err) == 1 and "union" in err[0] and "tokenizer_source: base" in err[0], err
+    assert not (tmp_path / "out").exists()
 
 
 def _data(zoo: Path) -> dict:

@@ -160,10 +160,22 @@ def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
     assert graph["featcal.sub.x"] >= {"featcal", "featcal.sub"}
 
 
-@pytest.mark.parametrize("module", ["featcal.spec", "featcal.options", "featcal.calibration.params"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "featcal.spec",
+        "featcal.options",
+        "featcal.calibration.params",
+        "featcal.families",  # looking a family up
+        "featcal.families.causal_lm",
+        "featcal.families.causal_lm.mergekit",
+        "featcal.data_file",
+    ],
+)
 def test_the_option_modules_import_no_torch(module: str) -> None:
-    """The modules every `--help` reads stay free of torch and transformers (and so fast to import); importing
-    a module runs the ``__init__`` of every package around it too."""
+    """The modules every `--help` reads, and those that look a model family up or read a merge's records,
+    stay free of torch and transformers (and so fast to import); importing a module runs the ``__init__``
+    of every package around it too."""
     modules = module_files()
     graph = import_graph(at_import_time=True)
     seen, todo = set(), [module]

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from featcal.files.atomic import atomic_folder
-from featcal.files.safetensors_writer import SafetensorsWriter
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from featcal.files.safetensors_writer import SafetensorsWriter
 
 MODEL_CONFIG = "config.json"  # a model folder's transformers configuration
 WEIGHTS = "model.safetensors"  # a model folder's weights, in one file
@@ -81,6 +82,8 @@ def streamed_model_folder(
         model.config.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # as save_pretrained sets
         model.config.architectures = [type(model).__name__]
         model.config.save_pretrained(tmp)
+        from featcal.files.safetensors_writer import SafetensorsWriter  # torch: imported when a folder is written
+
         writer = SafetensorsWriter(tmp / WEIGHTS, layout, {"format": "pt"})
         try:
             yield writer

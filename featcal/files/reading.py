@@ -49,7 +49,7 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return seen
 
 
-def _unique_yaml_loader():
+def unique_key_yaml_loader():
     """A safe YAML loader that refuses a mapping naming one key twice (PyYAML keeps the last silently)."""
     import yaml
 
@@ -88,7 +88,7 @@ def read_structured(path: Path, what: str) -> Any:
     try:
         if kind == "JSON":
             return json.loads(text, object_pairs_hook=_unique_pairs)
-        return yaml.load(text, Loader=_unique_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=unique_key_yaml_loader())  # noqa: S506 - a SafeLoader subclass
     except DuplicateKeyError as exc:
         raise InputError(path, f"{what} {path}: {exc}; keep one.") from None
     except (json.JSONDecodeError, yaml.YAMLError) as exc:

@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import Any, NoReturn
 
 from featcal.errors import InputError, ModelInputError
-from featcal.files.reading import DuplicateKeyError, _unique_yaml_loader, read_text_input
+from featcal.files.reading import DuplicateKeyError, read_text_input, unique_key_yaml_loader
 
 MERGEKIT_CONFIG = "mergekit_config.yml"
 
@@ -183,7 +183,7 @@ def _load(text: str, where: str | Path) -> Any:
     import yaml
 
     try:
-        return yaml.load(text, Loader=_unique_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=unique_key_yaml_loader())  # noqa: S506 - a SafeLoader subclass
     except DuplicateKeyError as exc:
         _refuse(where, f"{exc}; keep one")
     except yaml.YAMLError as exc:
