@@ -191,6 +191,7 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
         need_experts = not (spec.skip_ta and spec.skip_featcal and not spec.eval_experts)
         inputs = resolve_inputs(spec, need_experts=need_experts)
         family = inputs.family
+        preprocessor = family.preprocessor(inputs.base_folder)
         data = validate_datasets(
             family,
             inputs.tasks,
@@ -198,6 +199,7 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
             calibration_examples=None if spec.skip_featcal else spec.featcal.num_calibration_examples,
             allow_fewer=spec.allow_fewer_calibration_examples,
             seed=spec.seed,
+            preprocessor=preprocessor,
         )
         if not spec.skip_featcal:
             check_calibration_shares(
@@ -208,7 +210,6 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
             check_same_run(out, list(record.tasks), record.base_model_id)
         threads = choose_threads(spec.threads, family.hidden_size(inputs.config))
         evaluator = family.evaluator(inputs.base_folder, device, world=world)
-        preprocessor = family.preprocessor(inputs.base_folder)
         # A merged model to start from is checked before the folder is touched (and read when needed).
         if spec.skip_ta:
             family.check_model_folder(Path(spec.ta_model_path), inputs.base)

@@ -266,3 +266,10 @@ def test_a_data_file_that_is_not_one_is_named(tmp_path) -> None:
     (tmp_path / "d.yaml").write_text("experts:\n  a/b: {dataset: x.jsonl, text: t, colour: red}\n")
     with pytest.raises(InputError, match=r"unknown key\(s\) \['colour'\]"):
         read_data_file(tmp_path / "d.yaml")
+
+
+def test_featcal_run_on_language_models_says_what_to_use_instead(zoo, tmp_path, capsys) -> None:
+    argv = ["run", "--data", str(zoo / "data.yaml"), "--base-model-id", str(zoo / "base"), *CALIBRATE]
+    code, err = _run_error(capsys, [*argv, "--output-dir", str(tmp_path / "run")])
+    assert code == 2 and len(err) == 1 and "featcal calibrate" in err[0] and "lm-evaluation-harness" in err[0], err
+    assert not (tmp_path / "run").exists()
