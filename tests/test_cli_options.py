@@ -20,6 +20,8 @@ RECORDED = json.loads((Path(__file__).parent / "golden" / "cli_options.json").re
 CHANGES = {
     # the demo's zoo cache under its own name; --cache-dir, which means the Hub cache elsewhere, is kept hidden
     "demo": ({"--zoo-cache-dir"}, {"--cache-dir"}),
+    # a language-model merge's calibration texts per expert (docs/causal-lm.md), among the task options
+    **{command: ({"--data"}, set()) for command in ("run", "merge", "calibrate")},
 }
 
 

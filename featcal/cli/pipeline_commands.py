@@ -257,7 +257,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="metrics JSON (default DIR/metrics.json; needed where DIR is a stage of a run or a release, whose "
         "metrics.json is their record; inside a run folder, only in RUN/evaluations/)",
     )
-    add_spec_options(p, groups=(TASKS, EVALUATION, RUNTIME), exclude=("expert_model_format", "seed"))
+    add_spec_options(p, groups=(TASKS, EVALUATION, RUNTIME), exclude=("expert_model_format", "seed", "data"))
     command(p, cmd_evaluate)
 
     p = subparsers.add_parser("methods", help="list the merging methods and their hyper-parameters")
