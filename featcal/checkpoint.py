@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from featcal.errors import FeatcalError, ModelInputError
-from featcal.files.model_folders import WEIGHTS, WEIGHTS_INDEX
+from featcal.files.model_files import WEIGHTS, WEIGHTS_INDEX
 
 StateDict = Mapping[str, torch.Tensor]  # a dict of tensors, or a Checkpoint read lazily
 

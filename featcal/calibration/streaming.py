@@ -22,7 +22,7 @@ from featcal.calibration.driver import FeatCalibrator
 from featcal.calibration.params import FeatCalParams
 from featcal.checkpoint import Checkpoint, StateDict, load_params
 from featcal.errors import FeatcalError
-from featcal.files.safetensors_writer import SafetensorsWriter
+from featcal.files.safetensors_writer import TensorWriter
 
 if TYPE_CHECKING:
     from featcal.families.base import ModelFamily
@@ -40,7 +40,7 @@ class CheckpointLayers:
     def __init__(
         self,
         merged: Checkpoint,
-        writer: SafetensorsWriter | None,
+        writer: TensorWriter | None,
         device: torch.device,
         adapter: LayerAdapter,
         key_prefix: str = "",

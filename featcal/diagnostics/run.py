@@ -23,7 +23,7 @@ from featcal.diagnostics.plot import save_drift_plot
 from featcal.diagnostics.report import CALIBRATED, MERGED, DriftReport, write_report
 from featcal.distributed import SINGLE
 from featcal.errors import FeatcalError, InvalidParameterError, ModelInputError
-from featcal.files.model_folders import MODEL_CONFIG
+from featcal.files.model_files import MODEL_CONFIG
 from featcal.runfolder.layout import DIAGNOSTICS_PLOT, calibrated_stage_name, merged_stage_name
 from featcal.runfolder.reader import RunFolder, merged_model_folder
 from featcal.tasks import Task

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcal.errors import ModelInputError, UnknownNameError
-from featcal.files.model_folders import MODEL_CONFIG
+from featcal.files.model_files import MODEL_CONFIG
 
 if TYPE_CHECKING:
     from torch import nn

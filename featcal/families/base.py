@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from featcal.calibration.adapters import CalibrationBatch, LayerAdapter
     from featcal.checkpoint import Checkpoint
     from featcal.distributed import World
-    from featcal.files.safetensors_writer import SafetensorsWriter
+    from featcal.files.safetensors_writer import ShardedSafetensorsWriter
     from featcal.metrics import MetricsReport, TaskMetrics
     from featcal.runfolder.reader import RunFolder
     from featcal.tasks import Task
@@ -122,7 +122,7 @@ class ModelFamily(Protocol):
         """The model in ``folder`` with everything but its calibrated layers on ``device`` (read from
         ``merged``) and its layers on the meta device."""
 
-    def streamed_model(self, config: Any, folder: Path) -> AbstractContextManager[SafetensorsWriter]:
+    def streamed_model(self, config: Any, folder: Path) -> AbstractContextManager[ShardedSafetensorsWriter]:
         """A model folder of ``config`` written tensor by tensor (keyed as :meth:`checkpoint` keys them),
         appearing whole when the block ends."""
 

@@ -1,18 +1,22 @@
-"""A safetensors file written tensor by tensor, in any order, without the whole state in memory.
+"""Safetensors files written tensor by tensor, in any order, without the whole state in memory.
 
 The header (every tensor's name, dtype, shape and place) is written first, from a layout known in
 advance; each tensor's bytes then go straight to their place in the file. The result is what
 ``safetensors.torch.save_file`` writes for the same tensors, up to the order of the header's keys
-and of the tensors' bytes.
+and of the tensors' bytes. :class:`ShardedSafetensorsWriter` writes the files of one model folder (one
+file, or the shards of an index) through one ``write(name, tensor)``, which sends each tensor to its
+file, and stores once a tensor known under two names (tied weights).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,6 +35,13 @@ _DTYPES = {
 }
 
 Layout = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+class TensorWriter(Protocol):
+    """What takes a model's tensors by name: a :class:`SafetensorsWriter`, a :class:`ShardedSafetensorsWriter`."""
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Store ``tensor`` as ``name``."""
 
 
 class SafetensorsWriter:
@@ -91,6 +102,10 @@ class SafetensorsWriter:
         _write_at(self._fd, data, self._data_start + offset)
         self._pending.remove(name)
 
+    def pending(self) -> list[str]:
+        """The tensors of the layout not written yet, sorted (none once the file is closed)."""
+        return sorted(self._pending) if self._fd is not None else []
+
     def close(self) -> None:
         """Flush the file to disk and close it.
 
@@ -112,6 +127,155 @@ class SafetensorsWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class ShardedSafetensorsWriter:
+    """The safetensors files of one model folder, written tensor by tensor: ``write`` sends each tensor
+    to the file that holds it. One file, or the shards a ``model.safetensors.index.json`` names; the
+    index itself is the caller's to write.
+
+    A tensor known under two names (tied weights: a language model's ``lm_head.weight`` is its input
+    embedding) is stored once, under one name. A write of the other name, its alias, stores nothing: it
+    is accepted when its bytes in the stored dtype are the stored tensor's (compared by digest, in
+    whichever order the two come), and refused with a ValueError when they differ. An alias need not be
+    written.
+
+    Args:
+        folder: The folder the files are created in.
+        files: Each file's name and the layout of the tensors it holds (a name in one file only).
+        metadata: Every file's header ``__metadata__`` (``{"format": "pt"}`` for transformers).
+        aliases: Names not stored because they are another tensor under a second name: alias → the
+            name it is stored under.
+        ignored: Names whose writes are accepted and dropped (not stored, never required).
+
+    Raises:
+        ValueError: for a name in two files or also an alias or ignored, an alias of a name no file
+            holds, or a dtype safetensors has no name for.
+        OSError: when a file cannot be created (those created are closed).
+    """
+
+    def __init__(
+        self,
+        folder: str | Path,
+        files: Mapping[str, Layout],
+        metadata: Mapping[str, str] | None = None,
+        *,
+        aliases: Mapping[str, str] | None = None,
+        ignored: Collection[str] = (),
+    ) -> None:
+        self._file_of: dict[str, int] = {}
+        for i, layout in enumerate(files.values()):
+            for name in layout:
+                if name in self._file_of:
+                    raise ValueError(f"{name!r} is laid out in two files")
+                self._file_of[name] = i
+        self._aliases = dict(aliases or {})
+        self._ignored = frozenset(ignored)
+        clash = sorted((set(self._aliases) | self._ignored) & set(self._file_of))
+        if clash or set(self._aliases) & self._ignored:
+            raise ValueError(f"Names both stored and aliased or ignored: {clash[:3]}")
+        orphans = sorted(alias for alias, name in self._aliases.items() if name not in self._file_of)
+        if orphans:
+            raise ValueError(f"Aliases of tensors no file holds: {orphans[:3]}")
+        self._layouts = list(files.values())
+        self._aliased = frozenset(self._aliases.values())  # the stored names that have an alias
+        self._digests: dict[str, bytes] = {}  # of each aliased tensor written, in its stored dtype
+        self._alias_digests: dict[str, bytes] = {}  # of each alias written
+        self._writers: list[SafetensorsWriter] = []
+        try:
+            for file, layout in files.items():
+                self._writers.append(SafetensorsWriter(Path(folder) / file, layout, metadata))
+        except BaseException:
+            self.discard()
+            raise
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` (cast to the layout's dtype) as ``name``, into the file that holds it.
+
+        Raises:
+            KeyError: for a name no file holds and that is neither an alias nor ignored, or one already
+                written.
+            ValueError: for a tensor of another shape than the layout's, or an alias whose bytes are not
+                those of the tensor it names (whichever of the two is written second).
+        """
+        if name in self._ignored:
+            return
+        if name in self._aliases:
+            self._write_alias(name, tensor)
+            return
+        if name not in self._file_of:
+            raise KeyError(f"{name!r} is not a tensor of these files")
+        if name not in self._aliased:
+            self._writers[self._file_of[name]].write(name, tensor)
+            return
+        stored = self._stored(name, tensor)
+        self._writers[self._file_of[name]].write(name, stored)
+        self._digests[name] = _digest(stored)
+        for alias, target in self._aliases.items():
+            if target == name and alias in self._alias_digests:
+                self._check_alias(alias)
+
+    def _stored(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the file stores ``name``: on the CPU, in its dtype, contiguous.
+
+        Raises:
+            ValueError: for another shape than the layout's.
+        """
+        dtype, shape = self._layouts[self._file_of[name]][name]
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{name!r} has shape {tuple(tensor.shape)}, the file's layout {tuple(shape)}")
+        return tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+
+    def _write_alias(self, alias: str, tensor: torch.Tensor) -> None:
+        if alias in self._alias_digests:
+            raise KeyError(f"{alias!r} was already written")
+        target = self._aliases[alias]
+        shape = tuple(self._layouts[self._file_of[target]][target][1])
+        if tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"{alias!r} is {target!r} under another name (tied weights), of shape {shape}, "
+                f"not {tuple(tensor.shape)}"
+            )
+        self._alias_digests[alias] = _digest(self._stored(target, tensor))
+        if target in self._digests:
+            self._check_alias(alias)
+
+    def _check_alias(self, alias: str) -> None:
+        target = self._aliases[alias]
+        if self._alias_digests[alias] != self._digests[target]:
+            raise ValueError(
+                f"{alias!r} and {target!r} are one tensor in this model (tied weights), stored once as {target!r}, "
+                "but were written with different values."
+            )
+
+    def pending(self) -> list[str]:
+        """The stored tensors not written yet, sorted (aliases and ignored names are never pending)."""
+        return sorted(name for writer in self._writers for name in writer.pending())
+
+    def close(self) -> None:
+        """Flush every file to disk and close it.
+
+        Raises:
+            ValueError: when some tensor was never written (the files are closed all the same).
+        """
+        try:
+            missing = self.pending()
+            if missing:
+                raise ValueError(f"{len(missing)} tensor(s) never written, e.g. {missing[:3]}")
+            for writer in self._writers:
+                writer.close()
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Close every file without checking it is complete (after a failure: the caller removes them)."""
+        for writer in self._writers:
+            writer.discard()
+
+
+def _digest(tensor: torch.Tensor) -> bytes:
+    """A digest of a contiguous CPU tensor's bytes."""
+    return hashlib.blake2b(tensor.reshape(-1).view(torch.uint8).numpy()).digest()
 
 
 def _write_at(fd: int, data: bytes | memoryview | np.ndarray, position: int) -> None:

@@ -10,7 +10,7 @@ from huggingface_hub import ModelCard
 
 from featcal.errors import ReleaseError
 from featcal.families import DEFAULT_FAMILY, get_family
-from featcal.files.model_folders import WEIGHTS
+from featcal.files.model_files import WEIGHTS
 from featcal.hub.verification import HubFile, local_files
 from featcal.metrics import RUN_ID
 from featcal.release.card import CARD_FILE

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from featcal.errors import FeatcalError, RunFolderError
 from featcal.families import get_family
 from featcal.files.atomic import atomic_folder, atomic_write_json
-from featcal.files.model_folders import MODEL_CONFIG, WEIGHTS
+from featcal.files.model_files import MODEL_CONFIG, WEIGHTS
 from featcal.hub.downloads import resolve_model_folder
 from featcal.hub.refs import check_repo_id, is_hub_id, local_path
 from featcal.metrics import WEIGHTS_SHA256, weights_sha256

@@ -16,7 +16,7 @@ from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import RepositoryNotFoundError
 
 from featcal.errors import ReleaseError
-from featcal.files.model_folders import WEIGHTS
+from featcal.files.model_files import WEIGHTS
 from featcal.hub.publishing import hub_api, publishing
 from featcal.hub.refs import check_repo_id
 from featcal.hub.verification import HubFile, hub_files, verify_hub_files

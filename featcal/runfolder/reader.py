@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import RunFolderError
-from featcal.files.model_folders import MODEL_CONFIG
+from featcal.files.model_files import MODEL_CONFIG
 from featcal.metrics import RUN_ID, MetricsReport
 from featcal.runfolder.layout import (
     EXPERTS_DIR,

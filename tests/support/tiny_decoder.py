@@ -24,7 +24,8 @@ from featcal.data import calibration_indices
 from featcal.distributed import SINGLE, World
 from featcal.families.base import ReleaseParts
 from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS, DecoderAdapter
-from featcal.files.model_folders import MODEL_CONFIG, save_model_state, streamed_model_folder
+from featcal.files.model_files import MODEL_CONFIG
+from featcal.files.model_folders import save_model_state, streamed_model_folder
 from featcal.tasks import DatasetSpec, Task
 
 WORDS = [f"w{i}" for i in range(150)]  # more words than the width: the inputs span it

@@ -23,8 +23,9 @@ from torch import nn
 
 from featcal.checkpoint import Checkpoint, check_same_architecture, load_params
 from featcal.errors import ModelInputError
-from featcal.files.model_folders import MODEL_CONFIG, save_model_state, streamed_model_folder
-from featcal.files.safetensors_writer import SafetensorsWriter
+from featcal.files.model_files import MODEL_CONFIG
+from featcal.files.model_folders import save_model_state, streamed_model_folder
+from featcal.files.safetensors_writer import TensorWriter
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ COMPANION_FILES = (
     "chat_template.jinja",
 )
 TOKENIZER_FILE = "tokenizer.json"
+SHARD_BYTES = 5 * 10**9  # save_pretrained's default shard size ("5GB")
 
 
 def model_type(folder: Path) -> str:
@@ -196,17 +198,38 @@ def build_lm(config: Any, state: Mapping[str, torch.Tensor]) -> nn.Module:
     return model.eval()
 
 
+def stored_dtype(config: Any) -> torch.dtype:
+    """The dtype a written model's weights are stored in: the base's (``config.json``'s ``dtype``, bfloat16
+    for most released LMs), float32 when it names none. The arithmetic is float32 whatever it is."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.float32
+
+
 def save_lm(state: Mapping[str, torch.Tensor], config: Any, folder: Path) -> Path:
-    """Write ``state`` as a model folder of ``config``, with the tokenizer files and generation config of
-    the folder ``config`` was read from (the base's), atomically."""
-    return save_model_state(meta_model(config), state, folder, companions=companions(config))
+    """Write ``state`` as a model folder of ``config`` (sharded as ``save_pretrained`` shards, in
+    :func:`stored_dtype`), with the tokenizer files and generation config of the folder ``config`` was read
+    from (the base's), atomically."""
+    return save_model_state(
+        meta_model(config),
+        state,
+        folder,
+        max_shard_bytes=SHARD_BYTES,
+        dtype=stored_dtype(config),
+        companions=companions(config),
+    )
 
 
 @contextmanager
-def streamed_lm(config: Any, folder: Path) -> Iterator[SafetensorsWriter]:
-    """A model folder of ``config`` written tensor by tensor, with the tokenizer files and generation
-    config of the folder ``config`` was read from (the base's), appearing whole when the block ends."""
-    with streamed_model_folder(meta_model(config), folder, companions=companions(config)) as writer:
+def streamed_lm(config: Any, folder: Path) -> Iterator[TensorWriter]:
+    """A model folder of ``config`` written tensor by tensor (sharded, in :func:`stored_dtype`), with the
+    tokenizer files and generation config of the folder ``config`` was read from (the base's), appearing
+    whole when the block ends."""
+    model = meta_model(config)
+    with streamed_model_folder(
+        model, folder, max_shard_bytes=SHARD_BYTES, dtype=stored_dtype(config), companions=companions(config)
+    ) as writer:
         yield writer
 
 

@@ -21,8 +21,9 @@ from torch import nn
 from featcal.calibration.adapters import LayerAdapter
 from featcal.checkpoint import Checkpoint, check_same_architecture, load_params
 from featcal.errors import ModelInputError
-from featcal.files.model_folders import MODEL_CONFIG, save_model_state, streamed_model_folder
-from featcal.files.safetensors_writer import SafetensorsWriter
+from featcal.files.model_files import MODEL_CONFIG
+from featcal.files.model_folders import save_model_state, streamed_model_folder
+from featcal.files.safetensors_writer import ShardedSafetensorsWriter
 
 if TYPE_CHECKING:
     from transformers import CLIPVisionConfig
@@ -160,14 +161,14 @@ def save_vision_model(state: Mapping[str, torch.Tensor], vision_config, folder: 
 
 
 @contextmanager
-def streamed_vision_model(vision_config: CLIPVisionConfig, folder: str | Path) -> Iterator[SafetensorsWriter]:
+def streamed_vision_model(vision_config: CLIPVisionConfig, folder: str | Path) -> Iterator[ShardedSafetensorsWriter]:
     """A `transformers.CLIPVisionModel` folder written tensor by tensor, atomically.
 
     Args:
         vision_config: The model's configuration, written as ``config.json``.
         folder: The folder to write (replaced when it exists, once the block ends).
 
-    Yields a :class:`~featcal.files.safetensors_writer.SafetensorsWriter` laid out for the model's state
+    Yields a :class:`~featcal.files.safetensors_writer.ShardedSafetensorsWriter` laid out for the model's state
     dict (its parameter dtype, keys as :func:`save_vision_model` writes them); every tensor must be
     written before the block ends. The folder appears, with the same ``config.json``, only then: a
     block that raises leaves nothing behind.
