@@ -273,3 +273,35 @@ def test_featcal_run_on_language_models_says_what_to_use_instead(zoo, tmp_path, 
     code, err = _run_error(capsys, [*argv, "--output-dir", str(tmp_path / "run")])
     assert code == 2 and len(err) == 1 and "featcal calibrate" in err[0] and "lm-evaluation-harness" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_tied_bfloat16_merge_is_calibrated_and_written_tied_in_bfloat16(tmp_path) -> None:
+    """Weights are stored in the base's dtype (bf16 here; the arithmetic is float32) and a tied LM head
+    stays tied: stored once, as the token embedding, which the calibration leaves as merged."""
+    from transformers import AutoModelForCausalLM
+
+    base = save_model(tmp_path / "base", seed=0, tied=True)
+    base.to(torch.bfloat16).save_pretrained(tmp_path / "base")
+    tokenizer().save_pretrained(tmp_path / "base")
+    data = {"experts": {}}
+    for i, name in enumerate(EXPERTS):
+        expert = save_model(tmp_path / name, seed=10 + i, base=base.float(), tied=True)
+        expert.to(torch.bfloat16).save_pretrained(tmp_path / name)
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in _rows(20 + i)))
+        data["experts"][str(tmp_path / name)] = {"dataset": f"{name}.jsonl", "text": "{query} {response}"}
+    (tmp_path / "data.yaml").write_text(json.dumps(data))
+    common = ["--data", str(tmp_path / "data.yaml"), "--device", "cpu"]
+    assert (
+        main(["-q", "merge", *common, "--base-model-id", str(tmp_path / "base"), "--output", str(tmp_path / "m")]) == 0
+    )
+    argv = ["-q", "calibrate", "--merged", str(tmp_path / "m"), *common, *CALIBRATE[:4]]
+    assert main([*argv, "--output", str(tmp_path / "c")]) == 0
+    for folder in ("m", "c"):
+        written = load_file(str(tmp_path / folder / "model.safetensors"))
+        assert "lm_head.weight" not in written and {t.dtype for t in written.values()} == {torch.bfloat16}
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / folder)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    merged, calibrated = (load_file(str(tmp_path / f / "model.safetensors")) for f in ("m", "c"))
+    assert torch.equal(merged["model.embed_tokens.weight"], calibrated["model.embed_tokens.weight"])
+    key = "model.layers.1.mlp.down_proj.weight"
+    assert not torch.equal(merged[key], calibrated[key])
