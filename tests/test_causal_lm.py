@@ -305,3 +305,18 @@ def test_a_tied_bfloat16_merge_is_calibrated_and_written_tied_in_bfloat16(tmp_pa
     assert torch.equal(merged["model.embed_tokens.weight"], calibrated["model.embed_tokens.weight"])
     key = "model.layers.1.mlp.down_proj.weight"
     assert not torch.equal(merged[key], calibrated[key])
+
+
+@pytest.mark.parametrize("method", ["simple_average", "ties", "tsv", "iso_c", "wudi"])
+def test_every_merging_method_merges_language_models(zoo, tmp_path, method) -> None:
+    """Task Arithmetic is checked against its formula above; the other methods write a folder that loads,
+    differs from the base and records its method."""
+    from transformers import AutoModelForCausalLM
+
+    argv = ["-q", "merge", "--method", method, "--data", str(zoo / "data.yaml"), "--base-model-id", str(zoo / "base")]
+    assert main([*argv, "--device", "cpu", "--output", str(tmp_path / method)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / method)
+    base = load_file(str(zoo / "base" / "model.safetensors"))
+    key = "model.layers.0.self_attn.v_proj.weight"
+    assert torch.isfinite(model.state_dict()[key]).all() and not torch.equal(model.state_dict()[key], base[key])
+    assert json.loads((tmp_path / method / "featcal_recipe.json").read_text())["merge"]["method"] == method
