@@ -42,12 +42,10 @@ def run_dir(world, tmp_path_factory, device):
 def test_run_writes_the_reference_layout(run_dir, world):
     for stage in ("ta", "featcal-ta"):
         folder = run_dir / stage
-        assert sorted(p.name for p in folder.iterdir()) == [
-            "config.json",
-            "metrics.json",
-            "model.safetensors",
-            "run.log",
-        ]
+        recipe = ["featcal_recipe.json", *(["mergekit_config.yml"] if stage == "ta" else [])]
+        assert sorted(p.name for p in folder.iterdir()) == sorted(
+            ["config.json", "metrics.json", "model.safetensors", "run.log", *recipe]
+        )
         metrics = json.loads((folder / "metrics.json").read_text())
         assert set(world["tasks"]) < set(metrics)
         assert metrics["average"]["accuracy"] == pytest.approx(

@@ -83,7 +83,9 @@ def test_merge_replaces_its_own_earlier_output(world, tmp_path):
     common = ["--tasks-file", str(world["tasks_file"]), *CPU]
     assert main(["-q", "merge", "--output", str(tmp_path / "m"), *common]) == 0
     assert main(["-q", "merge", "--output", str(tmp_path / "m"), *common, "--ta-scaling-factor", "0.5"]) == 0
-    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "model.safetensors"]
+    names = sorted(p.name for p in (tmp_path / "m").iterdir())
+    assert names == ["config.json", "featcal_recipe.json", "mergekit_config.yml", "model.safetensors"]
+    assert json.loads((tmp_path / "m" / "featcal_recipe.json").read_text())["merge"]["params"]["scaling_factor"] == 0.5
 
 
 @pytest.mark.parametrize("bad", ["", "file", "file/sub"])
@@ -439,7 +441,7 @@ def test_an_expert_pattern_with_other_fields_is_one_line(world, tmp_path, capsys
 
 def test_a_seed_too_large_for_the_generators_is_refused(tmp_path, capsys):
     code, err = run_error(capsys, ["run", "--seed", "99999999999999999999", "--output-dir", str(tmp_path / "o")])
-    assert code == 2 and len(err) == 1 and "<= 4294967295" in err[0]
+    assert code == 2 and len(err) == 1 and "a whole number in [0, 4294967295]" in err[0]
 
 
 def test_a_prompt_longer_than_the_text_tower_is_cut_to_its_positions(world):
