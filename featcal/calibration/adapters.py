@@ -93,7 +93,9 @@ class LayerAdapter(Protocol):
 
     A layer is run with the context of its batch: :meth:`layer_context` is called once per forward
     batch with the model, the batch and its hidden states, and its result passed to :meth:`run_layer` for the student's
-    and the expert's layer alike (masks, positions, rotary embeddings, an encoder's output).
+    and the expert's layer alike (masks, positions, rotary embeddings, an encoder's output). An expert's
+    layer is a copy of the model's layer at the same index holding the expert's tensors, so
+    :meth:`run_layer` may read what a layer is from the layer itself (a sliding-window layer's attention type).
     """
 
     def tower(self, model: nn.Module) -> nn.Module:

@@ -305,15 +305,16 @@ class FeatCalibrator:
         streams = self._all_first_inputs(model, experts, load_inputs)
         layers = self.adapter.layers(model)
         num_layers = len(layers)
-        expert_layer: nn.Module | None = None
         state: LayerState | None = None
         for index in Progress(range(num_layers), desc="FeatCal: layers", unit="layers", enabled=self.progress):
             fault_point(f"calibrate:layer{index}")
             layer, prefix = layers[index], self.adapter.layer_prefix(index)
             if layer_store is not None:
                 layer_store.load(index, layer)
-            if expert_layer is None:  # the experts' layers are read into a copy of the first
-                expert_layer = copy.deepcopy(layer)
+            # The experts' layers are read into a copy of this layer, not of the first: layers can differ by
+            # more than their tensors (a sliding-window layer of Gemma-2 or Qwen names its attention type), and
+            # the adapter runs the copy as the layer it was copied from.
+            expert_layer = copy.deepcopy(layer)
             modules = self.adapter.calibrated_modules(layer)
             seq_len = streams[tasks[0]].student.shape[1]
             weighting = {n: self.adapter.token_weighting(n, index, num_layers, seq_len) for n in modules}
@@ -334,6 +335,7 @@ class FeatCalibrator:
             if index < num_layers - 1:
                 for stream in streams.values():
                     self._advance(model, layer, stream.student, stream.batches)
+            del expert_layer  # freed before the next layer's copy
             if layer_store is not None:
                 layer_store.store(index, layer)
             logger.debug("FeatCal: layer %d calibrated", index)

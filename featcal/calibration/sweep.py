@@ -157,9 +157,10 @@ class SweepCalibrator:
             del student
         layers = [self.adapter.layers(s.model) for s in settings]
         num_layers = len(layers[0])
-        expert_layer = copy.deepcopy(layers[0][0])
         for index in Progress(range(num_layers), desc="FeatCal sweep: layers", unit="layers", enabled=self.progress):
             prefix = self.adapter.layer_prefix(index)
+            # as the driver: the experts' layers are read into a copy of this very layer, not of the first
+            expert_layer = copy.deepcopy(layers[0][index])
             seq_len = expert_streams[tasks[0]].expert.shape[1]
             names = self.adapter.calibrated_modules(layers[0][index])
             weighting = {n: self.adapter.token_weighting(n, index, num_layers, seq_len) for n in names}
@@ -179,6 +180,7 @@ class SweepCalibrator:
                     layer = setting_layers[index]
                     for stream in setting.students.values():
                         setting.calibrator._advance(setting.model, layer, stream.student, stream.batches)
+            del expert_layer  # freed before the next layer's copy
             logger.debug("FeatCal sweep: layer %d calibrated for %d settings", index, len(settings))
         return [s.model for s in settings]
 

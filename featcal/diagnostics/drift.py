@@ -13,9 +13,9 @@ head. 0 means the model reproduces the expert's features exactly on these images
 
 Streaming, like the calibration: one task at a time, each model's stream (``[n, seq, d]``) is
 advanced in place through one layer at a time, and the expert's layers are read one at a time from
-its (memory-mapped) checkpoint into a single layer module, so memory holds one layer's features per
-model and one expert layer, whatever the number of layers and tasks. Each model runs one forward
-pass over each task's images; sums are kept in float64.
+its (memory-mapped) checkpoint into a copy of the model's layer at the same index, so memory holds one
+layer's features per model and one expert layer, whatever the number of layers and tasks. Each model
+runs one forward pass over each task's images; sums are kept in float64.
 """
 
 from __future__ import annotations
@@ -184,8 +184,10 @@ class DriftMeter:
         layers = {name: self.adapter.layers(model) for name, model in models.items()}
         num_layers = len(layers[next(iter(models))])
         sums = _Sums(list(models), num_layers + 1, self.device)
-        expert_layer = copy.deepcopy(self.adapter.layers(first)[0])
         for index in range(num_layers):
+            # a copy of this very layer (not of the first): layers can differ by more than their tensors
+            # (the attention type of a sliding-window layer), and the adapter runs the copy as that layer
+            expert_layer = copy.deepcopy(self.adapter.layers(first)[index])
             load_params(expert_layer, expert, self.adapter.layer_prefix(index))
             for start in range(0, expert_stream.shape[0], self.batch_size):
                 rows = slice(start, start + self.batch_size)
@@ -196,7 +198,7 @@ class DriftMeter:
                     streams[name][rows] = self.adapter.run_layer(layers[name][index], streams[name][rows], context)
                 outputs = {name: streams[name][rows] for name in models}
                 sums.add(index, expert_stream[rows], outputs, part.token_weights)
-        del expert_layer
+            del expert_layer  # freed before the next layer's copy
         heads = {name: self.adapter.head(model) for name, model in models.items()}
         expert_head = self._expert_copy(self.adapter.head(first), expert, self.adapter.head_prefix())
         for start in range(0, expert_stream.shape[0], self.batch_size):

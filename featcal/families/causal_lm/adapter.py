@@ -68,6 +68,14 @@ def _rms_normalize(eps: float):
     return normalize
 
 
+def _layer_type(layer: nn.Module) -> str:
+    """Which of a batch's masks a decoder layer reads. transformers 5 keeps the type on the layer's
+    attention (``self_attn.layer_type``: Qwen2/3, Gemma-2), not on the decoder layer; layers without one
+    (Llama, Mistral) read the full-attention mask, which for Mistral is its sliding-window one."""
+    attention = getattr(layer, "self_attn", None)
+    return getattr(attention, "layer_type", None) or getattr(layer, "attention_type", None) or FULL
+
+
 class DecoderAdapter:
     """A ``*ForCausalLM`` of transformers 5 whose decoder is ``model.model`` (see the module docstring).
 
@@ -116,7 +124,7 @@ class DecoderAdapter:
         return DecoderContext(masks, positions, model.model.rotary_emb(hidden, positions))
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, context: DecoderContext) -> torch.Tensor:
-        mask = context.masks[getattr(layer, "layer_type", None) or FULL]
+        mask = context.masks[_layer_type(layer)]
         out = layer(hidden, attention_mask=mask, position_ids=context.positions, position_embeddings=context.rotary)
         return out[0] if isinstance(out, tuple) else out
 
