@@ -416,14 +416,40 @@ def help_text(side: Side, command: str, workdir: Path) -> str:
     return subprocess.run(argv, cwd=workdir, env=side_env(side, workdir), capture_output=True, text=True).stdout
 
 
+_ACCEPTS = """
+import sys
+from featcal.cli import build_parser
+parser = build_parser()
+if sys.argv[1]:
+    commands = next(a for a in parser._actions if isinstance(getattr(a, "choices", None), dict))
+    parser = commands.choices[sys.argv[1]]
+print(" ".join(parser._option_string_actions))
+"""
+
+
+@functools.cache
+def accepted_options(side: Side, command: str, workdir: Path) -> frozenset[str]:
+    """Every option the side's parser accepts for ``command``, those hidden from ``--help`` (old spellings
+    kept as aliases) included."""
+    argv = [sys.executable, "-c", _ACCEPTS, command]
+    out = subprocess.run(argv, cwd=workdir, env=side_env(side, workdir), capture_output=True, text=True).stdout
+    return frozenset(out.split())
+
+
 def check_flags(steps: list[Step], sides: tuple[Side, Side], workdir: Path) -> None:
-    """Stop unless every option of every step is spelled as in both trees' ``--help``."""
+    """Stop unless every option of every step is spelled as in both trees' ``--help`` (or accepted by the
+    tree's parser as a hidden alias)."""
     for side in sides:
         for step in steps:
             global_options, command, flags = split_argv(step.argv)
             for where, options in (("", global_options), (command, flags)):
                 text = help_text(side, where, workdir)
-                unknown = [o for o in options if not re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", text)]
+                unknown = [
+                    o
+                    for o in options
+                    if not re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", text)
+                    and o not in accepted_options(side, where, workdir)
+                ]
                 if unknown:
                     fail(
                         f"featcal {where} of the {side.name} tree has no {', '.join(unknown)} "
