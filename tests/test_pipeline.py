@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from featcal.cli import main
+from featcal.metrics import weights_sha256
 from tests.support.builders import FIXTURE
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -69,6 +70,8 @@ def test_the_calibrated_weights_are_the_golden_ones_to_float_rounding(golden_run
 def test_metrics_are_the_golden_ones(golden_run: Path, stage: str) -> None:
     metrics = json.loads((golden_run / stage / "metrics.json").read_text())
     metrics.pop("run_id", None)
+    if stage in ("ta", "featcal-ta"):  # a stage's report names the weights it measured: its folder's
+        assert metrics.pop("weights_sha256") == weights_sha256(golden_run / stage)
     expected = GOLDEN["metrics"][stage]
     assert metrics.keys() == expected.keys()
     for key, value in expected.items():

@@ -216,7 +216,7 @@ def test_sweep_of_lambda_uses_the_runs_n_and_shows_in_the_exported_card(run_dir,
         (["--num-calibration-examples", "4,0"], "--num-calibration-examples '4,0' is invalid"),
         (["--num-calibration-examples", "4,,8"], "--num-calibration-examples '4,,8' is invalid"),
         (["--num-calibration-examples", "13"], "fewer than the 13 calibration images"),
-        (["--together", "0"], "together='0' is invalid"),
+        (["--together", "0"], "--together '0' is invalid"),
         (["--device", "tpu"], "--device 'tpu' is invalid"),
     ],
 )
@@ -238,7 +238,8 @@ def test_a_skip_ta_run_is_swept_from_the_folder_it_started_from(run_dir, world, 
     argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), "--no-export"]
     argv += ["--skip-ta", "--ta-model-path", str(run_dir / "ta"), "--num-calibration-examples", "8", *FAST]
     assert main([*argv, "--device", device]) == 0
-    assert not (out / "ta").exists()
+    assert not (out / "ta" / "model.safetensors").exists()  # not merged here: ta/ holds its evaluation alone
+    assert read(out / "ta" / "metrics.json")["average"]["accuracy"] > 0
     assert main(["-q", "sweep", str(out), "--num-calibration-examples", "8", *SWEEP_FAST, "--device", device]) == 0
     sweep, calibrated = read(out / "sweep" / "sweep.json"), read(out / "featcal-ta" / "metrics.json")
     assert sweep["merged_model"] == "ta"  # the folder's name
