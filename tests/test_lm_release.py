@@ -368,7 +368,7 @@ def test_a_merged_folder_is_released_too(merged, tmp_path) -> None:
     AutoModelForCausalLM.from_pretrained(out)
 
 
-def test_featcal_card_regenerates_only_the_card(calibrated, release, tmp_path) -> None:
+def test_featcal_card_regenerates_only_the_card(calibrated, release, tmp_path, capsys) -> None:
     out = Path(shutil.copytree(release[0], tmp_path / "release"))
     before = snapshot(out)
     assert main(["-q", "card", str(calibrated), "--output", str(out), "--repo", "me/renamed"]) == 0
@@ -376,6 +376,11 @@ def test_featcal_card_regenerates_only_the_card(calibrated, release, tmp_path) -
     assert {k for k in after if after[k][0] != before[k][0]} == {"README.md", "release_manifest.json"}
     assert ModelCard.load(out / "README.md").data.model_name == "me/renamed"
     check_model_release(out)  # the manifest follows the new card
+    before = snapshot(calibrated)
+    for inside in (calibrated, calibrated / "card"):
+        code, err = run_error(capsys, ["card", str(calibrated), "--output", str(inside)])
+        assert code == 2 and len(err) == 1 and "model folder" in err[0], err
+    assert snapshot(calibrated) == before
 
 
 # --- refusals -----------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import jinja2
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
-from featcal.errors import FeatcalError, ReleaseError
+from featcal.errors import FeatcalError, OutputPathError, ReleaseError
 from featcal.families import get_family
 from featcal.files.atomic import atomic_write_text
 from featcal.hub.refs import check_repo_id, is_hub_id, split_revision
@@ -259,11 +259,17 @@ def write_model_card(
     Raises:
         ModelInputError: when ``model_dir`` is not a language-model folder of featcal's.
         ReleaseError: when ``out_dir`` is the release of another model folder, or of a run.
-        OutputPathError: when ``out_dir`` holds files that are not a featcal card's or release's.
+        OutputPathError: when ``out_dir`` is or lies in the model folder, or holds files that are not a
+            featcal card's or release's.
         FeatcalError: when the template is missing, fails to render or gives invalid metadata.
     """
     folder = read_model_folder(model_dir)
     out = Path(out_dir).expanduser() if out_dir is not None else default_release_folder(folder.path)
+    inside = folder.path.resolve()
+    if out.resolve() == inside or inside in out.resolve().parents:
+        raise OutputPathError(
+            out, f"The card folder {out} is or lies in the model folder {folder.path}: write the card elsewhere."
+        )
     if (out / MANIFEST).is_file():
         recorded = read_manifest(out).recipe_sha256
         if not is_model_release(out) or recorded != folder.recipe_sha256:
