@@ -137,6 +137,25 @@ class OutputPathError(FeatcalError):
         super().__init__(message)
 
 
+class NoSpaceError(OutputPathError):
+    """Too little free space where an output is to be written; checked before anything is written.
+
+    Args:
+        path: The output folder.
+        needed: The bytes the command would write there.
+        free: The bytes free on its file system.
+    """
+
+    def __init__(self, path: str | Path, needed: int, free: int) -> None:
+        self.needed = needed
+        self.free = free
+        super().__init__(
+            path,
+            f"Not enough free space for {path}: it needs {needed:,d} bytes and {free:,d} are free there; free some "
+            "space, or write it on another file system.",
+        )
+
+
 class HubError(FeatcalError):
     """The Hub refused a request, or could not be reached; nothing was published.
 

@@ -20,6 +20,7 @@ from typing import Any
 from featcal.errors import ModelInputError
 from featcal.files.atomic import atomic_write_json, atomic_write_text
 from featcal.runfolder.record import FeatCalRecord, MergeRecord
+from featcal.tasks import Task
 from featcal.version import __version__
 
 RECIPE_FILE = "featcal_recipe.json"
@@ -42,6 +43,14 @@ class ModelRecipe:
         featcal: The calibration's parameters (None for a merge).
         seed: The seed of the calibration examples' shuffle (None for a merge).
         featcal_version: The featcal that wrote it.
+        calibration_data: For a calibration of text tasks, each task's calibration data, by task name:
+            its ``expert``, ``dataset`` (and ``config``, ``revision`` when set), ``split``, text format
+            (``text`` or ``prompt`` and ``response``, ``weigh``, ``max_length``) and the ``examples``
+            used (see :func:`calibration_entry`); empty otherwise (a CLIP calibration records its tasks
+            in its run folder).
+        mergekit_config: For a calibration of a merge that only mergekit recorded (a folder with a
+            ``mergekit_config.yml`` and no ``featcal_recipe.json``), that file's text as read, so the
+            calibrated folder still says how its merge was made; None otherwise.
     """
 
     kind: str
@@ -53,6 +62,8 @@ class ModelRecipe:
     seed: int | None = None
     featcal_version: str = __version__
     extra: Mapping[str, Any] = field(default_factory=dict)
+    calibration_data: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    mergekit_config: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -67,6 +78,10 @@ class ModelRecipe:
         if self.featcal is not None:
             data["featcal"] = self.featcal.to_json()
             data["seed"] = self.seed
+        if self.calibration_data:  # absent rather than empty: recipes without it read as before
+            data["calibration_data"] = {name: dict(entry) for name, entry in self.calibration_data.items()}
+        if self.mergekit_config is not None:
+            data["mergekit_config"] = self.mergekit_config
         return data
 
     @classmethod
@@ -90,9 +105,33 @@ class ModelRecipe:
                 featcal=FeatCalRecord.from_json(data["featcal"], where) if data.get("featcal") else None,
                 seed=data.get("seed"),
                 featcal_version=str(data.get("featcal_version", "")),
+                calibration_data={str(k): dict(v) for k, v in (data.get("calibration_data") or {}).items()},
+                mergekit_config=None if data.get("mergekit_config") is None else str(data["mergekit_config"]),
             )
         except (KeyError, AttributeError, TypeError, ValueError) as exc:
             raise ModelInputError(str(where), f"{where} is a damaged featcal model recipe ({exc}).") from None
+
+
+def calibration_entry(task: Task, expert: str | None, examples: int) -> dict[str, Any]:
+    """What a calibration recipe records of a text task's calibration data (see
+    :attr:`ModelRecipe.calibration_data`).
+
+    Args:
+        task: A text task (one with a :class:`~featcal.tasks.TextFormat`).
+        expert: Its expert as the calibration named it.
+        examples: The calibration examples it used.
+
+    Returns:
+        The entry: ``expert``, ``dataset``, ``config`` and ``revision`` when set, ``split``, the text
+        format's keys and ``examples``.
+    """
+    spec = task.dataset
+    entry: dict[str, Any] = {"expert": expert, "dataset": spec.path}
+    entry.update({k: v for k, v in (("config", spec.name), ("revision", spec.revision)) if v is not None})
+    entry["split"] = spec.train_split
+    entry.update(task.text.to_dict() if task.text is not None else {})
+    entry["examples"] = int(examples)
+    return entry
 
 
 def write_model_recipe(folder: Path, recipe: ModelRecipe) -> None:

@@ -19,7 +19,15 @@ from featcal.checkpoint import check_finite_state
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError
 from featcal.merging import get_method
-from featcal.model_recipe import CALIBRATION, MERGE, ModelRecipe, read_model_recipe, write_model_recipe
+from featcal.model_recipe import (
+    CALIBRATION,
+    MERGE,
+    MERGEKIT_FILE,
+    ModelRecipe,
+    calibration_entry,
+    read_model_recipe,
+    write_model_recipe,
+)
 from featcal.precision import forward_dtype
 from featcal.resolve import RunInputs
 from featcal.runfolder.record import FeatCalRecord, MergeRecord
@@ -37,12 +45,22 @@ def calibration_recipe(
     inputs: RunInputs, merged_folder: str | Path, params: FeatCalParams, seed: int, counts: Mapping[str, int]
 ) -> ModelRecipe:
     """What the calibration of the merge in ``merged_folder`` records beside its weights: the merge's own
-    recipe when that folder records one (its method unknown, ``""``, when not)."""
+    recipe when that folder records one (its method unknown, ``""``, when not, and then the text of its
+    ``mergekit_config.yml`` when mergekit made it), and each text task's calibration data."""
     merged = read_model_recipe(merged_folder)
     merge_record = MergeRecord("", {}, str(Path(merged_folder).resolve())) if merged is None else merged.merge
+    mergekit = Path(merged_folder) / MERGEKIT_FILE
+    data = {
+        t.name: calibration_entry(
+            t, inputs.expert_refs.get(t.name), counts.get(t.name, params.num_calibration_examples)
+        )
+        for t in inputs.tasks
+        if t.text is not None
+    }
     return ModelRecipe(
         CALIBRATION, inputs.family.name, inputs.base_ref, inputs.expert_refs, merge_record,
-        FeatCalRecord(params, dict(counts)), seed,
+        FeatCalRecord(params, dict(counts)), seed, calibration_data=data,
+        mergekit_config=mergekit.read_text(encoding="utf-8") if merged is None and mergekit.is_file() else None,
     )  # fmt: skip
 
 

@@ -14,17 +14,28 @@ from featcal.release.options import CardOptions, CommitOptions
 def run_export(args: argparse.Namespace) -> int:
     from featcal.release.export import export_release
 
-    card = CardOptions(**given_values(args, CardOptions))
-    out = export_release(args.run_dir, args.output, repo_id=card.repo_id, license=card.license, template=card.template)
+    given = given_values(args, CardOptions)
+    card = CardOptions(**given)
+    out = export_release(
+        args.run_dir, args.output, repo_id=card.repo_id, license=given.get("license"), template=card.template
+    )
     print(path_line("Release folder", out))
     return 0
 
 
 def run_card(args: argparse.Namespace) -> int:
-    from featcal.release.card import write_card
+    from featcal.release.model_folder import is_model_input
 
-    card = CardOptions(**given_values(args, CardOptions))
-    path = write_card(args.run_dir, args.output, repo_id=card.repo_id, license=card.license, template=card.template)
+    if is_model_input(args.run_dir):  # a language-model folder of featcal merge / calibrate
+        from featcal.release.model_card import write_model_card as write_card
+    else:
+        from featcal.release.card import write_card
+
+    given = given_values(args, CardOptions)
+    card = CardOptions(**given)
+    path = write_card(
+        args.run_dir, args.output, repo_id=card.repo_id, license=given.get("license"), template=card.template
+    )
     print(path_line("Model card", path))
     return 0
 
@@ -59,18 +70,26 @@ def run_push(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `export`, `card` and `push` subcommands, each with its handler."""
     export = subparsers.add_parser("export", help="write a run's release folder (weights, card, metrics, recipe)")
-    export.add_argument("run_dir", metavar="RUN", help="run folder (with run_config.json)")
-    export.add_argument("--output", metavar="DIR", help="release folder (default: RUN/release)")
+    export.add_argument(
+        "run_dir", metavar="RUN", help="run folder (with run_config.json), or a model folder of featcal merge/calibrate"
+    )
+    export.add_argument(
+        "--output", metavar="DIR", help="release folder (default: RUN/release; for a model folder DIR, DIR-release)"
+    )
     add_options(export, CardOptions)
     command(export, run_export)
 
     card = subparsers.add_parser("card", help="regenerate only the model card (README.md and plot) of a run")
-    card.add_argument("run_dir", metavar="RUN", help="run folder (with run_config.json)")
-    card.add_argument("--output", metavar="DIR", help="folder for README.md and the plot (default: RUN/release)")
+    card.add_argument(
+        "run_dir", metavar="RUN", help="run folder (with run_config.json), or a model folder of featcal merge/calibrate"
+    )
+    card.add_argument(
+        "--output", metavar="DIR", help="folder for README.md and the plot (default: RUN/release, or DIR-release)"
+    )
     add_options(card, CardOptions)
     command(card, run_card)
 
-    push = subparsers.add_parser("push", help="upload a release to the Hugging Face Hub as one commit")
+    push = subparsers.add_parser("push", help="upload a release to the Hugging Face Hub")
     push.add_argument("path", metavar="FOLDER", help="release folder, or run folder (its release/ is used or exported)")
     add_options(push, HubOptions, required=("repo_id",))
     add_options(push, CommitOptions)

@@ -39,11 +39,13 @@ def as_if_created(path: str | Path, *, folder: bool = False) -> None:
 
 def as_if_created_tree(folder: str | Path) -> None:
     """:func:`as_if_created` on ``folder`` and everything in it (libraries such as safetensors create
-    their files private)."""
+    their files private), except hard links to files elsewhere: a link shares its file's inode, so its
+    permissions are that file's, which are not featcal's to change."""
     folder = Path(folder)
     as_if_created(folder, folder=True)
     for path in folder.rglob("*"):
-        as_if_created(path, folder=path.is_dir())
+        if path.is_dir() or path.lstat().st_nlink == 1:
+            as_if_created(path, folder=path.is_dir())
 
 
 def _temporary_prefix(target: Path) -> str:

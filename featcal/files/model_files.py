@@ -3,3 +3,13 @@
 MODEL_CONFIG = "config.json"  # a model folder's transformers configuration
 WEIGHTS = "model.safetensors"  # a model folder's weights, in one file
 WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded model folder's index of its weight files
+# What a language model's folder holds beside config.json and the weights: the base's tokenizer files and
+# generation config, which every merged and calibrated folder (and its release) carries.
+COMPANION_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+    "chat_template.jinja",
+)

@@ -295,10 +295,13 @@ def write_card(
     out_dir: str | Path | None = None,
     *,
     repo_id: str | None = None,
-    license: str = DEFAULT_LICENSE,
+    license: str | None = None,
     template: str | Path | None = None,
 ) -> Path:
     """Write ``README.md`` and the results plot for the run into ``out_dir`` (default ``<run>/release``).
+
+    A language-model folder's card is written by :func:`featcal.release.model_card.write_model_card`
+    (``featcal card DIR`` chooses between the two).
 
     Only the card and its image change; the weights and the rest of the folder are left as they are.
     In a release folder, the entries of the two files in ``release_manifest.json`` are updated, so the
@@ -308,7 +311,7 @@ def write_card(
         run_dir: The run folder written by ``featcal run``.
         out_dir: Where to write the card (default ``<run>/release``); created when missing.
         repo_id: The Hub repository the card names (its usage snippet and ``model-index``).
-        license: The license in the card's metadata.
+        license: The license in the card's metadata (default: :data:`DEFAULT_LICENSE`).
         template: A Jinja model card template of your own.
 
     Returns:
@@ -321,6 +324,7 @@ def write_card(
         RunLockedError: when another process is writing the run folder.
         FeatcalError: when the template is missing, fails to render or gives invalid metadata.
     """
+    license = DEFAULT_LICENSE if license is None else license
     run_path = Path(run_dir).expanduser()
     out = Path(out_dir).expanduser() if out_dir is not None else run_path / RELEASE_DIR
     inside = run_path.resolve() in out.resolve().parents

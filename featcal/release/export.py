@@ -20,6 +20,7 @@ from featcal.metrics import WEIGHTS_SHA256, weights_sha256
 from featcal.outputs import check_output_folder
 from featcal.release.card import CARD_FILE, write_card_files
 from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, write_manifest
+from featcal.release.model_folder import is_model_input
 from featcal.release.options import DEFAULT_LICENSE
 from featcal.release.plot import PLOT_FILE
 from featcal.release.published import published_config
@@ -161,10 +162,14 @@ def export_release(
     out_dir: str | Path | None = None,
     *,
     repo_id: str | None = None,
-    license: str = DEFAULT_LICENSE,
+    license: str | None = None,
     template: str | Path | None = None,
 ) -> Path:
     """Write the release folder of a run (default ``<run>/release``) and return its path.
+
+    A language-model folder written by ``featcal merge`` or ``featcal calibrate`` (a folder with
+    ``featcal_recipe.json`` or ``config.json`` and no ``run_config.json``) is released by
+    :func:`featcal.release.model_release.export_model_release` instead (default ``<folder>-release``).
 
     The folder holds the released model (calibrated when present, else merged) as its family's class (a
     ``CLIPVisionModel``), the base model's preprocessor (CLIP's image processor config), the model card
@@ -177,11 +182,12 @@ def export_release(
     half-written; exporting the same run again gives the same bytes.
 
     Args:
-        run_dir: The run folder written by ``featcal run``.
+        run_dir: The run folder written by ``featcal run`` (or a language-model folder, see above).
         out_dir: Where to write the release (default ``<run>/release``); an existing release there is
             replaced, a folder holding other files is refused.
         repo_id: The Hub repository the card names (its usage snippet and ``model-index``).
-        license: The license in the card's metadata.
+        license: The license in the card's metadata (default: a run's :data:`DEFAULT_LICENSE`; for a model
+            folder, none: see :func:`~featcal.release.model_release.export_model_release`).
         template: A Jinja model card template of your own.
 
     Returns:
@@ -191,9 +197,16 @@ def export_release(
         RunFolderError: when the run folder is incomplete, damaged or edited after the run, its released
             stage's results do not belong to its weights, or the calibrated stage of a calibrated run is gone.
         RunLockedError: when another process is writing the run folder.
-        ModelInputError: when the released weights or the base's preprocessor do not load.
+        ModelInputError: when the released weights or the base's preprocessor do not load, or a model
+            folder is not a language-model folder of featcal's.
+        NoSpaceError: when a model folder's release does not fit on its file system.
         OutputPathError: when ``out_dir`` is a file or holds files that are not part of a release.
     """
+    if is_model_input(run_dir):  # a language-model folder of featcal merge / calibrate: no run around it
+        from featcal.release.model_release import export_model_release
+
+        return export_model_release(run_dir, out_dir, repo_id=repo_id, license=license, template=template)
+    license = DEFAULT_LICENSE if license is None else license
     if repo_id is not None:
         check_repo_id(repo_id, namespace=True)
     run_path = Path(run_dir).expanduser()

@@ -15,9 +15,7 @@ from elsewhere, a corrupted download), not against someone who rewrites the reco
 
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +23,8 @@ from typing import Any
 
 from featcal.errors import ReleaseError
 from featcal.files.atomic import atomic_write_json
-from featcal.files.hashing import CHUNK, file_sha256
+from featcal.files.hashing import file_sha256
+from featcal.release.tensors import tensors_sha256_of
 
 MANIFEST = "release_manifest.json"
 MANIFEST_FORMAT = "featcal-release-manifest/1"
@@ -48,28 +47,7 @@ def tensors_sha256(path: Path) -> str:
     Raises:
         ReleaseError: when the file is not a readable safetensors file.
     """
-    digest = hashlib.sha256()
-    try:
-        with path.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-            start_of_data = 8 + size
-            for name in sorted(k for k in header if k != "__metadata__"):
-                entry = header[name]
-                begin, end = entry["data_offsets"]
-                line = json.dumps([name, entry["dtype"], entry["shape"]], separators=(",", ":"))
-                digest.update(line.encode() + b"\n")
-                f.seek(start_of_data + begin)
-                remaining = end - begin
-                while remaining > 0:
-                    chunk = f.read(min(CHUNK, remaining))
-                    if not chunk:
-                        raise ValueError(f"tensor {name} runs past the end of the file")
-                    digest.update(chunk)
-                    remaining -= len(chunk)
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise ReleaseError(path, f"{path} is not a readable safetensors file ({exc}).") from None
-    return digest.hexdigest()
+    return tensors_sha256_of([path])
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ metadata as ``published_config_sha256``; it equals ``run_id`` when no input was 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from featcal.hub.refs import is_hub_id
@@ -95,3 +95,60 @@ def _sweep(value: Any, key: str | None = None) -> Any:
     if isinstance(value, str) and _ABSOLUTE.match(value):
         return LOCAL_MARK + local_name(value)
     return value
+
+
+# An absolute path inside a text (a YAML value, a list item): `/…` or `~/…` after a space, quote or bracket.
+_ABSOLUTE_IN_TEXT = re.compile(r"(?<=[\s'\"\[,{])~?/[^\s'\",\]}#]+")
+
+
+def published_text(text: str, refs: Iterable[str] = ()) -> str:
+    """A text a release quotes (``mergekit_config.yml``) with no local path in it.
+
+    Each of ``refs`` (the references the text names, as a parser read them) that is a local folder is
+    replaced by its :func:`published_ref`, then any other absolute path (``/…``, ``~/…``) by
+    ``local:<last component>``. Everything else is kept verbatim.
+
+    Args:
+        text: The text.
+        refs: The model references it names.
+
+    Returns:
+        The text to publish.
+    """
+    for ref in sorted({r for r in refs if r}, key=len, reverse=True):
+        published = published_ref(ref)
+        if published != ref:
+            text = text.replace(ref, str(published))
+    return _ABSOLUTE_IN_TEXT.sub(lambda match: LOCAL_MARK + local_name(match.group(0)), text)
+
+
+def published_model_recipe(recipe: Mapping[str, Any], mergekit_refs: Iterable[str] = ()) -> dict[str, Any]:
+    """The copy of a model folder's ``featcal_recipe.json`` that a release publishes: no local path in it.
+
+    The base, the experts, the merged folder a calibration started from (``merge.from``) and each
+    calibration dataset and expert (``calibration_data``) become :func:`published_ref`; a quoted
+    ``mergekit_config`` becomes :func:`published_text`; any other string that looks like an absolute
+    path is named by its last component, as in :func:`published_config`.
+
+    Args:
+        recipe: The contents of ``featcal_recipe.json``.
+        mergekit_refs: The model references its ``mergekit_config`` names, if it has one.
+
+    Returns:
+        A new mapping; ``recipe`` is not modified.
+    """
+    published = _sweep(recipe)
+    if recipe.get("base_model"):
+        published["base_model"] = published_ref(recipe["base_model"])
+    if isinstance(recipe.get("experts"), Mapping):
+        published["experts"] = {k: published_ref(v) for k, v in recipe["experts"].items()}
+    merge = recipe.get("merge")
+    if isinstance(merge, Mapping) and merge.get("from"):
+        published["merge"]["from"] = published_ref(merge["from"])
+    for name, entry in (recipe.get("calibration_data") or {}).items():
+        for key in ("expert", "dataset"):
+            if isinstance(entry, Mapping) and entry.get(key):
+                published["calibration_data"][name][key] = published_ref(entry[key])
+    if isinstance(recipe.get("mergekit_config"), str):
+        published["mergekit_config"] = published_text(recipe["mergekit_config"], mergekit_refs)
+    return published

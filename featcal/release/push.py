@@ -1,8 +1,15 @@
-"""Publish a release folder to the Hugging Face Hub as one commit, then check what the Hub lists.
+"""Publish a release folder to the Hugging Face Hub, then check what the Hub lists.
 
-Nothing reaches the Hub before the folder has been checked (:func:`check_release`), the token has
+Nothing reaches the Hub before the folder has been checked (:func:`check_release` for a run's release,
+:func:`~featcal.release.model_check.check_model_release` for a language-model folder's), the token has
 been found and accepted, and the repository's namespace is the token owner's or one of their
 organisations'. The token is passed to ``huggingface_hub`` and never logged or put in a message.
+
+A release is sent as one commit. A large one (more than :data:`LARGE_UPLOAD_BYTES` bytes or
+:data:`LARGE_UPLOAD_FILES` files: a language model of billions of parameters) goes through
+``HfApi.upload_folder``, which with Xet storage (``hf_xet``) uploads in a streamed pipeline that can
+split the upload into several commits and resumes an interrupted upload when run again; without Xet it
+makes the same single commit.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from huggingface_hub.errors import RepositoryNotFoundError
 
 from featcal.errors import ReleaseError
 from featcal.files.model_files import WEIGHTS
-from featcal.hub.publishing import hub_api, publishing
+from featcal.hub.publishing import HIDDEN_PATTERNS, hub_api, publishing
 from featcal.hub.refs import check_repo_id
 from featcal.hub.verification import HubFile, hub_files, verify_hub_files
 from featcal.metrics import WEIGHTS_SHA256
@@ -26,12 +33,23 @@ from featcal.release.card import CARD_FILE
 from featcal.release.check import Release, check_release
 from featcal.release.export import export_release
 from featcal.release.manifest import read_manifest
+from featcal.release.model_folder import default_release_folder, is_model_folder, is_model_release
 from featcal.runfolder.layout import RELEASE_DIR, RUN_CONFIG
 from featcal.runfolder.ledger import StageLedger
 from featcal.runfolder.lock import RunLock
 from featcal.version import __version__
 
 logger = logging.getLogger(__name__)
+
+# A release above either goes through upload_folder (resumable, possibly several commits, with Xet).
+LARGE_UPLOAD_BYTES = 5 * 10**9  # save_pretrained's shard size: more than one shard's worth
+LARGE_UPLOAD_FILES = 50
+
+
+def is_large(files: tuple[HubFile, ...]) -> bool:
+    """Whether a release is large enough for the resumable upload: over :data:`LARGE_UPLOAD_BYTES` bytes
+    or :data:`LARGE_UPLOAD_FILES` files."""
+    return sum(f.size for f in files) > LARGE_UPLOAD_BYTES or len(files) > LARGE_UPLOAD_FILES
 
 
 @dataclass(frozen=True)
@@ -165,11 +183,25 @@ def push_release(
         >>> push_release("runs/ta8", "me/clip-vit-b32-ta8-featcal", private=True)  # doctest: +SKIP
     """
     check_repo_id(repo_id, namespace=True)
+    options = dict(private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
+                   token=token, dry_run=dry_run, endpoint=endpoint)  # fmt: skip
+    path = Path(folder).expanduser()
+    if is_model_release(path):  # a language-model folder's release: no run around it
+        from featcal.release.model_check import check_model_release
+
+        return _push(check_model_release(path), repo_id, **options)
+    if is_model_folder(path):
+        raise ReleaseError(
+            path,
+            f"{path} is a model folder, not a release: export it first (`featcal export {path}` writes "
+            f"{default_release_folder(path)}), then push that folder.",
+        )
     folder = resolve_release_folder(folder, repo_id, dry_run=dry_run)
     run = enclosing_run(folder.resolve())
     with RunLock(run, shared=True) if run is not None else nullcontext():  # no run rewrites it meanwhile
-        return _push(check_release(folder), repo_id, private=private, revision=revision, create_pr=create_pr,
-                     commit_message=commit_message, token=token, dry_run=dry_run, endpoint=endpoint)  # fmt: skip
+        release = check_release(folder)
+        check_source(release.folder)
+        return _push(release, repo_id, **options)
 
 
 def _push(
@@ -185,14 +217,14 @@ def _push(
     endpoint: str | None,
 ) -> PushResult:
     """Push a checked release (see :func:`push_release`)."""
-    check_source(release.folder)
     if release.model_name != repo_id:
         logger.warning(
             "The card in %s was rendered for %r, not %s: its usage snippet names the wrong repository "
-            "(re-render it with `featcal card RUN --repo %s`).",
+            "(re-render it with `featcal card %s --repo %s`).",
             release.folder,
             release.model_name,
             repo_id,
+            "MODEL_FOLDER" if is_model_release(release.folder) else "RUN",
             repo_id,
         )
     if dry_run:
@@ -202,8 +234,21 @@ def _push(
     message = commit_message or f"Upload {name} (featcal {__version__}, recipe {release.recipe_sha256[:12]})"
     with publishing(api, repo_id):
         head = _ensure_repo(api, repo_id, private=private, revision=revision)
-        operations = [CommitOperationAdd(f.path_in_repo, f.local) for f in release.files]
-        info = api.create_commit(repo_id, operations, commit_message=message, revision=revision, create_pr=create_pr)
+        if is_large(release.files) and not create_pr:  # a pull request is one commit: the path below
+            logger.info("Uploading %s with upload_folder (resumable: run the push again if it stops)", release.folder)
+            info = api.upload_folder(
+                repo_id=repo_id,
+                folder_path=release.folder,
+                commit_message=message,
+                revision=revision,
+                allow_patterns=[f.path_in_repo for f in release.files],  # what was checked, nothing else
+                ignore_patterns=list(HIDDEN_PATTERNS),
+            )
+        else:
+            operations = [CommitOperationAdd(f.path_in_repo, f.local) for f in release.files]
+            info = api.create_commit(
+                repo_id, operations, commit_message=message, revision=revision, create_pr=create_pr
+            )
         listed_revision = info.pr_revision or revision
         listed = hub_files(api, repo_id, revision=listed_revision)
     verify_hub_files(release.files, listed, repo_id=repo_id, revision=listed_revision, source="the release folder")

@@ -23,7 +23,7 @@ from torch import nn
 
 from featcal.checkpoint import Checkpoint, check_same_architecture, load_params
 from featcal.errors import ModelInputError
-from featcal.files.model_files import MODEL_CONFIG
+from featcal.files.model_files import COMPANION_FILES, MODEL_CONFIG
 from featcal.files.model_folders import save_model_state, streamed_model_folder
 from featcal.files.safetensors_writer import TensorWriter
 
@@ -37,15 +37,6 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
 }
-# Files a merged or calibrated folder takes from the base beside config.json and the weights.
-COMPANION_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "generation_config.json",
-    "chat_template.jinja",
-)
 TOKENIZER_FILE = "tokenizer.json"
 SHARD_BYTES = 5 * 10**9  # save_pretrained's default shard size ("5GB")
 

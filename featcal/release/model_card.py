@@ -1,0 +1,289 @@
+"""The model card of a language-model release: Hub metadata and a Jinja-rendered body, from the model
+folder's ``featcal_recipe.json`` alone.
+
+The template is the ``causal_lm`` family's (``featcal/families/causal_lm/model_card.md.j2``); pass
+``template=`` to use your own. Inputs are named as a release publishes them
+(:mod:`featcal.release.published`): Hub ids as they are, local folders by their folder name only.
+featcal does not evaluate language models, so the card reports no result: it says so, and how to
+measure one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+from huggingface_hub import ModelCard, ModelCardData
+
+from featcal.errors import FeatcalError, OutputPathError, ReleaseError
+from featcal.families import get_family
+from featcal.files.atomic import atomic_write_text
+from featcal.hub.refs import check_repo_id, is_hub_id, split_revision
+from featcal.model_recipe import ModelRecipe, mergekit_config
+from featcal.release.card import CARD_FILE, FEATCAL_PARAMS, TAGS, _environment, _method_info, check_card_folder
+from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
+from featcal.release.model_folder import ModelFolder, default_release_folder, is_model_release, read_model_folder
+from featcal.release.published import published_model_recipe, published_ref, published_text
+from featcal.version import __version__
+
+logger = logging.getLogger(__name__)
+
+NO_LICENSE = "other"  # the card's license when none was given at export
+
+
+def mergekit_refs(recipe: ModelRecipe) -> list[str]:
+    """The model references the recipe's quoted ``mergekit_config.yml`` names (none when it quotes none)."""
+    if recipe.mergekit_config is None:
+        return []
+    from featcal.families.causal_lm.mergekit import parse_mergekit_config
+
+    merge = parse_mergekit_config(recipe.mergekit_config, "mergekit_config")
+    return [r for r in (merge.base_model, *merge.models) if r]
+
+
+def _hub_ids(refs: list[str | None]) -> list[str]:
+    """The Hub ids among ``refs``, revisions stripped, each once, in order."""
+    return list(dict.fromkeys(split_revision(r)[0] for r in refs if r and is_hub_id(r)))
+
+
+def _merge_context(folder: ModelFolder) -> dict[str, Any]:
+    """How the merged model came about: featcal's method and hyper-parameters (and the same merge in
+    mergekit's words, when mergekit has it), mergekit's configuration as mergekit wrote it, or unknown."""
+    recipe = folder.recipe
+    merge = recipe.merge
+    if merge.merged_from is None and merge.method:
+        pretty_name, url = _method_info(merge.method)
+        published = dataclasses.replace(
+            recipe,
+            base_model=str(published_ref(recipe.base_model)),
+            experts={k: str(published_ref(v)) for k, v in recipe.experts.items()},
+        )
+        return {
+            "by": "featcal",
+            "name": merge.method,
+            "pretty_name": pretty_name,
+            "url": url,
+            "params": dict(merge.params),
+            "mergekit": mergekit_config(published),
+            "tag": merge.method.replace("_", "-"),
+        }
+    if recipe.mergekit_config is not None:
+        from featcal.families.causal_lm.mergekit import parse_mergekit_config
+
+        parsed = parse_mergekit_config(recipe.mergekit_config, "mergekit_config")
+        text = published_text(recipe.mergekit_config, mergekit_refs(recipe))
+        return {
+            "by": "mergekit",
+            "name": parsed.method,
+            "pretty_name": f"mergekit's {parsed.method}",
+            "url": None,
+            "params": {},
+            "mergekit": text,
+            "mergekit_local": text != recipe.mergekit_config,
+            "source": published_ref(merge.merged_from),
+            "tag": parsed.method.replace("_", "-"),
+        }
+    return {
+        "by": None,
+        "name": "",
+        "pretty_name": "an existing merge",
+        "url": None,
+        "params": {},
+        "mergekit": None,
+        "source": published_ref(merge.merged_from),
+        "tag": None,
+    }
+
+
+def _featcal_rows(recipe: ModelRecipe, noun: str) -> list[dict[str, Any]] | None:
+    """The FeatCal parameters with their symbols and meanings (spoken of the family's examples)."""
+    if recipe.featcal is None:
+        return None
+    rows = []
+    for name, value in recipe.featcal.params.to_dict().items():
+        symbol, meaning = FEATCAL_PARAMS.get(name, ("", ""))
+        meaning = meaning.replace("images", f"{noun}s")
+        rows.append({"name": name, "symbol": symbol, "value": value, "meaning": meaning})
+    return rows
+
+
+def _data_rows(recipe: ModelRecipe) -> list[dict[str, Any]]:
+    """Each expert's calibration data as the recipe records it, inputs named as published."""
+    rows = []
+    for task, entry in recipe.calibration_data.items():
+        fmt = (
+            f"`{entry['text']}`"
+            if entry.get("text")
+            else f"prompt `{entry.get('prompt', '')}`, response `{entry.get('response', '')}`"
+        )
+        rows.append(
+            {
+                "task": task,
+                "expert": published_ref(entry.get("expert")),
+                "dataset": published_ref(entry.get("dataset")),
+                "config": entry.get("config"),
+                "revision": entry.get("revision"),
+                "split": entry.get("split"),
+                "format": fmt.replace("\n", "\\n").replace("|", "\\|"),
+                "weigh": entry.get("weigh"),
+                "max_length": entry.get("max_length"),
+                "examples": entry.get("examples"),
+            }
+        )
+    return rows
+
+
+def default_model_name(folder: ModelFolder) -> str:
+    """A repository name for the release: the model folder's name (``llama3b-ta-featcal``)."""
+    return folder.path.resolve().name
+
+
+def model_card_data(folder: ModelFolder, *, model_name: str, license: str) -> ModelCardData:
+    """The card's YAML metadata: library, pipeline, license, the Hub models it was merged from, tags and
+    the Hub datasets it was calibrated on.
+
+    Args:
+        folder: The model folder.
+        model_name: The repository the card names.
+        license: The license (``other`` when none was given).
+
+    Returns:
+        The metadata.
+    """
+    recipe = folder.recipe
+    parts = get_family(recipe.family).release
+    merge = _merge_context(folder)
+    base_models = _hub_ids([recipe.base_model, *recipe.experts.values()])
+    datasets = _hub_ids([entry.get("dataset") for entry in recipe.calibration_data.values()])
+    tags = [*TAGS, *parts.tags, *(["mergekit"] if merge["by"] == "mergekit" else []), merge["tag"]]
+    return ModelCardData(
+        model_name=model_name,
+        library_name="transformers",
+        license=license,
+        pipeline_tag=parts.pipeline_tag,
+        base_model=base_models or None,
+        base_model_relation="merge" if base_models else None,
+        tags=list(dict.fromkeys(t for t in tags if t)),
+        datasets=datasets or None,
+    )
+
+
+def _context(folder: ModelFolder, *, repo_id: str | None, license: str | None) -> dict[str, Any]:
+    """The template's variables: everything from the folder's recipe, inputs named as published."""
+    recipe = folder.recipe
+    family = get_family(recipe.family)
+    model_name = repo_id or default_model_name(folder)
+    published = published_model_recipe(folder.raw_recipe, mergekit_refs(recipe))
+    return {
+        "card_data": model_card_data(folder, model_name=model_name, license=license or NO_LICENSE).to_yaml(),
+        "title": model_name.split("/")[-1],
+        "repo_id": repo_id or f"<namespace>/{model_name}",
+        "repo_id_known": repo_id is not None,
+        "license_given": license is not None,
+        "base_model": published_ref(recipe.base_model),
+        "experts": [{"task": task, "ref": published_ref(ref)} for task, ref in recipe.experts.items()],
+        "calibrated": folder.calibrated,
+        "merge": _merge_context(folder),
+        "featcal": _featcal_rows(recipe, family.noun),
+        "seed": recipe.seed,
+        "data": _data_rows(recipe),
+        "featcal_version": __version__,
+        "recipe_featcal_version": recipe.featcal_version,
+        "recipe_sha256": folder.recipe_sha256,
+        "local_inputs": published != folder.raw_recipe,
+        "sharded": folder.index is not None,
+        "architecture": folder.architecture,
+    }
+
+
+def render_model_card(
+    folder: ModelFolder, *, repo_id: str | None = None, license: str | None = None, template: str | Path | None = None
+) -> ModelCard:
+    """The model card of a language-model folder's release.
+
+    Args:
+        folder: The model folder (:func:`~featcal.release.model_folder.read_model_folder`).
+        repo_id: The Hub repository the card names (metadata ``model_name`` and the usage snippet).
+        license: The license in the metadata; None gives ``other`` and a line in the card saying none was given.
+        template: A Jinja model card template of your own.
+
+    Returns:
+        The card.
+
+    Raises:
+        InvalidParameterError: for a ``repo_id`` that is not ``namespace/name``.
+        FeatcalError: when the template is missing, fails to render or gives invalid metadata.
+    """
+    if repo_id is not None:
+        check_repo_id(repo_id, namespace=True)
+    family = get_family(folder.recipe.family)
+    env, source = _environment(template, family)
+    shown = template or "/".join(family.release.card_template)
+    try:
+        text = env.from_string(source).render(**_context(folder, repo_id=repo_id, license=license))
+    except jinja2.TemplateError as exc:
+        raise FeatcalError(f"Model card template {shown} failed to render: {exc}") from None
+    try:
+        return ModelCard(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise FeatcalError(f"Model card template {shown} gives invalid metadata: {exc}") from None
+
+
+def write_model_card(
+    model_dir: str | Path,
+    out_dir: str | Path | None = None,
+    *,
+    repo_id: str | None = None,
+    license: str | None = None,
+    template: str | Path | None = None,
+) -> Path:
+    """Write ``README.md`` for a language-model folder into ``out_dir`` (default ``<folder>-release``).
+
+    Only the card changes. In a release of the same folder, its entry in ``release_manifest.json`` is
+    updated, so the release still passes the check before a push (an edit by hand does not).
+
+    Args:
+        model_dir: The model folder written by ``featcal merge`` or ``featcal calibrate``.
+        out_dir: Where to write the card: the folder's release, or a new or empty folder.
+        repo_id: The Hub repository the card names.
+        license: The license in the card's metadata (None: ``other``, and the card says none was given).
+        template: A Jinja model card template of your own.
+
+    Returns:
+        The path of ``README.md``.
+
+    Raises:
+        ModelInputError: when ``model_dir`` is not a language-model folder of featcal's.
+        ReleaseError: when ``out_dir`` is the release of another model folder, or of a run.
+        OutputPathError: when ``out_dir`` is or lies in the model folder, or holds files that are not a
+            featcal card's or release's.
+        FeatcalError: when the template is missing, fails to render or gives invalid metadata.
+    """
+    folder = read_model_folder(model_dir)
+    out = Path(out_dir).expanduser() if out_dir is not None else default_release_folder(folder.path)
+    inside = folder.path.resolve()
+    if out.resolve() == inside or inside in out.resolve().parents:
+        raise OutputPathError(
+            out, f"The card folder {out} is or lies in the model folder {folder.path}: write the card elsewhere."
+        )
+    if (out / MANIFEST).is_file():
+        recorded = read_manifest(out).recipe_sha256
+        if not is_model_release(out) or recorded != folder.recipe_sha256:
+            raise ReleaseError(
+                out,
+                f"{out} holds another release (recipe {recorded[:12]}) than that of {folder.path} (recipe "
+                f"{folder.recipe_sha256[:12]}): write the card into another folder, or export this folder there.",
+            )
+    else:
+        check_card_folder(out)
+    card = render_model_card(folder, repo_id=repo_id, license=license, template=template)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / CARD_FILE
+    atomic_write_text(path, str(card))
+    update_manifest(out, {CARD_FILE: True})
+    logger.info("Wrote the model card %s", path)
+    return path
