@@ -262,7 +262,7 @@ def test_export_of_a_real_featcal_run(tmp_path, device):
     release = export_release(out, repo_id="me/real-run")
     checked = check_release(release)
     run = read_run(out)
-    assert checked.recipe_sha256 == run.config["run_id"] == run.recipe_sha256
+    assert checked.recipe_sha256 == run.raw_config["run_id"] == run.recipe_sha256
     assert run.base_metrics is not None and run.calibrated.name == "featcal-ta"
     released = load_file(str(release / "model.safetensors"))
     calibrated = load_file(str(out / "featcal-ta" / "model.safetensors"))
