@@ -13,8 +13,7 @@ from featcal.cli.errors import hide_secrets
 from featcal.errors import FeatcalError, OutputPathError
 from featcal.files.atomic import replace_dir
 from featcal.outputs import check_output_file, check_output_folder
-
-CPU = ["--device", "cpu"]
+from tests.support.runs import CPU
 
 
 def run_error(capsys, argv):

@@ -29,9 +29,9 @@ from featcal.merging.registry import MethodRegistry, merge_method
 from featcal.precision import fixed_precision
 from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
+from tests.support.runs import fast_run
 
-FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
-FAST += ["--max-eval-samples", "4", "--eval-experts", "--no-export"]
+FAST = [*fast_run(max_eval_samples=4), "--eval-experts", "--no-export"]
 MERGING = Path(__file__).parents[1] / "featcal" / "merging"
 FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "arange", "eye", "rand", "randn", "linspace"}
 

@@ -23,14 +23,13 @@ from featcal.runfolder.layout import DIAGNOSTICS, DIAGNOSTICS_PLOT, RUN_CONFIG
 from featcal.runfolder.reader import read_run
 from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
+from tests.support.runs import CPU, fast_run
 
 TASKS = ("t0", "t1", "t2")
 RUN = [
     "--tasks-file", str(FIXTURE / "tasks.json"), "--base-model-id", str(FIXTURE / "base"),
-    "--num-calibration-examples", "8", "--calibration-batch-size", "4", "--eval-num-workers", "0",
-    "--eval-batch-size", "4",
+    *fast_run(calibration=8), "--eval-batch-size", "4",
 ]  # fmt: skip
-CPU = ["--device", "cpu"]  # for the refusals, which come before any model runs
 
 
 @pytest.fixture(scope="module")

@@ -27,12 +27,12 @@ from featcal.runfolder.ledger import StageLedger
 from featcal.runfolder.reader import read_run
 from featcal.runfolder.record import PROCESSES, recipe_sha256, write_run_config
 from tests.support.builders import FIXTURE
+from tests.support.runs import fast_run
 
 REPO = Path(__file__).parents[1]
 RUN = [
     "run", "--tasks-file", str(FIXTURE / "tasks.json"), "--base-model-id", str(FIXTURE / "base"),
-    "--num-calibration-examples", "8", "--calibration-batch-size", "4", "--eval-num-workers", "0",
-    "--eval-batch-size", "4", "--device", "cpu", "--no-export",
+    *fast_run(calibration=8), "--eval-batch-size", "4", "--device", "cpu", "--no-export",
 ]  # fmt: skip
 FAULT_BOUND_S = 120  # a failure must end the run well before the --dist-timeout given (600 s)
 

@@ -17,6 +17,7 @@ from featcal.memory import MemoryMeter, host_peak_bytes
 from featcal.spec import RunSpec
 from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
+from tests.support.runs import fast_run
 
 MIB = 2**20
 
@@ -61,7 +62,7 @@ def test_a_run_records_per_stage_peaks_and_its_threads(world, tmp_path, device):
     threads = torch.get_num_threads()
     out = tmp_path / "run"
     args = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out)]
-    args += ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
+    args += fast_run()
     args += ["--max-eval-samples", "4", "--eval-zero-shot", "--eval-experts", "--device", device]
     assert main(args) == 0
     timings = json.loads((out / "timings.json").read_text())
@@ -154,7 +155,7 @@ def test_the_calibration_runs_without_the_test_images_read_in_process(world, tmp
     monkeypatch.setattr(ZeroShotClassifier, "test_images", tracked_test_images)
     monkeypatch.setattr(pipeline, "calibrate", checked_calibrate)
     args = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(tmp_path / "run")]
-    args += ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
+    args += fast_run()
     args += ["--max-eval-samples", "4", "--device", device, "--no-export"]
     assert main(args) == 0
     assert alive_during_calibration == [False]  # the merged model's evaluation loaded them; released

@@ -11,9 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.runs import fast_run
+
 REPO = Path(__file__).parents[2]
-FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
-FAST += ["--max-eval-samples", "4"]
+FAST = fast_run(max_eval_samples=4)
 # Whatever an earlier in-process `main(["-q", ...])` or the caller's shell set must not do the CLI's work for it.
 CLEARED = {
     "PYTHONPATH",

@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from featcal.cli import main
+from tests.support.runs import fast_run
 
-FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
-FAST += ["--max-eval-samples", "2"]
+FAST = fast_run(max_eval_samples=2)
 
 
 @pytest.fixture

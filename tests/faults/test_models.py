@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from featcal.cli import main
+from tests.support.runs import CPU, fast_run
 
-FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
+FAST = fast_run()
 # The faults are refused before any model runs, so on the CPU alone.
-CPU = ["--device", "cpu"]
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import stat
 import pytest
 
 from featcal.cli import main
+from tests.support.runs import fast_run
 
-FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
-FAST += ["--max-eval-samples", "3"]
+FAST = fast_run(max_eval_samples=3)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

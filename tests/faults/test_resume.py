@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from featcal.cli import main
+from tests.support.runs import fast_run
 
-FAST = ["--num-calibration-examples", "4", "--calibration-batch-size", "4", "--eval-num-workers", "0"]
-FAST += ["--max-eval-samples", "3", "--eval-zero-shot"]
+FAST = [*fast_run(max_eval_samples=3), "--eval-zero-shot"]
 # Files whose bytes depend on wall time, not on the inputs: the timings, the card's timing table, and
 # the release manifest that records the card's hash.
 TIMED = {"timings.json", "release/README.md", "release/release_manifest.json"}
