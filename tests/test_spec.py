@@ -9,8 +9,8 @@ import pytest
 from featcal.cli import build_parser, main
 from featcal.cli.pipeline_commands import spec_from_args
 from featcal.errors import InvalidParameterError, UnknownNameError
-from featcal.options import option_fields
 from featcal.release.card import FEATCAL_PARAMS
+from featcal.runfolder.record import FeatCalRecord
 from featcal.spec import FeatCalParams, RunSpec, build_spec, load_recipe, recipe_keys
 
 
@@ -126,10 +126,19 @@ def test_the_python_api_names_parameters_not_flags(tmp_path) -> None:
     assert (info.value.name, info.value.owner) == ("seed", "recipe r.yaml")
 
 
-def test_run_config_and_card_derive_from_the_spec() -> None:
-    featcal_fields = [f.name for f, _, _ in option_fields(FeatCalParams)]
-    assert list(FeatCalParams().to_dict()) == featcal_fields == list(FEATCAL_PARAMS)
+def test_a_spec_s_featcal_parameters_reach_the_record_and_the_card_with_their_symbols() -> None:
+    """Values set on the command line are what the run record holds; the card labels each with the
+    symbol and meaning the option declares (λ: the pull towards the anchor)."""
+    spec = build_spec(cli={"lambda_ratio": "0.07", "teacher_interp_alpha": "0.5", "num_calibration_examples": "64"})
+    recorded = FeatCalRecord(spec.featcal).to_json()
+    assert (recorded["lambda_ratio"], recorded["teacher_interp_alpha"], recorded["num_calibration_examples"]) == (
+        0.07,
+        0.5,
+        64,
+    )
+    assert recorded["anchor_blend_rho"] == 2.2  # untouched: the reference run's
     assert FEATCAL_PARAMS["lambda_ratio"] == ("λ", "strength of the pull towards the anchor weights")
+    assert FEATCAL_PARAMS["teacher_interp_alpha"][0] == "α"
 
 
 def test_help_does_not_import_torch() -> None:
