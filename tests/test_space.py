@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import io
 import json
+import struct
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -110,8 +112,8 @@ def _odd_images(folder: Path) -> dict[str, tuple[Path, str, str]]:
     """name → (file, 'ok' or 'error', text the reply's notes or error must contain)."""
     rng = np.random.default_rng(0)
     noise = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
-    gradient = np.linspace(0, 255, 5000, dtype=np.float32)
-    huge = Image.fromarray(np.stack([np.add.outer(gradient, gradient) / 2] * 3, -1).astype(np.uint8))
+    gradient = np.linspace(0, 255, 2800, dtype=np.float32)
+    large = Image.fromarray(np.stack([np.add.outer(gradient, gradient) / 2] * 3, -1).astype(np.uint8))
     jpeg = io.BytesIO()
     Image.fromarray(noise).save(jpeg, "JPEG")
     rotated = Image.fromarray(noise)
@@ -128,7 +130,7 @@ def _odd_images(folder: Path) -> dict[str, tuple[Path, str, str]]:
             "16-bit",
         ),
         "1x1": (_save(Image.new("RGB", (1, 1), (9, 99, 199)), folder / "dot.png"), "ok", "only 1×1"),
-        "5000x5000": (_save(huge, folder / "huge.jpg", quality=80), "ok", ""),
+        "2800x2800": (_save(large, folder / "large.jpg", quality=80), "ok", ""),
         "exif-rotated": (_save(rotated, folder / "rot.jpg", exif=exif), "ok", "Rotated"),
         "animated": (
             _save(frames[0], folder / "anim.gif", save_all=True, append_images=frames[1:]),
@@ -141,6 +143,7 @@ def _odd_images(folder: Path) -> dict[str, tuple[Path, str, str]]:
         "empty": (folder / "empty.png", "error", "empty"),
         "strip": (_save(Image.new("RGB", (3000, 10)), folder / "strip.png"), "error", "crop"),
         "48 MP": (_save(Image.new("L", (8000, 6000)), folder / "big.png"), "error", "megapixels"),
+        "9 MP": (_save(Image.new("RGB", (3000, 3000)), folder / "nine.png"), "error", "up to 8 megapixels"),
     }
     (folder / "corrupt.png").write_bytes(rng.integers(0, 256, 4000, dtype=np.uint8).tobytes())
     (folder / "truncated.jpg").write_bytes(jpeg.getvalue()[: len(jpeg.getvalue()) // 3])
@@ -158,8 +161,11 @@ def test_odd_images_are_converted_or_explained_never_a_crash(served, library, tm
         if outcome == "ok":
             assert reply["error"] is None, (name, reply["error"])
             assert text in " ".join(reply["notes"]), (name, reply["notes"])
-            # Converted as the library converts dataset images (featcal.data.to_rgb), after EXIF rotation.
-            image = ImageOps.exif_transpose(Image.open(path))
+            # Converted as the library converts dataset images (featcal.data.to_rgb), after EXIF rotation; a
+            # large JPEG decoded at the reduced scale the Space asks for.
+            image = Image.open(path)
+            image.draft("RGB", (model.input_side, model.input_side))
+            image = ImageOps.exif_transpose(image)
             expected = classifier.logits(vision, pixel_values(processor, [to_rgb(image)]), t0)[0].softmax(-1)
             values, indices = expected.topk(3)
             assert reply["results"]["t0"]["model"] == pytest.approx(
@@ -170,6 +176,174 @@ def test_odd_images_are_converted_or_explained_never_a_crash(served, library, tm
     # The server still answers normally afterwards.
     ok = client.predict(gradio_client.handle_file(str(tmp_path / "dot.png")), "all", 1, True, api_name="/predict")
     assert ok["error"] is None and len(ok["results"]) == 3
+
+
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def _png(width: int, height: int, data: bytes, *, depth: int = 8, color: int = 2, interlace: int = 0) -> bytes:
+    """A PNG declaring ``width``×``height`` whose compressed stream, complete and valid, inflates to ``data``
+    (the rows' bytes, each after its filter byte)."""
+    header = struct.pack(">IIBBBBB", width, height, depth, color, 0, 0, interlace)
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(data)) + _chunk(b"IEND", b"")
+
+
+def _encoded(image: Image.Image, format: str, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format, **kwargs)
+    return buffer.getvalue()
+
+
+def _tiff_declaring(data: bytes, height: int) -> bytes:
+    """A TIFF written by Pillow, its ImageLength and RowsPerStrip changed to ``height``."""
+    patched = bytearray(data)
+    ifd = struct.unpack("<I", data[4:8])[0]
+    for i in range(struct.unpack("<H", data[ifd : ifd + 2])[0]):
+        entry = ifd + 2 + 12 * i
+        tag, kind = struct.unpack("<HH", data[entry : entry + 4])
+        if tag in (257, 278):  # ImageLength, RowsPerStrip
+            patched[entry + 8 : entry + 12] = struct.pack(
+                "<HH" if kind == 3 else "<I", *([height, 0] if kind == 3 else [height])
+            )
+    return bytes(patched)
+
+
+def _bmp_rle8(width: int, height: int, rows: int) -> bytes:
+    """An 8-bit run-length BMP declaring ``width``×``height`` whose data ends (end-of-bitmap) after ``rows`` rows."""
+    row = b"".join(bytes([min(255, width - x), 7]) for x in range(0, width, 255)) + b"\x00\x00"
+    data = row * rows + b"\x00\x01"
+    offset = 14 + 40 + 1024
+    header = b"BM" + struct.pack("<IHHI", offset + len(data), 0, 0, offset)
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 8, 1, len(data), 2835, 2835, 256, 0)
+    return header + info + bytes(1024) + data
+
+
+def _truncated_files() -> dict[str, bytes]:
+    """Image files whose data ends before their last pixel: cut anywhere, or ending cleanly too early."""
+    rng = np.random.default_rng(1)
+    noise = Image.fromarray(rng.integers(0, 256, (120, 160, 3), dtype=np.uint8))
+    row = b"\x00" + bytes(range(256)) * 3 * 8  # one filter byte, then a 2048-pixel RGB row
+    files = {
+        # The reported kind: a complete, valid compressed stream of one row under a header of many.
+        "png, one row of 1500": _png(2048, 1500, row),
+        "png, 16-bit, half the rows": _png(300, 200, (b"\x00" + bytes(300 * 6)) * 100, depth=16),
+        "png, palette, one row of 200": _png(300, 200, b"\x00" + bytes(300), color=3),
+        "png, interlaced, first passes only": _png(64, 64, bytes(200), interlace=1),
+        "gif, one row of 120": _encoded(noise.crop((0, 0, 160, 1)).convert("P"), "GIF"),
+        "bmp, run-length, end of bitmap after 3 rows": _bmp_rle8(160, 120, 3),
+        "tiff, deflate, one row of 120": _tiff_declaring(
+            _encoded(noise.crop((0, 0, 160, 1)), "TIFF", compression="tiff_adobe_deflate"), 120
+        ),
+    }
+    gif = bytearray(files["gif, one row of 120"])
+    gif[8:10] = struct.pack("<H", 120)  # the screen, then the frame, declare 120 rows
+    frame = gif.index(0x2C, 13 + 3 * (2 << (gif[10] & 7)))
+    gif[frame + 7 : frame + 9] = struct.pack("<H", 120)
+    files["gif, one row of 120"] = bytes(gif)
+    for name, kwargs in {
+        "png": {},
+        "png, interlaced": {"interlace": 1},
+        "jpeg": {},
+        "jpeg, progressive": {"progressive": True},
+        "webp": {},
+        "webp, lossless": {"lossless": True},
+        "gif": {},
+        "bmp": {},
+        "tiff": {},
+        "tiff, lzw": {"compression": "tiff_lzw"},
+    }.items():
+        data = _encoded(noise, name.split(",")[0].upper(), **kwargs)
+        for fraction in (0.1, 0.5, 0.9):
+            files[f"{name}, cut at {fraction:.0%}"] = data[: int(len(data) * fraction)]
+        if name.startswith(("jpeg", "bmp", "tiff", "webp")):  # no trailer that may go: the last byte is data
+            files[f"{name}, last byte cut"] = data[:-1]
+    return files
+
+
+@pytest.mark.parametrize("name", list(_truncated_files()))
+def test_a_truncated_image_is_refused_however_it_is_cut(name):
+    """Pillow never pads the missing rows (a PNG's short stream is the case it would): one line, no image."""
+    from PIL import ImageFile
+
+    from featcal.space.images import open_upload
+
+    data = _truncated_files()[name]
+    with pytest.raises(FeatcalError) as refused:
+        open_upload(data, max_bytes=10**7, max_pixels=8 * 10**6, min_side=32)
+    message = str(refused.value)
+    assert "\n" not in message and ("corrupt or truncated" in message or "not an image" in message), message
+    assert not ImageFile.LOAD_TRUNCATED_IMAGES
+
+
+def _declaring_many_pixels() -> dict[str, bytes]:
+    """Small files whose header declares 4000×2500 pixels (10 MP), one per format the Space reads."""
+    flat = Image.new("RGB", (4000, 2500), (90, 140, 40))
+    files = {
+        "png, 150 bytes, 6000×6600 (the report)": _png(6000, 6600, b"\x00" + bytes(6000 * 3)),
+        "png": _encoded(flat, "PNG"),
+        "jpeg": _encoded(flat, "JPEG"),
+        "webp": _encoded(flat, "WEBP", lossless=True),
+        "gif": _encoded(flat.convert("P"), "GIF"),
+        "tiff": _encoded(flat, "TIFF", compression="tiff_adobe_deflate"),
+        "bmp, header only": _bmp_rle8(4000, 2500, 0),
+    }
+    # A GIF whose screen is 8×8 and whose first frame spreads over 4000×2500.
+    gif = bytearray(_encoded(Image.new("P", (8, 8)), "GIF"))
+    frame = gif.index(0x2C, 13 + (3 * (2 << (gif[10] & 7)) if gif[10] & 0x80 else 0))
+    gif[frame + 5 : frame + 9] = struct.pack("<HH", 4000, 2500)
+    files["gif, frame larger than its screen"] = bytes(gif)
+    return files
+
+
+@pytest.mark.parametrize("name", list(_declaring_many_pixels()))
+def test_the_pixel_limit_is_checked_from_the_header_before_decoding(name, monkeypatch):
+    from PIL import ImageFile
+
+    from featcal.space.images import open_upload
+
+    def no_decoding(self):
+        raise AssertionError("pixels were decoded")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    with pytest.raises(FeatcalError, match="this Space accepts up to 8 megapixels"):
+        open_upload(_declaring_many_pixels()[name], max_bytes=10**7, max_pixels=8 * 10**6, min_side=224)
+
+
+def test_the_served_space_refuses_the_reported_uploads(served, tmp_path):
+    """Through the API: the 150-byte PNG of 6000×6600 pixels, and one within the limit holding one row."""
+    _, client = served
+    reported = tmp_path / "reported.png"
+    reported.write_bytes(_png(6000, 6600, b"\x00" + bytes(6000 * 3)))
+    one_row = tmp_path / "one-row.png"
+    one_row.write_bytes(_png(2048, 1500, b"\x00" + bytes(2048 * 3)))
+    for path, text in ((reported, "megapixels"), (one_row, "corrupt or truncated")):
+        reply = client.predict(gradio_client.handle_file(str(path)), "t0", 3, False, api_name="/predict")
+        assert reply["results"] == {} and text in reply["error"], reply["error"]
+
+
+def test_a_large_jpeg_is_decoded_at_reduced_scale(tmp_path):
+    from featcal.space.images import open_upload
+
+    data = _encoded(Image.new("RGB", (2800, 2000), (200, 30, 30)), "JPEG")
+    reduced = open_upload(data, max_bytes=10**7, max_pixels=8 * 10**6, min_side=224)
+    assert reduced.image.size == (350, 250) and reduced.original_size == (2800, 2000)
+    assert open_upload(data, max_bytes=10**7, max_pixels=8 * 10**6, min_side=1000).image.size == (1400, 1000)
+    assert open_upload(data, max_bytes=10**7, max_pixels=8 * 10**6).image.size == (2800, 2000)
+    png = _encoded(Image.new("RGB", (2800, 2000)), "PNG")  # no reduced decoding in PNG
+    assert open_upload(png, max_bytes=10**7, max_pixels=8 * 10**6, min_side=224).image.size == (2800, 2000)
+
+
+def test_each_request_hands_freed_memory_back(served, tmp_path, monkeypatch):
+    import featcal.space.predict as predict
+
+    model, _ = served
+    trims = []
+    monkeypatch.setattr(predict, "trim_heap", lambda: trims.append(1))
+    path = _save(Image.new("RGB", (40, 30)), tmp_path / "small.png")
+    assert classify(model, str(path), "t0")["error"] is None
+    assert classify(model, str(tmp_path / "missing.png"), "t0")["error"]
+    assert len(trims) == 2
 
 
 def test_file_size_limit(served, settings, tmp_path):

@@ -137,6 +137,16 @@ class SpaceModel:
         cache = Path(settings.heads_cache).expanduser() if settings.heads_cache else default_cache_dir()
         self.heads = task_heads(self.classifier, self.tasks.values(), base_folder, cache, progress=progress)
 
+    @property
+    def input_side(self) -> int:
+        """The side, in pixels, the image processor resizes and crops to (224 for CLIP ViT-B/32)."""
+        sides = [
+            getattr(sizes, key, None)
+            for sizes in (getattr(self.processor, "size", None), getattr(self.processor, "crop_size", None))
+            for key in ("shortest_edge", "height", "width")
+        ]
+        return max((int(side) for side in sides if side), default=0)
+
     def _check_compatible(self) -> None:
         ours, base = self.vision.config, self.clip.vision_model.config
         mismatched = [

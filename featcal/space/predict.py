@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import FeatcalError
+from featcal.memory import trim_heap
 from featcal.space.images import open_upload, read_data_url
 from featcal.space.model import SpaceModel
 
@@ -40,9 +41,19 @@ def _top_k(value: Any) -> int:
 def classify(model: SpaceModel, payload: Any, task: str, top_k: Any = 5, compare: Any = False) -> dict[str, Any]:
     """Top classes of the image for one task (or ``"all"``), from the model and optionally the base CLIP.
 
+    The memory the request freed is handed back to the system afterwards (:func:`featcal.memory.trim_heap`),
+    so a burst of large uploads does not leave the server holding it.
+
     Returns ``{"results": {task: {"model": {class: p}, "base": {...}}}, "notes": [...], "error": None, ...}``;
     on bad input ``error`` holds a message for the visitor and ``results`` is empty.
     """
+    try:
+        return _classify(model, payload, task, top_k, compare)
+    finally:
+        trim_heap()
+
+
+def _classify(model: SpaceModel, payload: Any, task: str, top_k: Any, compare: Any) -> dict[str, Any]:
     settings = model.settings
     max_bytes = int(settings.max_file_mb * 1e6)
     reply: dict[str, Any] = {
@@ -58,7 +69,10 @@ def classify(model: SpaceModel, payload: Any, task: str, top_k: Any = 5, compare
         names = model.task_names(str(task))
         k = _top_k(top_k)
         upload = open_upload(
-            _source(payload, max_bytes), max_bytes=max_bytes, max_pixels=int(settings.max_megapixels * 1e6)
+            _source(payload, max_bytes),
+            max_bytes=max_bytes,
+            max_pixels=int(settings.max_megapixels * 1e6),
+            min_side=model.input_side,
         )
         reply["image"] = {
             "width": upload.original_size[0],
