@@ -346,6 +346,76 @@ def test_each_request_hands_freed_memory_back(served, tmp_path, monkeypatch):
     assert len(trims) == 2
 
 
+@pytest.mark.parametrize(
+    ("top_k", "compare", "message"),
+    [
+        (10**400, True, "top_k=1000000000000000000000000000000000000000… (401 characters) is invalid"),
+        (0, True, "top_k=0 is invalid"),
+        (-1, True, "top_k=-1 is invalid"),
+        (10**9, True, "top_k=1000000000 is invalid"),
+        (2.6, True, "top_k=2.6 is invalid"),
+        (True, True, "top_k=True is invalid"),
+        ("five", True, "top_k='five' is invalid"),
+        ("1e999", True, "top_k='1e999' is invalid"),
+        (3, "maybe", "compare='maybe' is invalid: it must be true or false (or the words yes/no, 1/0)."),
+        (3, 2, "compare=2 is invalid"),
+        (3, None, "compare=None is invalid"),
+    ],
+)
+def test_api_inputs_out_of_range_or_of_the_wrong_type_get_one_line(served, tmp_path, caplog, top_k, compare, message):
+    _, client = served
+    path = _save(Image.new("RGB", (40, 30)), tmp_path / "ok.png")
+    with caplog.at_level("WARNING"):
+        reply = client.predict(gradio_client.handle_file(str(path)), "t0", top_k, compare, api_name="/predict")
+    assert reply["results"] == {} and reply["image"] is None and message in reply["error"], reply["error"]
+    assert "\n" not in reply["error"] and not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
+def _raw_predict(url: str, path: Path, top_k: str, compare: str) -> dict:
+    """Call /predict with ``top_k`` and ``compare`` written into the JSON body as they are (``1e999`` is a
+    number JSON allows and Python's client cannot send)."""
+    import httpx
+
+    uploaded = httpx.post(f"{url}gradio_api/upload", files={"files": path.open("rb")}).json()[0]
+    image = json.dumps({"path": uploaded, "meta": {"_type": "gradio.FileData"}})
+    body = f'{{"data": [{image}, "t0", {top_k}, {compare}]}}'
+    headers = {"content-type": "application/json"}
+    event = httpx.post(f"{url}gradio_api/call/predict", content=body, headers=headers).json()["event_id"]
+    stream = httpx.get(f"{url}gradio_api/call/predict/{event}", timeout=60).text
+    assert "event: complete" in stream, stream
+    return json.loads(stream.split("data: ", 1)[1].splitlines()[0])[0]
+
+
+@pytest.mark.parametrize(
+    ("top_k", "message"),
+    [
+        ("1e999", "top_k=inf is invalid: it must be a whole number from 1 to 20."),
+        ("-1e999", "top_k=-inf is invalid"),
+        ("1" + "0" * 400, "top_k=1000000000000000000000000000000000000000… (401 characters) is invalid"),
+        ("2.6", "top_k=2.6 is invalid"),
+    ],
+)
+def test_numbers_beyond_a_float_get_the_same_line(served, tmp_path, caplog, top_k, message):
+    _, client = served
+    path = _save(Image.new("RGB", (40, 30)), tmp_path / "ok.png")
+    with caplog.at_level("WARNING"):
+        reply = _raw_predict(client.src.rstrip("/") + "/", path, top_k, "true")
+    assert reply["results"] == {} and message in reply["error"], reply["error"]
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
+@pytest.mark.parametrize(
+    ("top_k", "compare", "k", "with_base"),
+    [(2, "no", 2, False), ("3", "yes", 3, True), (4.0, "FALSE", 4, False), (1, 1, 1, True), (" 2 ", "0", 2, False)],
+)
+def test_api_inputs_that_hold_an_integer_or_a_boolean_are_read_as_such(served, tmp_path, top_k, compare, k, with_base):
+    _, client = served
+    path = _save(Image.new("RGB", (40, 30)), tmp_path / "ok.png")
+    reply = client.predict(gradio_client.handle_file(str(path)), "t0", top_k, compare, api_name="/predict")
+    assert reply["error"] is None and len(reply["results"]["t0"]["model"]) == k
+    assert ("base" in reply["results"]["t0"]) is with_base
+
+
 def test_file_size_limit(served, settings, tmp_path):
     model, client = served
     path = _save(Image.new("RGB", (64, 64)), tmp_path / "small.png")

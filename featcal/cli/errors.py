@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from featcal.errors import FeatcalError, InvalidParameterError
+from featcal.errors import FeatcalError, InvalidParameterError, shown
 
 # Parameters outside the run options (the publishing API's, push_release and push_space, and the demo's)
 # and the flags that set them.
@@ -43,7 +43,7 @@ def word_error(exc: FeatcalError) -> str:
         if exc.value is None:
             message = f"{name} is missing: it must be {exc.expected}."
         else:
-            message = f"{name} {exc.value!r} is invalid: it must be {exc.expected}."
+            message = f"{name} {shown(exc.value)} is invalid: it must be {exc.expected}."
     return re.sub(r"`([a-z_]+)`", lambda match: flag_for(match.group(1)) or match.group(0), message)
 
 
