@@ -178,6 +178,22 @@ class HubError(FeatcalError):
         super().__init__(message)
 
 
+class ServeError(FeatcalError, OSError):
+    """The Space cannot serve on the address asked for: the port is taken (perhaps since it was checked)
+    or the host is not an address of this machine. Also an ``OSError``, as the failed bind is one.
+
+    Args:
+        host: The address to serve on.
+        port: The port asked for (None: Gradio's, 7860 or the next free one).
+        message: One line naming the address and the fix.
+    """
+
+    def __init__(self, host: str, port: int | None, message: str) -> None:
+        self.host = host
+        self.port = port
+        super().__init__(message)
+
+
 class DistributedError(FeatcalError):
     """A multi-process run (``torchrun``) whose processes cannot work together: the process group did
     not start, or a collective failed or timed out because another process stopped or hung.

@@ -442,6 +442,43 @@ def test_data_url_upload(served, tmp_path):
     assert "not valid base64" in classify(model, {"url": "data:image/png;base64,@@@"}, "t1")["error"]
 
 
+def _bare_space():
+    """A Space of one line of text and no model: what launching needs."""
+    from types import SimpleNamespace
+
+    import gradio as gr
+
+    from featcal.space.ui import Space
+
+    with gr.Blocks() as demo:
+        gr.Markdown("A bare page.")
+    return Space(demo, SimpleNamespace(settings=SpaceSettings()), [])
+
+
+@pytest.mark.parametrize("taken_on", ["127.0.0.1", "127.0.0.2"])
+def test_a_port_taken_after_the_check_is_one_serve_error(capfd, taken_on):
+    """Gradio finds the port taken itself (127.0.0.1), or uvicorn does when it binds (127.0.0.2, which Gradio's
+    own check on 127.0.0.1 misses): either way one ServeError, and uvicorn's log line is not printed."""
+    import socket
+
+    from featcal.errors import ServeError
+
+    space = _bare_space()
+    with socket.socket() as taken:
+        taken.bind((taken_on, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        try:
+            with pytest.raises(ServeError) as refused:
+                space.launch(host=taken_on, port=port, prevent_thread_lock=True)
+        finally:
+            space.close()
+    assert isinstance(refused.value, OSError) and (refused.value.host, refused.value.port) == (taken_on, port)
+    assert str(refused.value).startswith(f"Cannot serve on {taken_on} port {port}: the port is in use")
+    assert "choose a free `port`, or stop what holds it." in str(refused.value)
+    assert "attempting to bind" not in capfd.readouterr().err
+
+
 def test_run_and_release_folders_resolve(settings, tmp_path):
     import shutil
 

@@ -7,8 +7,8 @@ from collections.abc import Iterable
 
 from featcal.errors import FeatcalError, InvalidParameterError, shown
 
-# Parameters outside the run options (the publishing API's, push_release and push_space, and the demo's)
-# and the flags that set them.
+# Parameters outside the run options (the publishing API's, push_release and push_space, the demo's and the
+# Space's) and the flags that set them.
 NON_RUN_FLAGS = {
     "zoo_seed": "--zoo-seed",
     "repo_id": "--repo",
@@ -17,6 +17,8 @@ NON_RUN_FLAGS = {
     "model_id": "--model-id",
     "tasks_file": "--tasks-file",
     "base_model_id": "--base-model-id",
+    "host": "--host",
+    "port": "--port",
 }
 
 
