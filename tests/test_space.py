@@ -20,7 +20,7 @@ import torch
 from PIL import Image, ImageOps
 
 from featcal.data import load_task_split, pixel_values, to_rgb
-from featcal.errors import FeatcalError
+from featcal.errors import FeatcalError, ModelInputError
 from featcal.evaluation import ZeroShotClassifier, load_base_clip
 from featcal.inputs import load_vision_folder
 from featcal.space import SpaceModel, SpaceSettings, classify, create_space, resolve_model_source
@@ -442,6 +442,114 @@ def test_data_url_upload(served, tmp_path):
     assert "not valid base64" in classify(model, {"url": "data:image/png;base64,@@@"}, "t1")["error"]
 
 
+def test_run_folders_resolve(settings, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(MODEL, run / "featcal-ta")
+    (run / "run_config.json").write_text(json.dumps({"base_model_id": str(FIXTURE / "base")}))
+    source = resolve_model_source(str(run))
+    assert source.folder == run / "featcal-ta" and source.run_folder == run
+    assert base_model_ref(replace(settings, base_model_id=None), source) == str(FIXTURE / "base")
+    assert base_model_ref(settings, source) == settings.base_model_id
+    # A recorded base that is a folder of another machine is named, with the option that replaces it.
+    (run / "run_config.json").write_text(json.dumps({"base_model_id": "/elsewhere/clip"}))
+    with pytest.raises(ModelInputError, match=r"the folder /elsewhere/clip, which is not on this machine: set `base"):
+        base_model_ref(replace(settings, base_model_id=None), source)
+    (run / "run_config.json").write_text(json.dumps({}))  # no base recorded: the default CLIP
+    assert base_model_ref(replace(settings, base_model_id=None), source) == "openai/clip-vit-base-patch32"
+
+    shutil.copytree(MODEL, run / "featcal-ties")
+    with pytest.raises(FeatcalError, match="several calibrated models"):
+        resolve_model_source(str(run))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FeatcalError, match="neither a model folder"):
+        resolve_model_source(str(tmp_path / "empty"))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny run folder from the fixture's local base, and its release as `featcal export` writes it."""
+    from featcal.release import export_release
+    from tests.support.release_runs import make_run
+
+    run, _ = make_run(tmp_path_factory.mktemp("exported"))
+    return run, export_release(run)
+
+
+def _space_error(capsys, monkeypatch, *args: str) -> str:
+    """`featcal space ARGS`: exit status 2 and one error line, never a server started; the line."""
+    from featcal.cli import main
+    from featcal.space.ui import Space
+
+    monkeypatch.setattr(Space, "launch", lambda self, **kwargs: pytest.fail("the Space was served"))
+    code = main(["-q", "space", *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("featcal: error: "), lines
+    return lines[0]
+
+
+def test_a_release_made_from_a_local_base_says_which_base_to_pass(exported, settings, capsys, monkeypatch):
+    run, release = exported
+    assert json.loads((release / "run_config.json").read_text())["base_model_id"] == "local:base"
+    line = _space_error(capsys, monkeypatch, "--model", str(release))
+    assert f"The model {release} was made from a base CLIP in a local folder it names only 'local:base'" in line
+    assert "set --base-model-id (BASE_MODEL_ID in a Space) to that base's folder or Hub id." in line
+    served = SpaceModel(replace(settings, model_id=str(release), base_model_id=str(FIXTURE / "base")), progress=False)
+    assert served.source.folder == release
+    # Its run folder records the base's path: no option needed.
+    assert SpaceModel(replace(settings, model_id=str(run), base_model_id=None), progress=False).base_ref == str(
+        (FIXTURE / "base").resolve()
+    )
+
+
+def test_a_release_made_from_a_hub_base_names_it(tmp_path, settings, monkeypatch):
+    import featcal.release.export
+    from featcal.release import export_release
+    from tests.support.release_runs import make_run
+
+    hub_id = "openai/clip-vit-base-patch32"
+    monkeypatch.setattr(featcal.release.export, "resolve_model_folder", lambda ref, what: FIXTURE / "base")
+    run, _ = make_run(tmp_path, base_model_id=hub_id)
+    release = export_release(run)
+    assert json.loads((release / "run_config.json").read_text())["base_model_id"] == hub_id
+    assert base_model_ref(replace(settings, base_model_id=None), resolve_model_source(str(release))) == hub_id
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("config.json", "is not a complete release: config.json missing; rebuild it with `featcal export RUN_FOLDER`."),
+        ("model.safetensors", "is not a complete release: model.safetensors missing"),
+        ("preprocessor_config.json", "is not a complete release: preprocessor_config.json missing"),
+        ("README.md", "is not a complete release: README.md missing"),
+        ("metrics.json", "is not a complete release: metrics.json missing"),
+        ("run_config.json", "is not a complete release: run_config.json missing"),
+        ("release_manifest.json", "is not a complete release: release_manifest.json missing"),
+        ("edited README.md", "README.md differs from what `featcal export` wrote"),
+        ("extra notes.txt", "holds notes.txt, which `featcal export` did not write"),
+    ],
+)
+@pytest.mark.parametrize("given", ["release", "run"])
+def test_a_damaged_release_is_refused_before_it_is_served(
+    exported, tmp_path, capsys, monkeypatch, damage, message, given
+):
+    import shutil
+
+    run = Path(shutil.copytree(exported[0], tmp_path / "run"))
+    release = run / "release"
+    if damage.startswith("edited "):
+        with (release / damage.split()[1]).open("a") as edited:
+            edited.write("An edit after export.\n")
+    elif damage.startswith("extra "):
+        (release / damage.split()[1]).write_text("mine\n")
+    else:
+        (release / damage).unlink()
+    line = _space_error(capsys, monkeypatch, "--model", str(run if given == "run" else release))
+    assert message in line, line
+    assert "no calibrated model" not in line
+
+
 def _bare_space():
     """A Space of one line of text and no model: what launching needs."""
     from types import SimpleNamespace
@@ -477,30 +585,6 @@ def test_a_port_taken_after_the_check_is_one_serve_error(capfd, taken_on):
     assert str(refused.value).startswith(f"Cannot serve on {taken_on} port {port}: the port is in use")
     assert "choose a free `port`, or stop what holds it." in str(refused.value)
     assert "attempting to bind" not in capfd.readouterr().err
-
-
-def test_run_and_release_folders_resolve(settings, tmp_path):
-    import shutil
-
-    run = tmp_path / "run"
-    shutil.copytree(MODEL, run / "featcal-ta")
-    (run / "run_config.json").write_text(json.dumps({"base_model_id": str(FIXTURE / "base")}))
-    source = resolve_model_source(str(run))
-    assert source.folder == run / "featcal-ta" and source.run_folder == run
-    assert base_model_ref(replace(settings, base_model_id=None), source) == str(FIXTURE / "base")
-    assert base_model_ref(settings, source) == settings.base_model_id
-    # A recorded base that is a folder of another machine falls back to the default CLIP.
-    (run / "run_config.json").write_text(json.dumps({"base_model_id": "/elsewhere/clip"}))
-    assert base_model_ref(replace(settings, base_model_id=None), source) == "openai/clip-vit-base-patch32"
-
-    shutil.copytree(MODEL, run / "featcal-ties")
-    with pytest.raises(FeatcalError, match="several calibrated models"):
-        resolve_model_source(str(run))
-    shutil.copytree(MODEL, run / "release")
-    assert resolve_model_source(str(run)).folder == run / "release"
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(FeatcalError, match="neither a model folder"):
-        resolve_model_source(str(tmp_path / "empty"))
 
 
 def test_settings_from_space_config_and_environment(tmp_path):
