@@ -334,6 +334,25 @@ def test_a_large_jpeg_is_decoded_at_reduced_scale(tmp_path):
     assert open_upload(png, max_bytes=10**7, max_pixels=8 * 10**6, min_side=224).image.size == (2800, 2000)
 
 
+def test_frames_are_noted_for_animations_and_pages_not_for_a_phones_mpo():
+    from featcal.space.images import open_upload
+
+    frames = [Image.new("RGB", (64, 48), color) for color in ((200, 30, 30), (30, 200, 30))]
+    notes = {
+        name: open_upload(
+            _encoded(frames[0], format, save_all=True, append_images=frames[1:]),
+            max_bytes=10**7,
+            max_pixels=8 * 10**6,
+            min_side=32,
+        ).notes
+        for name, format in (("gif", "GIF"), ("webp", "WEBP"), ("png", "PNG"), ("tiff", "TIFF"), ("mpo", "MPO"))
+    }
+    for name in ("gif", "webp", "png"):
+        assert "Animated image: classified its first frame of 2." in notes[name], (name, notes[name])
+    assert "Multi-page TIFF: classified its first page of 2." in notes["tiff"]
+    assert notes["mpo"] == []  # a phone's JPEG with a preview or depth map after it: one photo
+
+
 def test_each_request_hands_freed_memory_back(served, tmp_path, monkeypatch):
     import featcal.space.predict as predict
 
