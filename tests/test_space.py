@@ -143,7 +143,11 @@ def _odd_images(folder: Path) -> dict[str, tuple[Path, str, str]]:
         "empty": (folder / "empty.png", "error", "empty"),
         "strip": (_save(Image.new("RGB", (3000, 10)), folder / "strip.png"), "error", "crop"),
         "48 MP": (_save(Image.new("L", (8000, 6000)), folder / "big.png"), "error", "megapixels"),
-        "9 MP": (_save(Image.new("RGB", (3000, 3000)), folder / "nine.png"), "error", "up to 8 megapixels"),
+        "4K frame": (
+            _save(Image.new("RGB", (3840, 2160)), folder / "4k.png"),
+            "error",
+            "(8.3 MP); this Space accepts up to 8 megapixels.",
+        ),
     }
     (folder / "corrupt.png").write_bytes(rng.integers(0, 256, 4000, dtype=np.uint8).tobytes())
     (folder / "truncated.jpg").write_bytes(jpeg.getvalue()[: len(jpeg.getvalue()) // 3])

@@ -216,8 +216,8 @@ def _png_data_ends_early(data: bytes) -> bool:
 
 
 def _too_many_pixels(size: tuple[int, int] | None, max_pixels: int) -> str:
-    what = f"{size[0]}×{size[1]} pixels ({size[0] * size[1] / 1e6:.0f} MP)" if size else "too many pixels"
+    what = f"{size[0]}×{size[1]} pixels ({size[0] * size[1] / 1e6:.1f} MP)" if size else "too many pixels"
     return (
-        f"The image has {what}; this Space accepts up to {max_pixels / 1e6:.0f} megapixels. "
+        f"The image has {what}; this Space accepts up to {max_pixels / 1e6:g} megapixels. "
         "Upload a downscaled copy: CLIP sees it at 224×224 anyway."
     )
