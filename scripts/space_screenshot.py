@@ -5,7 +5,8 @@ the docs' screenshot (docs/space-screenshot.png) is the mini8 release that `feat
 
     featcal demo --output-dir /tmp/mini8
     PYTHONPATH=. .venv/bin/python scripts/space_screenshot.py --model /tmp/mini8 \\
-        --tasks-file ~/.cache/featcal/benchmark/mini8-seed0/tasks.json --output docs/space-screenshot.png
+        --tasks-file ~/.cache/featcal/benchmark/mini8-v5-seed0/tasks.json --example scenes \\
+        --output docs/space-screenshot.png
 
 A run folder serves its release/ with the base its run_config.json records; the image is the example
 of ``--example`` (a task's first test image, as the page's examples), or ``--image``. Needs Debian's
