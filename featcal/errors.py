@@ -8,9 +8,35 @@ the error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+# The longest number, and the longest other value (a path, a list of tasks), a message shows whole.
+SHOWN_DIGITS = 60
+SHOWN_CHARACTERS = 1000
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` as a message shows it: whole, or its start and its length when longer than
+    :data:`SHOWN_DIGITS` for a number (``10**400`` stays one short line) or :data:`SHOWN_CHARACTERS` else.
+
+    Args:
+        value: The value a message quotes.
+
+    Returns:
+        Its ``repr``, perhaps shortened.
+    """
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past Python's limit on digits converted to text
+        return f"<an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits>"
+    limit = SHOWN_DIGITS if number else SHOWN_CHARACTERS
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit * 2 // 3]}… ({len(text)} characters)"
 
 
 class FeatcalError(Exception):
@@ -41,7 +67,7 @@ class InvalidParameterError(FeatcalError, ValueError):
         self.expected = expected
         self.owner = owner
         where = f"{owner}: " if owner else ""
-        super().__init__(f"{where}{name}={value!r} is invalid: it must be {expected}.")
+        super().__init__(f"{where}{name}={shown(value)} is invalid: it must be {expected}.")
 
 
 class UnknownNameError(FeatcalError, KeyError):
@@ -168,6 +194,22 @@ class HubError(FeatcalError):
     def __init__(self, repo_id: str | None, message: str, *, status: int | None = None) -> None:
         self.repo_id = repo_id
         self.status = status
+        super().__init__(message)
+
+
+class ServeError(FeatcalError, OSError):
+    """The Space cannot serve on the address asked for: the port is taken (perhaps since it was checked)
+    or the host is not an address of this machine. Also an ``OSError``, as the failed bind is one.
+
+    Args:
+        host: The address to serve on.
+        port: The port asked for (None: Gradio's, 7860 or the next free one).
+        message: One line naming the address and the fix.
+    """
+
+    def __init__(self, host: str, port: int | None, message: str) -> None:
+        self.host = host
+        self.port = port
         super().__init__(message)
 
 

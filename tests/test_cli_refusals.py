@@ -474,6 +474,33 @@ def test_space_checks_its_address_before_loading_the_model(tmp_path, capsys, mon
     assert loaded == []
 
 
+def test_space_words_a_port_taken_between_the_check_and_the_bind(tmp_path, capsys, monkeypatch):
+    import socket
+    from types import SimpleNamespace
+
+    import gradio as gr
+
+    import featcal.cli.space
+    import featcal.space
+    from featcal.space import SpaceSettings
+    from featcal.space.ui import Space
+
+    with gr.Blocks() as demo:
+        gr.Markdown("A bare page.")
+    monkeypatch.setattr(
+        featcal.space, "create_space", lambda *a, **k: Space(demo, SimpleNamespace(settings=SpaceSettings()), [])
+    )
+    monkeypatch.setattr(featcal.cli.space, "_check_address", lambda host, port: None)  # free when it was checked
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = run_error(capsys, ["space", "--model", str(tmp_path), "--port", str(port)])
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"featcal: error: Cannot serve on 127.0.0.1 port {port}: the port is in use")
+    assert err[0].endswith("choose a free --port, or stop what holds it.")
+
+
 def test_an_empty_merge_parameter_value_is_refused(world, tmp_path, capsys):
     argv = ["merge", "--tasks-file", str(world["tasks_file"]), "--merge-param", "scaling_factor="]
     code, err = run_error(capsys, [*argv, "--output", str(tmp_path / "m"), *CPU])

@@ -1,7 +1,8 @@
 """The Space's page in headless Chromium: upload an image, pick a task, read the answer on the page.
 
 Needs Debian's ``chromium`` (``apt-get install -y chromium``) and the ``playwright`` package; never
-``playwright install``. Saves the page as test-artifacts/space.png.
+``playwright install``. Saves the page as test-artifacts/space.png; `scripts/space_screenshot.py`
+takes the same steps on a release of your choice (the docs' screenshot).
 """
 
 from __future__ import annotations
@@ -14,18 +15,8 @@ from PIL import Image
 from featcal.families.clip_vision.images import load_task_split, to_rgb
 from featcal.space import SpaceSettings, create_space
 from featcal.suites import task_table
+from tests.support.browser import CHROMIUM, VIEWPORT, classify_on_page, launch_chromium
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-clip-3task"
 ARTIFACTS = Path(__file__).parents[1] / "test-artifacts"
 
@@ -56,21 +47,16 @@ def test_upload_pick_a_task_and_read_the_result(tmp_path, device):
     space.launch(host="127.0.0.1", prevent_thread_lock=True)
     try:
         with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            page.goto(space.demo.local_url)
-            page.locator("#image input[type=file]").set_input_files(str(image))
-            page.locator("#image img").first.wait_for(timeout=15_000)
-            page.get_by_role("combobox", name="Task").click()
-            page.get_by_role("option", name="t1", exact=True).click()
-            page.locator("#classify").click()
+            browser = launch_chromium(p)
+            page = browser.new_page(viewport=VIEWPORT)
+            status = classify_on_page(page, space.demo.local_url, image, "t1", timeout_ms=30_000)
+            assert status.startswith("Top classes for 1 task(s)")
             result = page.locator("#model-t1")
             result.wait_for(state="visible", timeout=30_000)
             page.locator("#base-t1").wait_for(state="visible", timeout=10_000)
             top = result.get_by_test_id("label-output-value").first
             top.wait_for(timeout=10_000)
             assert top.inner_text().strip() == expected
-            assert page.locator("#status").inner_text().startswith("Top classes for 1 task(s)")
             assert not page.locator("#model-t0").is_visible() and not page.locator("#model-t2").is_visible()
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "space.png"), full_page=True)

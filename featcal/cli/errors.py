@@ -7,7 +7,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 
-from featcal.errors import FeatcalError, InvalidParameterError
+from featcal.errors import FeatcalError, InvalidParameterError, shown
 
 
 def flag_for(name: str, flags: Mapping[str, str]) -> str | None:
@@ -37,7 +37,7 @@ def word_error(exc: FeatcalError, flags: Mapping[str, str] | None = None) -> str
         if exc.value is None:
             message = f"{name} is missing: it must be {exc.expected}."
         else:
-            message = f"{name} {exc.value!r} is invalid: it must be {exc.expected}."
+            message = f"{name} {shown(exc.value)} is invalid: it must be {exc.expected}."
     return re.sub(r"`([a-z_]+)`", lambda match: flag_for(match.group(1), flags) or match.group(0), message)
 
 

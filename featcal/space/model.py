@@ -1,6 +1,6 @@
 """The Space's classifier: the released vision tower, the base CLIP, and every task's class head.
 
-Text heads come from :class:`featcal.evaluation.ZeroShotClassifier` (so the Space scores an image
+Text heads come from :class:`featcal.families.clip_vision.evaluation.ZeroShotClassifier` (so the Space scores an image
 exactly as ``featcal evaluate`` does), all computed once when the model loads (or read from the disk
 cache a previous start left, see :mod:`featcal.space.heads`).
 """
@@ -22,6 +22,9 @@ from featcal.families.clip_vision.images import pixel_values
 from featcal.files.reading import read_json
 from featcal.hub.downloads import resolve_model_folder
 from featcal.hub.refs import is_hub_id, local_path
+from featcal.release.export import COMMON_FILES
+from featcal.release.manifest import MANIFEST
+from featcal.release.published import is_published_local
 from featcal.runfolder.layout import CALIBRATED_PREFIX, RELEASE_DIR, RUN_CONFIG
 from featcal.space.heads import default_cache_dir, task_heads
 from featcal.space.settings import DEFAULT_BASE_MODEL_ID, SpaceSettings
@@ -55,15 +58,27 @@ class ModelSource:
 def resolve_model_source(ref: str) -> ModelSource:
     """The vision-tower folder ``ref`` names: a model folder, a release folder, a run folder or a Hub id.
 
-    A run folder gives its ``release/`` when it has one, else its single ``featcal-*/`` stage.
+    A run folder gives its ``release/`` when it has one, else its single ``featcal-*/`` stage. A local
+    release (a run's ``release/``, or a folder holding a release's manifest, or a recipe beside model
+    files) is checked as ``featcal push`` checks it (:func:`featcal.release.check_release`) before it
+    is served.
+
+    Raises:
+        ReleaseError: a release folder that is incomplete or differs from what export wrote.
+        ModelInputError: a folder that is none of these, a run folder without one calibrated model,
+            weights that do not load, or a Hub id that cannot be had.
     """
     path = local_path(ref)
     if path is None or not path.is_dir():
         return ModelSource(ref, resolve_model_folder(ref, what="Space model"))
-    if (path / RELEASE_DIR / "config.json").is_file():
-        return ModelSource(ref, path / RELEASE_DIR, path)
+    if (path / RELEASE_DIR).is_dir():
+        return ModelSource(ref, _checked_release(path / RELEASE_DIR), path)
+    if (path / MANIFEST).is_file() or (
+        (path / RUN_CONFIG).is_file() and any((path / name).is_file() for name in COMMON_FILES if name != RUN_CONFIG)
+    ):
+        return ModelSource(ref, _checked_release(path), path)
     if (path / "config.json").is_file():
-        return ModelSource(ref, path, path if (path / RUN_CONFIG).is_file() else None)
+        return ModelSource(ref, path)
     if not (path / RUN_CONFIG).is_file():
         raise ModelInputError(
             ref,
@@ -87,16 +102,39 @@ def resolve_model_source(ref: str) -> ModelSource:
     return ModelSource(ref, stages[0], path)
 
 
+def _checked_release(folder: Path) -> Path:
+    """``folder`` once :func:`featcal.release.check_release` finds it complete and as export wrote it."""
+    from featcal.release import check_release
+
+    logger.info("Checking the release %s", folder)
+    return check_release(folder).folder
+
+
 def base_model_ref(settings: SpaceSettings, source: ModelSource) -> str:
-    """The base CLIP to use: the setting, else the run's own base when usable here, else the default."""
+    """The base CLIP to use: the setting, else the base the run records, else the default CLIP.
+
+    Raises:
+        ModelInputError: when the run records a base that is not usable here (a release names a local
+            base by its folder name only; a run folder may name a folder of another machine), so that
+            ``base_model_id`` must name it.
+    """
     if settings.base_model_id:
         return settings.base_model_id
     recorded = source.recipe().get("base_model_id")
-    if isinstance(recorded, str):
-        local = local_path(recorded)
-        if (local is not None and local.is_dir()) or is_hub_id(recorded):
-            return recorded
-    return DEFAULT_BASE_MODEL_ID
+    if not isinstance(recorded, str) or not recorded:
+        return DEFAULT_BASE_MODEL_ID
+    local = local_path(recorded)
+    if (local is not None and local.is_dir()) or is_hub_id(recorded):
+        return recorded
+    if is_published_local(recorded):
+        where = f"a local folder it names only {recorded!r}"
+    else:
+        where = f"the folder {recorded}, which is not on this machine"
+    raise ModelInputError(
+        source.ref,
+        f"The model {source.ref} was made from a base CLIP in {where}: set `base_model_id` (BASE_MODEL_ID in "
+        "a Space) to that base's folder or Hub id.",
+    )
 
 
 def space_tasks(settings: SpaceSettings, recorded_suite: str | None = None) -> list[Task]:
@@ -138,6 +176,16 @@ class SpaceModel:
         self.classifier = ZeroShotClassifier(self.clip, tokenizer, self.device)
         cache = Path(settings.heads_cache).expanduser() if settings.heads_cache else default_cache_dir()
         self.heads = task_heads(self.classifier, self.tasks.values(), base_folder, cache, progress=progress)
+
+    @property
+    def input_side(self) -> int:
+        """The side, in pixels, the image processor resizes and crops to (224 for CLIP ViT-B/32)."""
+        sides = [
+            getattr(sizes, key, None)
+            for sizes in (getattr(self.processor, "size", None), getattr(self.processor, "crop_size", None))
+            for key in ("shortest_edge", "height", "width")
+        ]
+        return max((int(side) for side in sides if side), default=0)
 
     def _check_compatible(self) -> None:
         ours, base = self.vision.config, self.clip.vision_model.config

@@ -31,6 +31,8 @@ class SpaceSettings:
     records, else ``ta8``.
     Relative ``tasks_file`` and ``examples_dir`` paths resolve against ``app_dir``. ``heads_cache`` is
     where class embeddings are kept between starts (None: ``~/.cache/featcal/space-heads``).
+    ``max_megapixels`` bounds the frame an upload declares (the classifier sees 224×224 pixels of it;
+    docs/space.md gives the reasons for the number).
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -42,7 +44,7 @@ class SpaceSettings:
     device: str = "auto"
     heads_cache: str | None = None
     max_file_mb: float = 10.0
-    max_megapixels: float = 40.0
+    max_megapixels: float = 8.0
     concurrency_limit: int = 2
     queue_size: int = 32
     top_k: int = 5

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -10,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from featcal.errors import ServeError
 from featcal.space.examples import collect_examples
 from featcal.space.model import ALL_TASKS, SpaceModel
 from featcal.space.predict import MAX_TOP_K, classify
@@ -120,6 +123,27 @@ def build_demo(model: SpaceModel, examples: Mapping[str, Path]):
     return demo
 
 
+class _QuietBindFailure(logging.Filter):
+    """Drops uvicorn's log line for a bind that failed: :meth:`Space.launch` raises a ServeError saying it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "attempting to bind" not in record.getMessage()
+
+
+def _serve_error(host: str | None, port: int | None) -> ServeError:
+    """The one-line error for a server that could not bind to ``host`` and ``port`` (None: Gradio's)."""
+    host = host or os.environ.get("GRADIO_SERVER_NAME") or "127.0.0.1"
+    if port is None and not os.environ.get("GRADIO_SERVER_PORT"):
+        return ServeError(host, None, f"Cannot serve on {host}: no port from 7860 on is free; choose a free `port`.")
+    port = port or int(os.environ["GRADIO_SERVER_PORT"])
+    return ServeError(
+        host,
+        port,
+        f"Cannot serve on {host} port {port}: the port is in use (taken since it was checked, if it was free "
+        f"then), or {host} is not an address of this machine: choose a free `port`, or stop what holds it.",
+    )
+
+
 @dataclass
 class Space:
     """A built Space: its page, its model, the folders its example images live in, and the temporary
@@ -142,20 +166,32 @@ class Space:
 
         ``host`` and ``port`` default to Gradio's (GRADIO_SERVER_NAME / GRADIO_SERVER_PORT, else
         127.0.0.1 and 7860 or the next free port).
+
+        Raises:
+            ServeError: when the server cannot bind: the port is taken (even if it was free when checked
+                a moment before) or the host is not an address of this machine.
         """
         import gradio as gr
 
-        self.demo.launch(
-            server_name=host,
-            server_port=port,
-            share=share,
-            prevent_thread_lock=prevent_thread_lock,
-            max_file_size=int(self.model.settings.max_file_mb * 1e6),
-            show_error=True,
-            allowed_paths=[str(f) for f in self.example_folders],
-            theme=gr.themes.Soft(),
-            css=CSS,
-        )
+        quiet = _QuietBindFailure()
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        uvicorn_log.addFilter(quiet)
+        try:
+            self.demo.launch(
+                server_name=host,
+                server_port=port,
+                share=share,
+                prevent_thread_lock=prevent_thread_lock,
+                max_file_size=int(self.model.settings.max_file_mb * 1e6),
+                show_error=True,
+                allowed_paths=[str(f) for f in self.example_folders],
+                theme=gr.themes.Soft(),
+                css=CSS,
+            )
+        except OSError as exc:  # Gradio's "Cannot find empty port", after its own and uvicorn's bind failed
+            raise _serve_error(host, port) from exc
+        finally:
+            uvicorn_log.removeFilter(quiet)
 
     def close(self) -> None:
         """Stop serving and remove the temporary folder of gathered example images."""

@@ -105,14 +105,19 @@ def make_run(
     base_dir: str | None = "zero-shot",
     with_experts: bool = False,
     max_eval_samples: int | None = None,
+    base_model_id: str | None = None,
 ) -> tuple[Path, dict]:
     """A tiny run folder as `featcal run` writes it; returns it and facts about it.
 
+    Its recipe names ``base_model_id`` as the base when given (a Hub id, say), else the fixture's folder.
     The facts: ``model`` (the released model in memory), ``config`` (run_config.json), ``run_id``.
     """
     run = root / "run"
     run.mkdir(parents=True)
-    config = with_run_id(tiny_config(calibrated=calibrated, max_eval_samples=max_eval_samples))
+    recipe = tiny_config(calibrated=calibrated, max_eval_samples=max_eval_samples)
+    if base_model_id is not None:
+        recipe["base_model_id"] = base_model_id
+    config = with_run_id(recipe)
     (run / "run_config.json").write_text(json.dumps(config, indent=2))
     run_id = config["run_id"]
     model = save_stage(run / "ta", seed=1)
