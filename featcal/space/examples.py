@@ -40,7 +40,7 @@ def _first_test_image(task: Task, *, remote: bool):
         raise DatasetInputError(task.name, spec.path, f"the Hub cannot be reached to read {spec.path!r}")
     import datasets
 
-    rows = datasets.load_dataset(spec.path, spec.name, split=spec.test_split, streaming=True)
+    rows = datasets.load_dataset(spec.path, spec.name, split=spec.test_split, streaming=True, revision=spec.revision)
     return next(iter(rows))[spec.image_column]
 
 
