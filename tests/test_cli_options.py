@@ -22,6 +22,8 @@ CHANGES = {
     "demo": ({"--zoo-cache-dir"}, {"--cache-dir"}),
     # a language-model merge's calibration texts per expert (docs/causal-lm.md), among the task options
     **{command: ({"--data"}, set()) for command in ("run", "merge", "calibrate")},
+    # the Space's model listed under one spelling; --model-id is kept as a hidden alias
+    "space": (set(), {"--model-id"}),
 }
 
 
@@ -52,6 +54,12 @@ def test_every_command_lists_the_options_it_did() -> None:
     for name, options in RECORDED.items():
         added, removed = CHANGES.get(name, (set(), set()))
         assert set(current[name]) == (set(options) | added) - removed, name
+
+
+def test_hidden_aliases_still_set_their_option() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["space", "--model-id", "a/b"]).model_id == "a/b"
+    assert parser.parse_args(["demo", "--cache-dir", "/tmp/zoo"]).zoo_cache_dir == "/tmp/zoo"
 
 
 def test_every_command_records_its_flags_for_its_errors() -> None:

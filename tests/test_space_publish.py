@@ -325,7 +325,7 @@ def test_push_checks_offline_mode_and_token_before_staging(tmp_path, monkeypatch
     with pytest.raises(FeatcalError, match="HF_HUB_OFFLINE is set"):
         push_space("me/demo", token="hf_test_token", output=tmp_path / "space")
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr("featcal.hub.get_token", lambda: None)
+    monkeypatch.setattr("featcal.hub.publishing.get_token", lambda: None)
     with pytest.raises(FeatcalError, match="No Hugging Face token"):
         push_space("me/demo", output=tmp_path / "space")
     assert not (tmp_path / "space").exists()
