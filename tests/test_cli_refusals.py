@@ -462,7 +462,8 @@ def test_space_checks_its_address_before_loading_the_model(tmp_path, capsys, mon
     loaded = []
     monkeypatch.setattr(featcal.space, "create_space", lambda *a, **k: loaded.append(a))
     code, err = run_error(capsys, ["space", "--model", str(tmp_path), "--port", "70000"])
-    assert code == 2 and len(err) == 1 and "--port '70000' is invalid: it must be a whole number in [1, 65535]" in err[0]
+    assert code == 2 and len(err) == 1
+    assert "--port '70000' is invalid: it must be a whole number in [1, 65535]" in err[0]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
