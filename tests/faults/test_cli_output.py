@@ -75,3 +75,18 @@ def test_quiet_shows_no_progress(world, tmp_path, device) -> None:
     assert not [code for code in CURSOR_CODES if code in result.stderr]
     assert "featcal.progress" not in result.stderr and not logged(result.stderr, "INFO"), result.stderr
     assert "Run folder: " in result.stdout
+
+
+def test_evaluating_a_whole_clip_model_folder_shows_no_load_report(world, tmp_path) -> None:
+    """A full CLIPModel folder is evaluated through its vision tower: no transformers load report (its
+    text tower's keys as UNEXPECTED rows) and no cursor codes on a stderr that is not a terminal."""
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED}
+    env.update(PYTHONPATH=str(REPO), FEATCAL_PROGRESS_INTERVAL="0", OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "featcal", "evaluate", "--model", str(world["root"] / "base")]
+    argv += ["--tasks-file", str(world["tasks_file"]), "--output", str(tmp_path / "m.json"), "--device", "cpu"]
+    argv += ["--eval-num-workers", "0", "--max-eval-samples", "4"]
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "UNEXPECTED" not in result.stderr and "text_model" not in result.stderr, result.stderr
+    assert not [code for code in CURSOR_CODES if code in result.stderr], result.stderr
+    assert (tmp_path / "m.json").is_file()
