@@ -6,7 +6,6 @@ it: Task Arithmetic must lose accuracy against the experts and FeatCal must win 
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -345,19 +344,12 @@ def tiny_zoo(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_demo_command_prints_the_table(tiny_zoo, tmp_path, capsys, device):
+    from featcal.cli import build_parser
     from featcal.cli.demo import cmd_demo
 
-    args = argparse.Namespace(
-        output_dir=str(tmp_path / "demo"),
-        zoo_seed=0,
-        tiny=True,
-        rebuild=False,
-        cache_dir=str(tiny_zoo.parent.parent),
-        device=device,
-        threads=None,
-        ta_scaling_factor=0.3,
-        no_export=False,
-        quiet=True,
+    args = build_parser().parse_args(
+        ["-q", "demo", "--tiny", "--zoo-cache-dir", str(tiny_zoo.parent.parent), "--device", device]
+        + ["--output-dir", str(tmp_path / "demo")]
     )
     assert cmd_demo(args) == 0
     out = capsys.readouterr().out
