@@ -14,6 +14,7 @@ from featcal.calibration.statistics import (
     GramAccumulator,
     LinearMoments,
     ProjectedLinearMoments,
+    SecondMoments,
     column_sums,
     triangle_blocks,
 )
@@ -55,6 +56,28 @@ def test_gram_accumulator_equals_full_products_with_weights_and_flushes(device):
     torch.testing.assert_close(moments.sum_ss, (a[:10] * w[:10, None]).T @ a[:10])
     torch.testing.assert_close(moments.sum_ye, w[:10] @ b[:10])
     torch.testing.assert_close(moments.sum_w, w[:10].sum())
+
+
+def test_second_moments_are_one_streams_gram_through_the_accumulator(device):
+    """RegMean's Σw·x xᵀ: the accumulator without cross columns, float32 products flushed into float64
+    sums chunk by chunk, mirrors the block triangle into the full Gram."""
+    dim, seq = 800, 10
+    x = torch.randn(60, dim, device=device)
+    w = torch.rand(60, device=device)
+    root = w.sqrt()
+    moments = SecondMoments.zeros(dim, device=device)
+    gram = GramAccumulator(dim, 0, device=device)
+    for rows in (slice(0, 20), slice(20, 60)):
+        gram.add(x[rows] * root[rows, None], root[rows], w[rows].sum(), group=seq)
+        gram.flush(moments)
+    expected = (x.double() * w.double()[:, None]).T @ x.double()
+    assert moments.sum_xx.dtype == torch.float64 and [t.shape for t in moments.tensors()] == [(), (dim, dim)]
+    torch.testing.assert_close(moments.sum_xx, expected, rtol=1e-5, atol=1e-4)  # float32 products
+    torch.testing.assert_close(moments.mean(), expected / w.double().sum(), rtol=1e-5, atol=1e-6)
+    gram.add(x[:10], None, 10, group=seq)
+    gram.flush(moments, overwrite=True)
+    torch.testing.assert_close(moments.sum_xx, x[:10].double().T @ x[:10].double(), rtol=1e-5, atol=1e-4)
+    assert float(moments.sum_w) == 10
 
 
 def test_column_sums_group_rows_then_sum_in_float64():

@@ -1,7 +1,8 @@
 """FeatCal statistics: weighted sums over tokens, additive across batches, tasks and processes.
 
 Each moments class holds raw sums (never means), so two accumulators over disjoint data add exactly,
-and a sum of the sums over processes gives the statistics of the union.
+and a sum of the sums over processes gives the statistics of the union. FeatCal's are crossed
+student/expert sums; :class:`SecondMoments` are one stream's alone (the Gram Σ x xᵀ RegMean merges by).
 
 The products behind the sums run in float32 (or the inputs' dtype when wider) on large row chunks
 through :class:`GramAccumulator`, which computes only the upper block triangle of the symmetric
@@ -165,7 +166,31 @@ class ProjectedLinearMoments(Sums):
         return (alpha * self.sum_ye + (1 - alpha) * (weight.to(self.sum_xs.dtype) @ self.sum_xs)) / self.sum_w
 
 
+@dataclass
+class SecondMoments(Sums):
+    """Sums for one linear submodule's input on a single stream: Σw and Σw·x xᵀ, accumulated by a
+    :class:`GramAccumulator` without cross columns.
+
+    With every token weighing 1 (w = 1) :meth:`mean` is the mean of x xᵀ over the tokens: the Gram
+    matrix RegMean merges a linear by (:mod:`featcal.merging.regmean`).
+    """
+
+    sum_w: torch.Tensor
+    sum_xx: torch.Tensor
+
+    @classmethod
+    def zeros(
+        cls, dim: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64
+    ) -> SecondMoments:
+        return cls(*_zeros(device, dtype, (), (dim, dim)))
+
+    def mean(self) -> torch.Tensor:
+        """E_w[x xᵀ]: the sums of squares and products over the total weight."""
+        return self.sum_xx / self.sum_w
+
+
 PairMoments = LinearMoments | ProjectedLinearMoments
+Moments = PairMoments | SecondMoments
 
 
 def _add_pair(moments: PairMoments, a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor | None) -> None:
@@ -258,38 +283,51 @@ class GramAccumulator:
         self.rows += joint.shape[0]
 
     @torch.no_grad()
-    def flush(self, moments: PairMoments, scratch: torch.Tensor | None = None, *, overwrite: bool = False) -> None:
+    def flush(self, moments: Moments, scratch: torch.Tensor | None = None, *, overwrite: bool = False) -> None:
         """Add the accumulated sums into ``moments`` (or, with ``overwrite``, replace them) and restart.
-        ``scratch``: a [max block, d_a + d_b] buffer in the moments' dtype, reused for the casts."""
-        total_w, sum_a, sum_b, gram, cross = (getattr(moments, f.name) for f in fields(moments))
+        ``moments``: crossed sums for an accumulator with ``cross`` columns, :class:`SecondMoments` for
+        one without. ``scratch``: a [max block, d_a + d_b] buffer in the moments' dtype, reused for the casts."""
+        total_w, sum_a, sum_b, gram, cross = _flush_targets(moments)
         if self.rows == 0:
             if overwrite:
                 moments.zero_()
             return
         dim = self.dim
         for (start, stop), acc in zip(self.blocks, self.acc):
-            parts = (acc[:, : dim - start], acc[:, stop - start : dim - start].T, acc[:, dim - start :])
-            targets = (gram[start:stop, start:], gram[stop:, start:stop], cross[start:stop])
-            if overwrite:  # one cast copy per element: the usual case, a task in one flush
-                for target, part in zip(targets, parts):
-                    target.copy_(part)
-                continue
-            if scratch is None or acc.dtype == gram.dtype:
-                block = acc.to(gram.dtype)
-            else:
-                block = scratch[: acc.shape[0], : acc.shape[1]].copy_(acc)
-            parts = (block[:, : dim - start], block[:, stop - start : dim - start].T, block[:, dim - start :])
+            if not overwrite:
+                if scratch is None or acc.dtype == gram.dtype:
+                    acc = acc.to(gram.dtype)
+                else:
+                    acc = scratch[: acc.shape[0], : acc.shape[1]].copy_(acc)
+            parts = [acc[:, : dim - start], acc[:, stop - start : dim - start].T]
+            targets = [gram[start:stop, start:], gram[stop:, start:stop]]
+            if cross is not None:
+                parts.append(acc[:, dim - start :])
+                targets.append(cross[start:stop])
             for target, part in zip(targets, parts):
-                target += part
+                if overwrite:  # one cast copy per element: the usual case, a task in one flush
+                    target.copy_(part)
+                else:
+                    target += part
+        for target, sums in ((sum_a, self.col_sums[:dim]), (sum_b, self.col_sums[dim:])):
+            if target is None:
+                continue
+            if overwrite:
+                target.copy_(sums)
+            else:
+                _add_cast(target, sums)
         if overwrite:
-            sum_a.copy_(self.col_sums[:dim])
-            sum_b.copy_(self.col_sums[dim:])
             total_w.zero_()
-        else:
-            _add_cast(sum_a, self.col_sums[:dim])
-            _add_cast(sum_b, self.col_sums[dim:])
         total_w += self.weight_sum
         self.weight_sum, self.rows = 0.0, 0
+
+
+def _flush_targets(moments: Moments) -> tuple[torch.Tensor, ...]:
+    """Where a flush adds: Σw, the column sums of a and of b, aᵀa and aᵀb (for :class:`SecondMoments`
+    Σw and aᵀa alone, the others None)."""
+    if isinstance(moments, SecondMoments):
+        return moments.sum_w, None, None, moments.sum_xx, None
+    return tuple(getattr(moments, f.name) for f in fields(moments))
 
 
 @dataclass
