@@ -13,9 +13,11 @@ from safetensors.torch import load_file
 
 from featcal.checkpoint import Checkpoint
 from featcal.cli import main
+from featcal.distributed import World
 from featcal.errors import FeatcalError, InvalidParameterError, UnknownNameError
 from featcal.families.clip_vision.folders import vision_checkpoint
 from featcal.merging import Range, available_methods, get_method, merge_method
+from featcal.merging.data import MergeData
 from featcal.merging.iso_c import isotropic
 from featcal.merging.registry import MethodRegistry
 from featcal.merging.wudi import interference_gradient, interference_loss, interference_moments, solve
@@ -281,6 +283,36 @@ def test_kernels_may_take_the_experts_and_whole_model_methods_say_so() -> None:
     assert all(torch.equal(registry.get("first")(base, experts)[k], experts[0][k]) for k in base)
     with pytest.raises(InvalidParameterError, match="keep='maybe' is invalid: it must be true or false"):
         registry.get("first")(base, experts, keep="maybe")
+
+
+def test_a_data_using_method_gets_the_data_and_checks_its_parameters_together() -> None:
+    registry = MethodRegistry()
+    seen = []
+
+    def odd_only(params: dict) -> None:
+        if params["k"] % 2 == 0:
+            raise InvalidParameterError("k", params["k"], "odd", owner="merging method 'fed'")
+
+    @merge_method("fed", pretty_name="Fed", reference_url="", uses_data=True, check=odd_only, registry=registry)
+    def fed(base: dict, experts: list, data: MergeData, device: torch.device, world: World, *, k: int = 1) -> dict:
+        """The base, once the data is seen."""
+        seen.append((data.tasks, device.type, world.size, k))
+        return {key: tensor.clone() for key, tensor in base.items()}
+
+    method = registry.get("fed")
+    assert method.uses_data and method.whole_model
+    base, experts = random_models(tasks=2)
+    data = MergeData(adapter=None, skeleton=None, tasks=("a", "b"), load_inputs=None)  # type: ignore[arg-type]
+    assert torch.equal(method(base, experts, data=data, k=3)["proj.weight"], base["proj.weight"])
+    assert seen == [(("a", "b"), "cpu", 1, 3)]
+    with pytest.raises(InvalidParameterError, match="k=2 is invalid: it must be odd"):
+        method.resolved_params(k=2)
+    with pytest.raises(InvalidParameterError, match="merging method 'fed': data=None is invalid"):
+        method(base, experts)
+    with pytest.raises(TypeError, match=r"a data-using method takes \(base, experts, data, device, world\)"):
+        merge_method("bad", pretty_name="Bad", reference_url="", uses_data=True, registry=registry)(
+            lambda base, experts, data: base
+        )
 
 
 def no_annotation(base: torch.Tensor, task_vectors: torch.Tensor, *, k=1.0) -> torch.Tensor:

@@ -4,7 +4,10 @@ Most methods are **per-tensor kernels**: ``kernel(base, task_vectors, *, <hyper-
 returns one merged float32 tensor, and the streaming driver (:mod:`featcal.merging.driver`) runs it
 over the model one tensor at a time. A method that needs the whole model at once (TIES's top-k over
 each whole task vector) registers with ``whole_model=True`` and maps state dicts to a state dict:
-``fn(base, experts, *, <hyper-parameters>) -> dict[str, Tensor]``.
+``fn(base, experts, *, <hyper-parameters>) -> dict[str, Tensor]``. A method that computes its merge from
+calibration data (RegMean) registers with ``uses_data=True`` and takes, beside them, the family's view of
+the model and each task's examples (:class:`~featcal.merging.data.MergeData`):
+``fn(base, experts, data, device, world, *, <hyper-parameters>) -> dict[str, Tensor]``.
 
 Hyper-parameters are the function's keyword-only arguments. Their annotations give the type
 (``float``, ``int``, ``bool``, ``str`` or ``Literal[...]`` choices), optionally bounded by a
@@ -21,7 +24,7 @@ import inspect
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import torch
 
@@ -31,7 +34,11 @@ from featcal.merging.common import StateDict
 from featcal.merging.driver import KERNEL_INPUTS, merge_tensorwise
 from featcal.options import Option, Range, convert, with_annotation_limits
 
+if TYPE_CHECKING:
+    from featcal.merging.data import MergeData
+
 F = TypeVar("F", bound=Callable[..., Any])
+DATA_INPUTS = ("base", "experts", "data", "device", "world")  # a data-using method's positional parameters
 
 __all__ = ["Range"]  # methods write their bounds as Annotated[float, Range(...)]
 
@@ -122,6 +129,10 @@ class MergeMethod:
         inputs: The kernel's positional parameters (among
             :data:`~featcal.merging.driver.KERNEL_INPUTS`); ``None`` for a whole-model method.
         mergekit: How mergekit writes the same merge, when it has an equivalent.
+        uses_data: The method computes its merge from each task's calibration examples (a whole-model
+            method called with a :class:`~featcal.merging.data.MergeData`).
+        check: Checks the resolved hyper-parameters together (what a type and range cannot say: that a
+            text is a regular expression), raising :class:`InvalidParameterError`; None when nothing to check.
     """
 
     name: str
@@ -132,6 +143,8 @@ class MergeMethod:
     params: tuple[HyperParameter, ...]
     inputs: tuple[str, ...] | None
     mergekit: MergekitForm | None = None
+    uses_data: bool = False
+    check: Callable[[dict[str, Any]], None] | None = None
 
     @property
     def whole_model(self) -> bool:
@@ -161,10 +174,13 @@ class MergeMethod:
         unknown = [key for key in params if key not in known]
         if unknown:
             raise UnknownNameError(f"parameter of {owner}", unknown, known)
-        return {
+        resolved = {
             p.name: p.default if params.get(p.name) is None else p.check(params[p.name], owner=owner)
             for p in self.params
         }
+        if self.check is not None:
+            self.check(resolved)
+        return resolved
 
     def __call__(
         self,
@@ -173,6 +189,7 @@ class MergeMethod:
         *,
         device: torch.device | str | None = None,
         world: World = SINGLE,
+        data: MergeData | None = None,
         **params: Any,
     ) -> dict[str, torch.Tensor]:
         """Merge ``experts`` into ``base``.
@@ -184,7 +201,10 @@ class MergeMethod:
             device: Where to compute (default: the CPU); tensors are read there one at a time and
                 the merged state dict is returned on the CPU.
             world: Under torchrun, the processes: a per-tensor method shares the tensors among them;
-                a whole-model method (TIES) is computed whole by every process.
+                a whole-model method (TIES) is computed whole by every process; a data-using method
+                sums its statistics over them, each process streaming its part of the examples.
+            data: For a data-using method (:attr:`uses_data`), the model's structure and each task's
+                calibration examples, one task per expert; ignored by the others.
             **params: Hyper-parameters; those not given take their defaults.
 
         Returns:
@@ -193,15 +213,23 @@ class MergeMethod:
 
         Raises:
             UnknownNameError: If a parameter name is not a hyper-parameter of this method.
-            InvalidParameterError: If a value is invalid, or if ``experts`` is empty.
+            InvalidParameterError: If a value is invalid, if ``experts`` is empty, or if a data-using
+                method is given no ``data`` or data for another number of tasks.
         """
         resolved = self.resolved_params(**params)
         experts = list(experts)
+        owner = f"merging method {self.name!r}"
         if not experts:
-            raise InvalidParameterError(
-                "experts", experts, "at least one expert state dict", owner=f"merging method {self.name!r}"
-            )
+            raise InvalidParameterError("experts", experts, "at least one expert state dict", owner=owner)
         device = None if device is None else torch.device(device)
+        if self.uses_data:
+            if data is None or len(data.tasks) != len(experts):
+                raise InvalidParameterError(
+                    "data", None if data is None else list(data.tasks),
+                    f"the calibration data of each of the {len(experts)} experts' tasks (a MergeData): this "
+                    "method computes its merge from them", owner=owner,
+                )  # fmt: skip
+            return self.fn(base, experts, data, device or torch.device("cpu"), world, **resolved)
         if self.inputs is None:
             if "device" in inspect.signature(self.fn).parameters:
                 return self.fn(base, experts, device, **resolved)
@@ -252,8 +280,10 @@ def merge_method(
     reference_url: str,
     description: str | None = None,
     whole_model: bool = False,
+    uses_data: bool = False,
     registry: MethodRegistry | None = None,
     mergekit: MergekitForm | None = None,
+    check: Callable[[dict[str, Any]], None] | None = None,
 ) -> Callable[[F], F]:
     """Register the decorated function as the merging method ``name``.
 
@@ -262,7 +292,9 @@ def merge_method(
     float32 tensor; it must name ``task_vectors`` or ``experts``. A whole-model function takes
     ``(base, experts)`` state dicts and returns the merged state dict without modifying them. In both
     the keyword-only arguments are the hyper-parameters, each annotated ``float``, ``int``, ``bool``,
-    ``str`` or ``Literal[...]``, optionally ``Annotated[..., Range(...)]``, with a default.
+    ``str`` or ``Literal[...]``, optionally ``Annotated[..., Range(...)]``, with a default. A data-using
+    function takes ``(base, experts, data, device, world)``: the state dicts, a
+    :class:`~featcal.merging.data.MergeData`, where to compute and the processes.
 
     Args:
         name: The registry name, as recipes and :func:`get_method` give it.
@@ -270,9 +302,12 @@ def merge_method(
         reference_url: The paper.
         description: One line for ``featcal methods``; default the first line of the docstring.
         whole_model: The function maps state dicts to a state dict instead of being a kernel.
+        uses_data: The function computes the merge from each task's calibration examples (it takes a
+            :class:`~featcal.merging.data.MergeData`); commands then read the tasks' data for it.
         registry: Where to register; default :data:`METHODS`, which :func:`get_method` reads.
         mergekit: How mergekit writes the same merge, when it has an equivalent (recorded beside a merge
             as ``mergekit_config.yml``).
+        check: Checks the resolved hyper-parameters together, raising :class:`InvalidParameterError`.
 
     Returns:
         A decorator that registers the function and returns it unchanged.
@@ -284,10 +319,10 @@ def merge_method(
     """
 
     def register(fn: F) -> F:
-        inputs, params = _read_signature(fn, name, whole_model=whole_model)
+        inputs, params = _read_signature(fn, name, whole_model=whole_model, uses_data=uses_data)
         doc = inspect.getdoc(fn) or ""
         summary = description if description is not None else (doc.splitlines() or [""])[0]
-        method = MergeMethod(name, pretty_name, reference_url, summary, fn, params, inputs, mergekit)
+        method = MergeMethod(name, pretty_name, reference_url, summary, fn, params, inputs, mergekit, uses_data, check)
         (METHODS if registry is None else registry).add(method)
         return fn
 
@@ -295,9 +330,9 @@ def merge_method(
 
 
 def _read_signature(
-    fn: Callable[..., Any], name: str, *, whole_model: bool
+    fn: Callable[..., Any], name: str, *, whole_model: bool, uses_data: bool = False
 ) -> tuple[tuple[str, ...] | None, tuple[HyperParameter, ...]]:
-    """The kernel inputs (``None`` for a whole-model function) and hyper-parameters of ``fn``."""
+    """The kernel inputs (``None`` for a whole-model or data-using function) and hyper-parameters of ``fn``."""
     where = f"merging method {name!r}"
     hints = typing.get_type_hints(fn, include_extras=True)
     positional: list[str] = []
@@ -309,6 +344,10 @@ def _read_signature(
             params.append(_hyper_parameter(p, hints.get(p.name), where))
         else:
             raise TypeError(f"{where}: *{p.name} is not allowed; hyper-parameters are keyword-only arguments")
+    if uses_data:
+        if positional != list(DATA_INPUTS):
+            raise TypeError(f"{where}: a data-using method takes ({', '.join(DATA_INPUTS)}); got {positional}")
+        return None, tuple(params)
     if whole_model:
         if positional not in (["base", "experts"], ["base", "experts", "device"]):
             raise TypeError(f"{where}: a whole-model method takes (base, experts[, device]); got {positional}")
