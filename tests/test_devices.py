@@ -29,6 +29,7 @@ from featcal.merging.registry import MethodRegistry, merge_method
 from featcal.precision import fixed_precision
 from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
+from tests.support.merge_data import fixture_merge
 from tests.support.runs import fast_run
 
 FAST = [*fast_run(max_eval_samples=4), "--eval-experts", "--no-export"]
@@ -69,6 +70,8 @@ def test_every_merging_method_computes_on_the_device(method: str, device) -> Non
     base = vision_checkpoint(FIXTURE / "base")
     experts = [vision_checkpoint(FIXTURE / "experts" / f"t{i}") for i in range(3)]
     params = {"iterations": 5} if method == "wudi" else {}
+    if get_method(method).uses_data:
+        base, experts, params["data"] = fixture_merge()
     on_cpu = get_method(method)(base, experts, **params)
     on_device = get_method(method)(base, experts, device=device, **params)
     assert all(value.device.type == "cpu" for value in on_device.values())

@@ -1,0 +1,283 @@
+"""RegMean and RegMean++ layer by layer through the family adapter: each linear's input Gram, per task.
+
+Each task's calibration examples become a stream of hidden states (``[examples, seq, d]`` on the
+device), advanced one layer at a time as in FeatCal (:mod:`featcal.calibration.driver`). At every
+layer, each expert's layer is run on its task's stream while forward pre-hooks record the inputs of the
+layer's ``nn.Linear`` modules; their sums of squares and products
+(:class:`~featcal.calibration.statistics.SecondMoments`, float32 products in float64 sums) are summed
+over processes under torchrun and folded task by task into one
+:class:`~featcal.merging.regmean_solve.RegMeanSystem` per input. Linears that read one input (q, k, v)
+share its Gram, computed once. Which stream feeds an expert's layer is what sets the two methods apart,
+as FusionBench 0.2.33 implements them:
+
+* RegMean (``follow="experts"``): the expert's own stream, from the expert's stem through the expert's
+  layers (FusionBench's hooks on the whole expert model);
+* RegMean++ (``follow="merged"``): the merged model's stream, from the merged stem through the layers
+  merged so far (FusionBench's ``layer_batches_forward`` of the merged layer).
+
+A layer's tensors other than the linears' weights (biases, norms) get the experts' mean, a linear whose
+input never reached it too; a tensor whose key matches ``exclude`` keeps the base's value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from featcal.calibration.adapters import CalibrationBatch, LayerAdapter, as_batch
+from featcal.calibration.layer_state import FLUSH_TOKENS, Recorder
+from featcal.calibration.statistics import GramAccumulator, SecondMoments, product_dtype
+from featcal.checkpoint import StateDict, load_params, reading_state
+from featcal.distributed import SINGLE, World
+from featcal.errors import FeatcalError
+from featcal.merging.data import MergeData
+from featcal.merging.regmean_solve import RegMeanSystem
+from featcal.progress import Progress
+
+Follow = Literal["experts", "merged"]
+
+
+@dataclass
+class _Stream:
+    """One task's hidden states ``[examples, seq, d]`` and the context its layers read."""
+
+    hidden: torch.Tensor
+    batches: CalibrationBatch
+
+
+class _InputGroup:
+    """The linears of a layer that read one input: that input's Gram for the current task, and their system."""
+
+    def __init__(self, names: list[str], linears: Mapping[str, nn.Module], dtype: torch.dtype, device: torch.device):
+        self.names = names
+        self.dim = linears[names[0]].in_features
+        out_features = sum(linears[name].out_features for name in names)
+        self.moments = SecondMoments.zeros(self.dim, device=device)
+        self.gram = GramAccumulator(self.dim, 0, device=device, dtype=product_dtype(dtype))
+        self.system = RegMeanSystem.empty(self.dim, out_features, device=device)
+
+    def add(self, x: torch.Tensor, token_weights: torch.Tensor | None) -> None:
+        """One forward batch of inputs ``x`` ([rows, seq, d]), each token weighing its ``token_weights``
+        entry (``[rows, seq]``; None: 1)."""
+        rows = x.reshape(-1, self.dim).to(self.gram.acc[0].dtype)
+        group = x.shape[-2] if x.dim() > 2 else 1
+        if token_weights is None:
+            self.gram.add(rows, None, rows.shape[0], group)
+        else:
+            root = token_weights.to(device=rows.device, dtype=rows.dtype).reshape(-1).sqrt()
+            self.gram.add(rows * root.unsqueeze(1), root, root.square().sum(), group)
+        if self.gram.rows >= FLUSH_TOKENS:
+            self.gram.flush(self.moments)
+
+    def fold(self, linears: Mapping[str, nn.Module], ratio: float, world: World) -> None:
+        """End the task: its sums over every process, its Gram folded in with the expert's weights."""
+        self.gram.flush(self.moments)
+        world.all_reduce_sum_(self.moments.tensors(), what="RegMean statistics")
+        weight = torch.cat([linears[name].weight for name in self.names])
+        self.system.add_task(self.moments.mean(), weight, ratio)
+        self.moments.zero_()
+
+    def solved(self, linears: Mapping[str, nn.Module]) -> dict[str, torch.Tensor]:
+        """Each linear's merged weight, by ``<name>.weight``, in its own dtype."""
+        sizes = [linears[name].out_features for name in self.names]
+        merged = self.system.solve().split(sizes)
+        return {f"{name}.weight": w.to(linears[name].weight.dtype) for name, w in zip(self.names, merged)}
+
+
+@torch.no_grad()
+def merge_layers(
+    base: StateDict,
+    experts: Sequence[StateDict],
+    data: MergeData,
+    *,
+    follow: Follow,
+    stems: Sequence[StateDict],
+    ratio: float,
+    exclude: re.Pattern[str] | None,
+    device: torch.device,
+    world: World = SINGLE,
+) -> dict[str, torch.Tensor]:
+    """The merged tensors of every layer of the model, keyed as the checkpoints key them, on the CPU.
+
+    Args:
+        base: The base's tensors (the values of excluded tensors and integer buffers).
+        experts: The experts' tensors, one per task of ``data.tasks``.
+        data: The adapter, the skeleton and each task's calibration examples.
+        follow: Whose stream feeds each expert's layer: the expert's own, or the merged model's.
+        stems: The tensors each task's stream starts from (by the adapter's stem prefixes), one per task.
+        ratio: ``reduce_non_diagonal_ratio``.
+        exclude: Tensors whose key it matches (``re.match``) keep the base's value.
+        device: Where the streams, statistics and solves live.
+        world: Under torchrun, ``data.load_inputs`` gives each process its part of the examples and the
+            statistics are summed over the processes; rank 0's merged layer is everyone's.
+
+    Returns:
+        Every tensor of every layer, merged.
+
+    Raises:
+        FeatcalError: when a task has no calibration examples, or a checkpoint lacks a layer's tensor.
+    """
+    adapter = data.adapter
+    model = data.skeleton(device)
+    streams = [
+        _first_stream(model, adapter, stem, as_batch(data.load_inputs(task)), data.batch_size, device, task, world)
+        for task, stem in zip(
+            Progress(data.tasks, desc="RegMean: first-layer inputs", unit="tasks", enabled=data.progress), stems
+        )  # fmt: skip
+    ]
+    layers = adapter.layers(model)
+    merged: dict[str, torch.Tensor] = {}
+    for index in Progress(range(len(layers)), desc="RegMean: layers", unit="layers", enabled=data.progress):
+        prefix = adapter.layer_prefix(index)
+        layer = _materialised(layers[index], device)
+        linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        groups: list[_InputGroup] | None = None
+        for expert, stream in zip(experts, streams):
+            load_params(layer, expert, prefix)
+            groups = _collect(model, adapter, layer, linears, stream, groups, data.batch_size, follow == "experts")
+            for group in groups:
+                group.fold(linears, ratio, world)
+        solved = {key: value for group in groups or [] for key, value in group.solved(linears).items()}
+        state = _merged_layer(layer, solved, base, experts, prefix, exclude)
+        world.broadcast_(list(state.values()), what="RegMean weights")  # one merge, bit for bit, everywhere
+        merged.update({prefix + name: tensor.cpu() for name, tensor in state.items()})
+        if follow == "merged" and index < len(layers) - 1:
+            load_params(layer, state, "")
+            for stream in streams:
+                _advance(model, adapter, layer, stream, data.batch_size)
+    return merged
+
+
+@torch.no_grad()
+def _first_stream(
+    model: nn.Module,
+    adapter: LayerAdapter,
+    source: StateDict,
+    batch: CalibrationBatch,
+    batch_size: int,
+    device: torch.device,
+    task: str,
+    world: World,
+) -> _Stream:
+    """Layer 0's input for a task's examples, through the stem holding ``source``'s tensors."""
+    if len(batch) == 0:
+        raise FeatcalError(f"Task {task!r} has no calibration examples (on process {world.rank}).")
+    stem = copy.deepcopy(adapter.stem(model))
+    for part, prefix in adapter.stem_parts().items():
+        load_params(stem.get_submodule(part), source, prefix)
+    dtype = next(model.parameters()).dtype
+    outputs = []
+    for start in range(0, len(batch), batch_size):
+        rows = batch.rows(start, start + batch_size)
+        inputs = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in rows.inputs.items()}
+        outputs.append(adapter.run_stem(stem, CalibrationBatch(inputs)).to(dtype))
+    return _Stream(torch.cat(outputs), batch.for_layers(device))
+
+
+def _materialised(template: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of a layer of the skeleton (on the meta device) with memory on ``device``, values unset.
+
+    Raises:
+        FeatcalError: when the layer holds tensors its state dict lacks, which no checkpoint would fill.
+    """
+    layer = copy.deepcopy(template).to_empty(device=device)
+    held = {id(t) for t in [*layer.parameters(), *layer.buffers()]}
+    if held - {id(t) for t in layer.state_dict(keep_vars=True).values()}:
+        raise FeatcalError(
+            "The layers of this architecture hold tensors that are not in their state dict: they cannot be "
+            "read from a checkpoint one layer at a time."
+        )
+    return layer.eval()
+
+
+@torch.no_grad()
+def _collect(
+    model: nn.Module,
+    adapter: LayerAdapter,
+    layer: nn.Module,
+    linears: Mapping[str, nn.Module],
+    stream: _Stream,
+    groups: list[_InputGroup] | None,
+    batch_size: int,
+    advance: bool,
+) -> list[_InputGroup]:
+    """One task's sums for every input of the layer's linears (the groups are made from the first forward
+    when None); with ``advance``, the stream becomes the layer's output."""
+    recorder = Recorder(linears)
+    try:
+        for start in range(0, stream.hidden.shape[0], batch_size):
+            batch = stream.batches.rows(start, start + batch_size)
+            hidden = stream.hidden[start : start + batch_size]
+            out = adapter.run_layer(layer, hidden, adapter.layer_context(model, batch, hidden))
+            if groups is None:
+                groups = _groups(recorder, linears, hidden.dtype, hidden.device)
+            for group in groups:
+                group.add(recorder.inputs[group.names[0]], batch.token_weights)
+            recorder.clear()
+            if advance:
+                hidden.copy_(out)
+    finally:
+        recorder.remove()
+    return groups or []
+
+
+def _groups(
+    recorder: Recorder, linears: Mapping[str, nn.Module], dtype: torch.dtype, device: torch.device
+) -> list[_InputGroup]:
+    """The linears that ran, grouped by the input they read (one tensor: one group), in firing order."""
+    by_input: dict[int, list[str]] = {}
+    for name, x in recorder.inputs.items():
+        by_input.setdefault(id(x), []).append(name)
+    return [_InputGroup(names, linears, dtype, device) for names in by_input.values()]
+
+
+@torch.no_grad()
+def _advance(model: nn.Module, adapter: LayerAdapter, layer: nn.Module, stream: _Stream, batch_size: int) -> None:
+    """Replace the stream by ``layer``'s output, batch by batch."""
+    for start in range(0, stream.hidden.shape[0], batch_size):
+        hidden = stream.hidden[start : start + batch_size]
+        context = adapter.layer_context(model, stream.batches.rows(start, start + batch_size), hidden)
+        hidden.copy_(adapter.run_layer(layer, hidden, context))
+
+
+def _merged_layer(
+    layer: nn.Module,
+    solved: Mapping[str, torch.Tensor],
+    base: StateDict,
+    experts: Sequence[StateDict],
+    prefix: str,
+    exclude: re.Pattern[str] | None,
+) -> dict[str, torch.Tensor]:
+    """The merged layer's tensors by their names in the layer, in the base's dtypes: the solved weights,
+    the experts' mean for the other floating-point tensors, the base's for integer buffers and excluded
+    tensors."""
+    state: dict[str, torch.Tensor] = {}
+    device = next(layer.parameters()).device
+    with contextlib.ExitStack() as stack:
+        sources = [stack.enter_context(reading_state(e)) for e in experts]
+        base_tensors = stack.enter_context(reading_state(base))
+        for name, current in layer.state_dict().items():
+            key = prefix + name
+            if (exclude is not None and exclude.match(key)) or not current.is_floating_point():
+                value = base_tensors[key]
+            elif name in solved:
+                value = solved[name]
+            else:
+                value = mean_of_experts(sources, key)
+            state[name] = value.to(device=device, dtype=base_tensors[key].dtype, copy=True).contiguous()
+    return state
+
+
+def mean_of_experts(experts: Sequence[StateDict], key: str) -> torch.Tensor:
+    """The experts' mean of one tensor, ``torch.stack(...).mean(0)`` as FusionBench takes it, in the
+    tensor's dtype or float32 when that is narrower."""
+    tensors = [expert[key] for expert in experts]
+    dtype = torch.promote_types(tensors[0].dtype, torch.float32)
+    return torch.stack([tensor.to(dtype) for tensor in tensors]).mean(dim=0)
