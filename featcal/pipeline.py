@@ -27,6 +27,7 @@ from featcal.files.faults import fault_point
 from featcal.files.reading import read_json
 from featcal.fingerprints import digest, folder_fingerprint
 from featcal.memory import MemoryMeter, release_free_memory
+from featcal.merging import get_method
 from featcal.metrics import WEIGHTS_SHA256, MetricsReport, weights_sha256
 from featcal.model_recipe import read_model_recipe
 from featcal.outputs import check_run_output_folder
@@ -59,7 +60,7 @@ from featcal.runfolder.record import EvaluationRecord, FeatCalRecord, MergeRecor
 from featcal.runfolder.reports import restamp_report, write_stage_report
 from featcal.runfolder.timings import evaluation_step, write_timings
 from featcal.spec import RunSpec
-from featcal.stages import calibrate, check_calibration_shares, merge, save_merge
+from featcal.stages import calibrate, check_calibration_shares, merge, merge_calibration, merge_data, save_merge
 from featcal.steps import Step, StepExecutor
 from featcal.suites import DEFAULT_BACKBONE, DEFAULT_SUITE
 from featcal.threads import choose_threads, torch_threads
@@ -78,6 +79,7 @@ def run_record(spec: RunSpec, inputs: RunInputs, data: DatasetFacts | None = Non
     """
     calibration_counts = data.calibration_counts if data is not None else {}
     commits = {"models": inputs.model_commits(), "datasets": dict(data.commits) if data is not None else {}}
+    # The FeatCal section records the examples each task used; so does a data-using merge's section.
     return RunRecord(
         featcal_version=__version__,
         base_model_id=inputs.base_ref,
@@ -85,7 +87,7 @@ def run_record(spec: RunSpec, inputs: RunInputs, data: DatasetFacts | None = Non
         tasks=tuple(t.name for t in inputs.tasks),
         tasks_table={t.name: t.to_dict() for t in inputs.tasks},
         seed=spec.seed,
-        merge=merge_record(spec, inputs),
+        merge=merge_record(spec, inputs, calibration_counts),
         featcal=None if spec.skip_featcal else FeatCalRecord(spec.featcal, dict(calibration_counts or {})),
         evaluation=EvaluationRecord(spec.max_eval_samples, inputs.family.evaluation_record()),
         precision=spec.precision,
@@ -95,11 +97,19 @@ def run_record(spec: RunSpec, inputs: RunInputs, data: DatasetFacts | None = Non
     )
 
 
-def merge_record(spec: RunSpec, inputs: RunInputs) -> MergeRecord:
-    """The run's merge: its method and hyper-parameters; with ``skip_ta``, the folder it starts from and
-    what that folder's own recipe says of its merge (nothing, when it records none)."""
+def merges_from_data(spec: RunSpec) -> bool:
+    """Whether the run's merge step reads the tasks' calibration data (a data-using method, not skip_ta)."""
+    return not spec.skip_ta and get_method(spec.merge_method).uses_data
+
+
+def merge_record(spec: RunSpec, inputs: RunInputs, counts: Mapping[str, int] | None = None) -> MergeRecord:
+    """The run's merge: its method and hyper-parameters, and for a data-using method the calibration draw
+    (FeatCal's: ``num_calibration_examples``, batch and seed; ``counts``, the examples of the tasks that had
+    fewer); with ``skip_ta``, the folder it starts from and what that folder's own recipe says of its merge
+    (nothing, when it records none)."""
     if not spec.skip_ta:
-        return MergeRecord(spec.merge_method, inputs.merge_params)
+        calibration = merge_calibration(spec.featcal, spec.seed, counts or {}) if merges_from_data(spec) else None
+        return MergeRecord(spec.merge_method, inputs.merge_params, calibration=calibration)
     recipe = read_model_recipe(spec.ta_model_path)
     described = None if recipe is None else {"method": recipe.merge.method, "params": dict(recipe.merge.params)}
     return MergeRecord(spec.merge_method, {}, spec.ta_model_path, described)
@@ -130,7 +140,14 @@ def stage_identities(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> di
     evaluation = digest("evaluation", __version__, base, table, tests, spec.max_eval_samples)
     ids = {evaluate_step(ZERO_SHOT_DIR): digest(evaluation), evaluate_step(EXPERTS_DIR): digest(evaluation, experts)}
     if not spec.skip_ta:
-        merge_id = digest(MERGE_STEP, __version__, spec.merge_method, inputs.merge_params, base, experts)
+        # A data-using merge depends on the draw too: the train splits, how many of their examples, the seed
+        # that picks them and the batch (which moves its sums by float rounding), as FeatCal's step does.
+        drawn = (
+            ["data", spec.featcal.num_calibration_examples, spec.featcal.calibration_batch_size, spec.seed, trains,
+             data.calibration_counts]
+            if merges_from_data(spec) else []
+        )  # fmt: skip
+        merge_id = digest(MERGE_STEP, __version__, spec.merge_method, inputs.merge_params, base, experts, *drawn)
         calibrate_from = ids[MERGE_STEP] = merge_id
         ids[evaluate_step(merged)] = digest(evaluation, merge_id)
     else:
@@ -192,16 +209,17 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
         inputs = resolve_inputs(spec, need_experts=need_experts)
         family = inputs.family
         preprocessor = family.preprocessor(inputs.base_folder)
+        calibrates = not spec.skip_featcal or merges_from_data(spec)  # some step reads the calibration draw
         data = validate_datasets(
             family,
             inputs.tasks,
-            ("test",) if spec.skip_featcal else ("train", "test"),
-            calibration_examples=None if spec.skip_featcal else spec.featcal.num_calibration_examples,
+            ("train", "test") if calibrates else ("test",),
+            calibration_examples=spec.featcal.num_calibration_examples if calibrates else None,
             allow_fewer=spec.allow_fewer_calibration_examples,
             seed=spec.seed,
             preprocessor=preprocessor,
         )
-        if not spec.skip_featcal:
+        if calibrates:
             check_calibration_shares(
                 inputs.tasks, data.calibration_counts, spec.featcal.num_calibration_examples, world, family.noun
             )
@@ -217,7 +235,7 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
     created = not out.exists()
     try:
         with RunLock(out) if world.is_main else nullcontext(), fixed_precision(spec.precision), torch_threads(threads):
-            run = _Run(spec, out, inputs, identities, device, evaluator, preprocessor, world)
+            run = _Run(spec, out, inputs, identities, data, device, evaluator, preprocessor, world)
             world.barrier("reading the run folder")  # every process has read the ledger before rank 0 changes it
             return run.execute(record)
     except BaseException:
@@ -255,12 +273,14 @@ class _Run:
         out: Path,
         inputs: RunInputs,
         identities: Mapping[str, str],
+        data: DatasetFacts,
         device: torch.device,
         evaluator: Any,
         preprocessor: Any,
         world: World = SINGLE,
     ) -> None:
         self.spec, self.out, self.inputs, self.identities = spec, out, inputs, identities
+        self.data = data  # what validation learnt of the datasets: recorded beside a data-using merge
         self.family = inputs.family
         self.device, self.evaluator, self.preprocessor = device, evaluator, preprocessor
         self.world, self.writes = world, world.is_main
@@ -426,9 +446,17 @@ class _Run:
             self._test_data = None
 
     def _merge(self) -> None:
-        state = merge(self.inputs, self.spec.merge_method, self.device, world=self.world)
+        spec, data, calibration = self.spec, None, None
+        if merges_from_data(spec):  # the draw FeatCal reads too: one draw for both
+            data = merge_data(
+                self.inputs, self.preprocessor, spec.featcal, spec.seed, world=self.world, progress=spec.progress
+            )
+            calibration = merge_calibration(
+                spec.featcal, spec.seed, self.data.calibration_counts, self.data.fingerprints, self.inputs.tasks
+            )
+        state = merge(self.inputs, spec.merge_method, self.device, world=self.world, data=data)
         if self.writes:
-            save_merge(self.inputs, self.spec.merge_method, state, self.out / self.merged_name)
+            save_merge(self.inputs, spec.merge_method, state, self.out / self.merged_name, calibration)
         self.merged.value = self.family.build_model(self.inputs.config, state)  # its values checked by merge()
 
     def _calibrate(self) -> None:

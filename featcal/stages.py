@@ -19,6 +19,8 @@ from featcal.checkpoint import check_finite_state
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError
 from featcal.merging import get_method
+from featcal.merging.data import MergeData
+from featcal.metrics import CALIBRATION_EXAMPLES_USED
 from featcal.model_recipe import (
     CALIBRATION,
     MERGE,
@@ -34,10 +36,70 @@ from featcal.runfolder.record import FeatCalRecord, MergeRecord
 from featcal.tasks import Task
 
 
-def merge_recipe(inputs: RunInputs, method: str) -> ModelRecipe:
-    """What a merge of ``inputs`` by ``method`` records beside its weights."""
-    return ModelRecipe(
-        MERGE, inputs.family.name, inputs.base_ref, inputs.expert_refs, MergeRecord(method, inputs.merge_params)
+def merge_recipe(inputs: RunInputs, method: str, calibration: Mapping[str, Any] | None = None) -> ModelRecipe:
+    """What a merge of ``inputs`` by ``method`` records beside its weights (``calibration``: the data a
+    data-using method merged from, :func:`merge_calibration`)."""
+    record = MergeRecord(method, inputs.merge_params, calibration=calibration)
+    return ModelRecipe(MERGE, inputs.family.name, inputs.base_ref, inputs.expert_refs, record)
+
+
+def merge_calibration(
+    params: FeatCalParams,
+    seed: int,
+    counts: Mapping[str, int],
+    fingerprints: Mapping[str, Mapping[str, str]] | None = None,
+    tasks: Sequence[Task] = (),
+) -> dict[str, Any]:
+    """The record of the calibration draw a data-using merge read (:attr:`MergeRecord.calibration`).
+
+    Args:
+        params: Its ``num_calibration_examples`` and ``calibration_batch_size``.
+        seed: The seed of the shuffle that picked each task's examples.
+        counts: The examples used by each task whose train split holds fewer than asked for.
+        fingerprints: Each task's splits' identities (:class:`~featcal.data.DatasetFacts`); with them (a
+            merged folder's recipe) each task's train split is recorded too.
+        tasks: The tasks, for the dataset each split is of.
+
+    Returns:
+        ``num_calibration_examples``, ``calibration_batch_size``, ``seed``; ``calibration_examples_used``
+        when some task had fewer; ``datasets`` (dataset, split, fingerprint by task) with ``fingerprints``.
+    """
+    record: dict[str, Any] = {
+        "num_calibration_examples": params.num_calibration_examples,
+        "calibration_batch_size": params.calibration_batch_size,
+        "seed": seed,
+    }
+    if counts:
+        record[CALIBRATION_EXAMPLES_USED] = dict(counts)
+    if fingerprints is not None:
+        record["datasets"] = {
+            t.name: {
+                "dataset": t.dataset.path,
+                "split": t.dataset.train_split,
+                "fingerprint": fingerprints[t.name]["train"],
+            }
+            for t in tasks
+        }
+    return record
+
+
+def merge_data(
+    inputs: RunInputs, preprocessor: Any, params: FeatCalParams, seed: int, *, world: World = SINGLE,
+    progress: bool = True,
+) -> MergeData:  # fmt: skip
+    """What a data-using merge of ``inputs`` reads: the family's adapter and the base's skeleton, and each
+    task's calibration examples drawn as FeatCal draws them (the first ``num_calibration_examples`` after
+    the shuffle with ``seed``; this process's part under torchrun)."""
+    family, by_name = inputs.family, {t.name: t for t in inputs.tasks}
+    return MergeData(
+        adapter=family.adapter(),
+        skeleton=lambda device: family.skeleton(inputs.base_folder, inputs.base, device),
+        tasks=tuple(by_name),
+        load_inputs=lambda name: family.calibration_inputs(
+            by_name[name], preprocessor, params.num_calibration_examples, seed, world=world
+        ),
+        batch_size=params.calibration_batch_size,
+        progress=progress,
     )
 
 
@@ -65,23 +127,36 @@ def calibration_recipe(
 
 
 def merge(
-    inputs: RunInputs, method: str, device: torch.device | None = None, *, world: World = SINGLE
+    inputs: RunInputs,
+    method: str,
+    device: torch.device | None = None,
+    *,
+    world: World = SINGLE,
+    data: MergeData | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The merged model's state dict (on the CPU), computed on ``device`` (shared by ``world``'s processes).
+    """The merged model's state dict (on the CPU), computed on ``device`` (shared by ``world``'s processes);
+    ``data``: the calibration data of a method that uses it (:func:`merge_data`).
 
     Raises:
         FeatcalError: when the merge gives a non-finite tensor from finite inputs.
     """
     experts = [inputs.experts[t.name] for t in inputs.tasks]
-    merged = get_method(method)(inputs.base, experts, device=device, world=world, **inputs.merge_params)
+    merged = get_method(method)(inputs.base, experts, device=device, world=world, data=data, **inputs.merge_params)
     check_finite_state(merged, f"The {method} merge")
     return merged
 
 
-def save_merge(inputs: RunInputs, method: str, state: Mapping[str, torch.Tensor], folder: str | Path) -> Path:
-    """Write a merge's folder: the model (atomically), then its recipe beside the weights."""
+def save_merge(
+    inputs: RunInputs,
+    method: str,
+    state: Mapping[str, torch.Tensor],
+    folder: str | Path,
+    calibration: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a merge's folder: the model (atomically), then its recipe beside the weights (``calibration``:
+    the data a data-using method merged from, :func:`merge_calibration`)."""
     folder = inputs.family.save_model(state, inputs.config, Path(folder))
-    write_model_recipe(folder, merge_recipe(inputs, method))
+    write_model_recipe(folder, merge_recipe(inputs, method, calibration))
     return folder
 
 

@@ -307,13 +307,16 @@ def test_a_tied_bfloat16_merge_is_calibrated_and_written_tied_in_bfloat16(tmp_pa
     assert not torch.equal(merged[key], calibrated[key])
 
 
-@pytest.mark.parametrize("method", ["simple_average", "ties", "tsv", "iso_c", "wudi"])
+@pytest.mark.parametrize("method", ["simple_average", "ties", "tsv", "iso_c", "wudi", "regmean", "regmean_plusplus"])
 def test_every_merging_method_merges_language_models(zoo, tmp_path, method) -> None:
     """Task Arithmetic is checked against its formula above; the other methods write a folder that loads,
-    differs from the base and records its method."""
+    differs from the base and records its method. RegMean and RegMean++ read the data file's texts (a
+    few of them, padding weighing nothing) through the causal-LM adapter."""
     from transformers import AutoModelForCausalLM
 
     argv = ["-q", "merge", "--method", method, "--data", str(zoo / "data.yaml"), "--base-model-id", str(zoo / "base")]
+    if method.startswith("regmean"):
+        argv += ["--num-calibration-examples", "4", "--calibration-batch-size", "2"]
     assert main([*argv, "--device", "cpu", "--output", str(tmp_path / method)]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / method)
     base = load_file(str(zoo / "base" / "model.safetensors"))

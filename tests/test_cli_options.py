@@ -25,6 +25,12 @@ CHANGES = {
     # the Space's model listed under one spelling; --model-id is kept as a hidden alias
     "space": (set(), {"--model-id"}),
 }
+# the calibration draw a data-using merging method (RegMean) reads, beside --data
+CHANGES["merge"] = (
+    CHANGES["merge"][0]
+    | {"--num-calibration-examples", "--calibration-batch-size", "--allow-fewer-calibration-examples", "--seed"},
+    CHANGES["merge"][1],
+)
 
 
 def listed_options(parser: argparse.ArgumentParser) -> list[str]:

@@ -282,6 +282,23 @@ def test_merging_over_two_processes_is_bit_identical(method: str, tmp_path: Path
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
 
 
+@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
+def test_a_data_using_merge_over_two_processes_sums_their_statistics(method: str, tmp_path: Path) -> None:
+    """Each process streams its half of every task's 8 calibration images; the Grams summed over both are
+    the whole draw's, so the merge is one process's to float32 rounding (1.5e-7 of a tensor's norm is the
+    distance of either to FusionBench's float64 run: tests/test_regmean.py)."""
+    args = ["merge", "--tasks-file", str(FIXTURE / "tasks.json"), "--base-model-id", str(FIXTURE / "base")]
+    args += ["--method", method, "--num-calibration-examples", "8", "--calibration-batch-size", "4", "--device", "cpu"]
+    done, _ = torchrun(1, ["-q", *args, "--output", str(tmp_path / "one")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    done, _ = torchrun(2, ["-q", *args, "--output", str(tmp_path / "two")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("one", "two"))
+    assert one.keys() == two.keys()
+    for key in one:
+        assert float((two[key].double() - one[key].double()).norm()) <= 1e-6 * float(one[key].double().norm()), key
+
+
 def test_tasks_need_a_calibration_image_per_process() -> None:
     from featcal.errors import DatasetInputError
     from featcal.pipeline import check_calibration_shares

@@ -51,6 +51,7 @@ def add_options(
     renamed: Mapping[str, str] | None = None,
     helps: Mapping[str, str] | None = None,
     required: Collection[str] = (),
+    section: str | None = None,
 ) -> None:
     """Add a flag for each option of the dataclass ``cls`` to ``parser``, in ``--help`` sections by group.
 
@@ -63,6 +64,7 @@ def add_options(
         renamed: Field name → flag, for a subcommand that spells an option differently (``--method``).
         helps: Field name → help line, for a subcommand that says more or less than the option's own.
         required: Field names whose flag must be given.
+        section: The ``--help`` section every flag offered here is listed under, instead of its group's.
     """
     sections: dict[str, argparse._ArgumentGroup] = {}
     for f, annotation, _ in option_fields(cls):
@@ -71,7 +73,7 @@ def add_options(
         wanted = (groups is None or opt.group in groups) and f.name not in exclude and (only is None or f.name in only)
         if not wanted:
             continue
-        title = GROUP_TITLES.get(opt.group, opt.group)
+        title = section or GROUP_TITLES.get(opt.group, opt.group)
         if title not in sections:
             sections[title] = parser.add_argument_group(title) if title else parser
         names = [(renamed or {}).get(f.name, f"--{flag_name(f)}")]

@@ -80,24 +80,67 @@ def _metrics_output(output: str | None, model: str | None) -> Path | None:
     return check_output_file(folder / METRICS, kind="metrics file")
 
 
+# The options of `featcal merge` that say which calibration examples a data-using method reads.
+MERGE_DATA_OPTIONS = ("num_calibration_examples", "calibration_batch_size", "allow_fewer_calibration_examples", "seed")
+
+
+def check_merge_data_options(args: argparse.Namespace, spec: RunSpec) -> bool:
+    """Whether the spec's merging method merges from calibration data; calibration options given to one that
+    does not are refused, since they would change nothing.
+
+    Raises:
+        InvalidParameterError: naming the first such option and the methods that read it.
+        UnknownNameError: when no merging method has that name.
+    """
+    from featcal.errors import InvalidParameterError
+    from featcal.merging import available_methods, get_method
+
+    method = spec.merge_method
+    if get_method(method).uses_data:
+        return True
+    given = [name for name in MERGE_DATA_OPTIONS if name in given_values(args)]
+    if given:
+        readers = [name for name in available_methods() if get_method(name).uses_data]
+        owner = spec.featcal if hasattr(spec.featcal, given[0]) else spec
+        raise InvalidParameterError(
+            given[0], getattr(owner, given[0]), f"given only with a merging method that uses calibration data "
+            f"({', '.join(readers)}): {method} uses none",
+        )  # fmt: skip
+    return False
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
+    from featcal.data import validate_datasets
     from featcal.distributed import session
     from featcal.outputs import check_output_folder
     from featcal.resolve import resolve_inputs
-    from featcal.stages import merge, save_merge
+    from featcal.stages import check_calibration_shares, merge, merge_calibration, merge_data, save_merge
 
     spec = spec_from_args(args)
+    uses_data = check_merge_data_options(args, spec)
     output = check_output_folder(args.output, kind="merged model")  # before any download
+    calibration, data = None, None
     with session(spec.device, spec.dist_timeout) as world:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec)
             check_output_folder(output, kind="merged model", inputs=inputs.local_folders())
+            if uses_data:  # each task's calibration examples, read before the merge starts
+                family, params = inputs.family, spec.featcal
+                preprocessor = family.preprocessor(inputs.base_folder)
+                facts = validate_datasets(
+                    family, inputs.tasks, splits=("train",), calibration_examples=params.num_calibration_examples,
+                    allow_fewer=spec.allow_fewer_calibration_examples, seed=spec.seed, preprocessor=preprocessor,
+                )  # fmt: skip
+                counts = facts.calibration_counts
+                check_calibration_shares(inputs.tasks, counts, params.num_calibration_examples, world, family.noun)
+                calibration = merge_calibration(params, spec.seed, counts, facts.fingerprints, inputs.tasks)
+                data = merge_data(inputs, preprocessor, params, spec.seed, world=world, progress=spec.progress)
         with compute_settings(spec, inputs):
-            state = merge(inputs, spec.merge_method, device, world=world)
+            state = merge(inputs, spec.merge_method, device, world=world, data=data)
     if not world.is_main:
         return 0
-    folder = save_merge(inputs, spec.merge_method, state, output)
+    folder = save_merge(inputs, spec.merge_method, state, output, calibration)
     print(path_line(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts)", folder))
     return 0
 
@@ -201,7 +244,8 @@ def cmd_methods(args: argparse.Namespace) -> int:
     for name in available_methods():
         method = get_method(name)
         print(f"{name:<18} {method.pretty_name}  {method.reference_url}  → folder {merged_stage_name(name)}/")
-        for line in [method.description, *map(str, method.params)]:
+        data = [DATA_LINE] if method.uses_data else []
+        for line in [method.description, *data, *map(str, method.params)]:
             print(f"{'':<18} {line}")
         for key in (name, f"{name}_featcal"):
             if "average" in published.get(key, {}):
@@ -212,6 +256,12 @@ def cmd_methods(args: argparse.Namespace) -> int:
     else:
         print(f"No merge accuracy is published for {suite} on {backbone}.")
     return 0
+
+
+DATA_LINE = (
+    "uses calibration data: each task's first num-calibration-examples train examples after the seeded shuffle "
+    "(FeatCal's draw)"
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -232,6 +282,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("merge", help="merge experts into one model folder")
     p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
     add_spec_options(p, groups=(TASKS, MERGING, RUNTIME), exclude=("seed",), renamed={"merge_method": "--method"})
+    add_spec_options(
+        p, only=MERGE_DATA_OPTIONS, section="calibration data (methods that use it: see `featcal methods`)",
+        helps={"num_calibration_examples": "train examples per task the merge reads",
+               "calibration_batch_size": "examples per forward batch while reading them"},
+    )  # fmt: skip
     command(p, cmd_merge)
 
     p = subparsers.add_parser("calibrate", help="calibrate a merged model folder with FeatCal")

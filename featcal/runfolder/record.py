@@ -55,17 +55,24 @@ class MergeRecord:
         merged_from: The merged model's folder when the run did not merge (``skip_ta``), else None.
         recipe: What that folder's own recipe (``featcal_recipe.json``) says of its merge, ``{"method",
             "params"}``; None when it records none (the merge's method is then unknown).
+        calibration: For a method that uses calibration data (RegMean), the draw it merged from:
+            ``num_calibration_examples``, ``calibration_batch_size``, ``seed``, and the examples each task
+            used where fewer (``calibration_examples_used``); a merged folder's recipe adds each task's
+            train split (``datasets``: dataset, split, fingerprint). None for the other methods.
     """
 
     method: str
     params: Mapping[str, Any] = field(default_factory=dict)
     merged_from: str | None = None
     recipe: Mapping[str, Any] | None = None
+    calibration: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = {"method": self.method, "params": dict(self.params), "from": self.merged_from}
         if self.recipe is not None:
             data["recipe"] = dict(self.recipe)
+        if self.calibration is not None:  # absent rather than null: records of data-free merges read as before
+            data["calibration"] = dict(self.calibration)
         return data
 
     @property
@@ -86,7 +93,13 @@ class MergeRecord:
         if not isinstance(params, Mapping):
             raise RunFolderError(where, f"{where}: 'merge.params' must be an object of hyper-parameters.")
         recipe = data.get("recipe")
-        return cls(data["method"], dict(params), data.get("from"), recipe if isinstance(recipe, Mapping) else None)
+        calibration = data.get("calibration")
+        if calibration is not None and not isinstance(calibration, Mapping):
+            raise RunFolderError(where, f"{where}: 'merge.calibration' must be an object describing the merge's data.")
+        return cls(
+            data["method"], dict(params), data.get("from"), recipe if isinstance(recipe, Mapping) else None,
+            None if calibration is None else dict(calibration),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
