@@ -109,10 +109,13 @@ def test_a_run_merges_from_featcals_draw_and_resumes_by_it(world, tmp_path) -> N
     assert any(not torch.equal(reseeded[key], weights[key]) for key in weights)
 
 
-def test_a_run_calibrates_a_regmean_plus_plus_merge(world, tmp_path) -> None:
+def test_a_run_calibrates_a_regmean_plus_plus_merge_and_its_card_names_the_data(world, tmp_path) -> None:
     out = tmp_path / "run"
     argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--merge-method", "regmean_plusplus", *DRAW]
-    assert main([*argv, "--no-export", "--eval-num-workers", "0", "--output-dir", str(out), *CPU]) == 0
+    assert main([*argv, "--eval-num-workers", "0", "--output-dir", str(out), *CPU]) == 0
     for stage in ("regmean_plusplus", "featcal-regmean_plusplus"):
         assert (out / stage / "model.safetensors").is_file() and (out / stage / "metrics.json").is_file()
     assert read_model_recipe(out / "featcal-regmean_plusplus").merge.method == "regmean_plusplus"
+    card = (out / "release" / "README.md").read_text()
+    assert "merged with **RegMean++**" in card and "| regmean_plusplus.reduce_non_diagonal_ratio | `0.95` |" in card
+    assert "| merge data | the first `4` training images of each task after the shuffle with seed `42`" in card

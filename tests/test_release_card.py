@@ -226,3 +226,25 @@ def test_a_recipe_edited_after_the_run_is_refused(tmp_path):
     (run / "run_config.json").write_text(json.dumps({**info["config"], "seed": 0}))
     with pytest.raises(FeatcalError, match="was edited after the run"):
         read_run(run)
+
+
+def test_a_data_using_merge_s_card_names_its_draw(tmp_path):
+    calibration = {"num_calibration_examples": 256, "calibration_batch_size": 16, "seed": 7}
+    used = {"svhn": 200, "dtd": 100}
+    merge = {"method": "regmean", "params": {"reduce_non_diagonal_ratio": 0.95, "exclude_param_names_regex": ""}}
+    card = render_card(read_run(make_ta8_run(tmp_path, merge={**merge, "calibration": calibration})))
+    assert "one vision tower, from the\n   features of a few training images per task" in card.text
+    assert "the very images FeatCal\n   reads next" in card.text
+    assert table_row(card, "regmean.exclude_param_names_regex", "Recipe")[1] == "empty"
+    assert table_row(card, "merge data", "Recipe")[1] == (
+        "the first `256` training images of each task after the shuffle with seed `7`, in batches of `16`"
+    )
+    merge["calibration"] = {**calibration, "calibration_examples_used": used}
+    card = render_card(read_run(make_ta8_run(tmp_path / "fewer", merge=merge)))
+    assert table_row(card, "merge data", "Recipe")[1].endswith(
+        "in batches of `16` (all of them where a train split holds fewer: dtd: 100, svhn: 200)"
+    )
+
+
+def test_a_data_free_merge_s_card_has_no_merge_data(ta8_card):
+    assert "merge data" not in ta8_card.text and "features of a few training images" not in ta8_card.text

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from featcal.families import get_family
 from featcal.files.atomic import atomic_write_text
 from featcal.files.reading import read_text_input
 from featcal.hub.refs import check_repo_id, is_hub_id, split_revision
+from featcal.metrics import CALIBRATION_EXAMPLES_USED
 from featcal.options import option_fields, option_of
 from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
 from featcal.release.options import DEFAULT_LICENSE
@@ -175,6 +177,27 @@ def _sweep(run: RunFolder, plot: str | None) -> dict[str, Any] | None:
     }
 
 
+def _merge_data(calibration: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """What the card says of the calibration draw a data-using merge (RegMean) read.
+
+    Args:
+        calibration: The run's record of that draw (:attr:`MergeRecord.calibration
+            <featcal.runfolder.record.MergeRecord.calibration>`), or None for a data-free merge.
+
+    Returns:
+        None for a data-free merge, else ``num_calibration_examples``, ``calibration_batch_size``, ``seed``
+        and ``calibration_examples_used`` (the examples of each task that had fewer; empty when none did).
+    """
+    if not calibration:
+        return None
+    return {
+        "num_calibration_examples": calibration.get("num_calibration_examples"),
+        "calibration_batch_size": calibration.get("calibration_batch_size"),
+        "seed": calibration.get("seed"),
+        "calibration_examples_used": dict(calibration.get(CALIBRATION_EXAMPLES_USED) or {}),
+    }
+
+
 def _context(
     run: RunFolder,
     *,
@@ -214,6 +237,7 @@ def _context(
             "url": url,
             "params": dict(params),
             "source": published_ref(run.record.merge.merged_from),
+            "data": _merge_data(run.record.merge.calibration),
         },
         "featcal": [
             {

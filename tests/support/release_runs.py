@@ -13,6 +13,7 @@ import torch
 
 from featcal.files.hashing import config_hash
 from featcal.metrics import WEIGHTS_SHA256, weights_sha256
+from featcal.runfolder.layout import calibrated_stage_name, merged_stage_name
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "tiny-clip-3task"
 TA8 = Path(__file__).parents[2] / "featcal" / "resources" / "ta8_tasks.json"
@@ -137,10 +138,12 @@ def make_run(
     return run, {"model": model, "config": config, "run_id": run_id}
 
 
-def make_ta8_run(root: Path, *, base_model_id: str | None = None, hub_commits: dict | None = None) -> Path:
+def make_ta8_run(
+    root: Path, *, base_model_id: str | None = None, hub_commits: dict | None = None, merge: dict | None = None
+) -> Path:
     """A TA8 run folder with the published reference numbers as its metrics (metrics only); its recipe
-    names ``base_model_id`` as the base when given (a local folder, say), else the Hub id, and records
-    ``hub_commits`` when given."""
+    names ``base_model_id`` as the base when given (a local folder, say), else the Hub id, records
+    ``hub_commits`` when given, and ``merge`` (its record, the stages named after its method) when given."""
     run = root / "ta8"
     run.mkdir(parents=True)
     recipe = ta8_config()
@@ -148,19 +151,22 @@ def make_ta8_run(root: Path, *, base_model_id: str | None = None, hub_commits: d
         recipe["base_model_id"] = base_model_id
     if hub_commits is not None:
         recipe["hub_commits"] = hub_commits
+    if merge is not None:
+        recipe["merge"] = merge
+    merged, calibrated = (name(recipe["merge"]["method"]) for name in (merged_stage_name, calibrated_stage_name))
     config = with_run_id(recipe)
     (run / "run_config.json").write_text(json.dumps(config))
     run_id = config["run_id"]
     refs = {t: e["reference_accuracy"] for t, e in config["tasks_table"].items()}
-    (run / "ta").mkdir()
-    (run / "ta" / "metrics.json").write_text(
+    (run / merged).mkdir()
+    (run / merged / "metrics.json").write_text(
         json.dumps(metrics({t: r["task_arithmetic"] for t, r in refs.items()}, run_id))
     )
-    (run / "featcal-ta").mkdir()
-    (run / "featcal-ta" / "metrics.json").write_text(
+    (run / calibrated).mkdir()
+    (run / calibrated / "metrics.json").write_text(
         json.dumps(metrics({t: r["task_arithmetic_featcal"] for t, r in refs.items()}, run_id))
     )
     (run / "timings.json").write_text(
-        json.dumps({"merge_s": 4.1, "eval_ta_s": 305.0, "calibrate_s": 53.0, "eval_featcal-ta_s": 305.2})
+        json.dumps({"merge_s": 4.1, f"eval_{merged}_s": 305.0, "calibrate_s": 53.0, f"eval_{calibrated}_s": 305.2})
     )
     return run
