@@ -119,3 +119,41 @@ def test_a_run_calibrates_a_regmean_plus_plus_merge_and_its_card_names_the_data(
     card = (out / "release" / "README.md").read_text()
     assert "merged with **RegMean++**" in card and "| regmean_plusplus.reduce_non_diagonal_ratio | `0.95` |" in card
     assert "| merge data | the first `4` training images of each task after the shuffle with seed `42`" in card
+
+
+def test_a_data_using_merge_asking_for_more_examples_than_a_split_holds_is_refused(world, tmp_path, capsys) -> None:
+    argv = ["merge", "--method", "regmean", "--tasks-file", str(world["tasks_file"]), "--num-calibration-examples"]
+    assert main([*argv, "100000", "--output", str(tmp_path / "m"), *CPU]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "100000" in line and any(task in line for task in world["tasks"])
+    assert "--allow-fewer-calibration-examples" in line
+    assert not (tmp_path / "m").exists()
+
+
+def test_the_merge_identity_covers_the_draw_of_a_data_using_method_only(world) -> None:
+    from featcal.cli import build_parser
+    from featcal.cli.pipeline_commands import spec_from_args
+    from featcal.data import DatasetFacts
+    from featcal.pipeline import stage_identities
+    from featcal.resolve import resolve_inputs
+
+    def merge_id(method: str, *options: str, train: str = "a", counts: dict | None = None) -> str:
+        spec = spec_from_args(build_parser().parse_args(
+            ["run", "--tasks-file", str(world["tasks_file"]), "--merge-method", method, *options]
+        ))  # fmt: skip
+        facts = DatasetFacts({t: {"train": f"{train}{t}", "test": "b"} for t in world["tasks"]}, counts or {})
+        return stage_identities(spec, resolve_inputs(spec), facts)[MERGE_STEP]
+
+    same = merge_id("regmean")
+    changed = [
+        merge_id("regmean", train="c"),  # another train split
+        merge_id("regmean", "--seed", "5"),
+        merge_id("regmean", "--num-calibration-examples", "8"),
+        merge_id("regmean", "--calibration-batch-size", "4"),
+        merge_id("regmean", counts={world["tasks"][0]: 3}),  # a task had fewer
+        merge_id("regmean", "--merge-param", "reduce_non_diagonal_ratio=0.6"),
+    ]
+    assert merge_id("regmean") == same and same not in changed and len(set(changed)) == len(changed)
+    # a data-free merge reads no draw: the same identity whatever it is
+    assert merge_id("ties", train="c", counts={world["tasks"][0]: 3}) == merge_id("ties")
+    assert merge_id("ties", "--seed", "5") == merge_id("ties")
