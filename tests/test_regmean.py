@@ -96,8 +96,9 @@ def test_excluded_tensors_keep_the_base_and_the_others_do_not_move() -> None:
 
 
 def test_a_bad_regular_expression_is_refused_before_any_work() -> None:
-    with pytest.raises(InvalidParameterError, match="exclude_param_names_regex"):
-        get_method("regmean").resolved_params(exclude_param_names_regex="(")
+    for method in ("regmean", "regmean_plusplus"):
+        with pytest.raises(InvalidParameterError, match=rf"^merging method '{method}': exclude_param_names_regex="):
+            get_method(method).resolved_params(exclude_param_names_regex="(")
 
 
 def test_a_data_using_method_without_data_names_what_is_missing() -> None:

@@ -132,7 +132,8 @@ class MergeMethod:
         uses_data: The method computes its merge from each task's calibration examples (a whole-model
             method called with a :class:`~featcal.merging.data.MergeData`).
         check: Checks the resolved hyper-parameters together (what a type and range cannot say: that a
-            text is a regular expression), raising :class:`InvalidParameterError`; None when nothing to check.
+            text is a regular expression), raising :class:`InvalidParameterError`, which
+            :meth:`resolved_params` names after the method; None when nothing to check.
     """
 
     name: str
@@ -179,7 +180,10 @@ class MergeMethod:
             for p in self.params
         }
         if self.check is not None:
-            self.check(resolved)
+            try:
+                self.check(resolved)
+            except InvalidParameterError as error:  # named after this method, as a bad value above is
+                raise InvalidParameterError(error.name, error.value, error.expected, owner=owner) from None
         return resolved
 
     def __call__(
