@@ -15,9 +15,15 @@ from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
 from tests.support.image_watch import ImagesAtSolves
 from tests.support.reference_featcal import plain_featcal
+from tests.support.rounding import FLOAT32_UPDATE_TOLERANCE
 
 # The published code against itself, calibration batch 5 instead of 4: up to 3.4e-4 (fixture README).
 PUBLISHED_NOISE = 3.4e-4
+# featcal against the published output: that output's float32 noise plus featcal's own rounding, which
+# moves with the CPU's kernels (tests/support/rounding.py). Measured 3.0e-4 with MKL's default kernels on
+# an AMD EPYC and up to 3.08e-4 under MKL's COMPATIBLE branch, ATen without SIMD or oneDNN at SSE4.1
+# (`python benchmarks/comparison_spread.py`); α off by 0.05 lies beyond 0.1.
+PUBLISHED_TOLERANCE = PUBLISHED_NOISE + FLOAT32_UPDATE_TOLERANCE
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +68,7 @@ def test_reproduces_published_featcal(fixture_run, device):
     expected = load_file(str(FIXTURE / "expected" / "featcal_reference_featcal.safetensors"))
     errors = relative_update_errors(out, expected, merged.state_dict())
     assert len(errors) == 32
-    assert max(errors.values()) < PUBLISHED_NOISE, max(errors.items(), key=lambda kv: kv[1])
+    assert max(errors.values()) < PUBLISHED_TOLERANCE, max(errors.items(), key=lambda kv: kv[1])
     for key in expected:  # everything outside the encoder layers keeps the merged values
         if not key.startswith("encoder.layers."):
             torch.testing.assert_close(out[key], merged.state_dict()[key], rtol=0, atol=0)
@@ -74,10 +80,14 @@ def test_hyperparameters_move_the_result_beyond_the_tolerance(fixture_run, devic
     params = FeatCalParams(num_calibration_examples=12, calibration_batch_size=4, teacher_interp_alpha=0.30)
     out = cpu_state(featcal_calibrate(merged, base, experts, pixels.__getitem__, params, device=device, progress=False))
     expected = load_file(str(FIXTURE / "expected" / "featcal_reference_featcal.safetensors"))
-    assert max(relative_update_errors(out, expected, merged.state_dict()).values()) > 10 * PUBLISHED_NOISE
+    assert max(relative_update_errors(out, expected, merged.state_dict()).values()) > 10 * PUBLISHED_TOLERANCE
 
 
 def test_engine_equals_plain_implementation(fixture_run, device):
+    """The float32 engine against the exact (float64) plain implementation: the engine's own rounding,
+    4.4e-5 to 5.2e-5 here under MKL's default and COMPATIBLE branches, ATen's AVX-512, AVX2 and scalar
+    kernels and oneDNN at SSE4.1 (`python benchmarks/comparison_spread.py`; at most 6.0e-5 on the golden
+    run's settings, tests/support/rounding.py), within 1e-4."""
     base, experts, merged, pixels = fixture_run
     params = FeatCalParams(num_calibration_examples=12, calibration_batch_size=5)
     calibrated = featcal_calibrate(merged, base, experts, pixels.__getitem__, params, device=device, progress=False)
@@ -212,4 +222,4 @@ def test_folds_and_solves_borrow_the_joint_buffers_memory(fixture_run, monkeypat
     base, experts, merged, _ = fixture_run
     published = load_file(str(FIXTURE / "expected" / "featcal_reference_featcal.safetensors"))
     errors = relative_update_errors(state, published, merged.state_dict())
-    assert max(errors.values()) <= PUBLISHED_NOISE
+    assert max(errors.values()) <= PUBLISHED_TOLERANCE
