@@ -9,11 +9,16 @@ import signal
 import sys
 from pathlib import Path
 
+from featcal.errors import FeatcalError
 from featcal.space import SpaceSettings, create_space
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-settings = SpaceSettings.from_app_dir(Path(__file__).parent)
-space = create_space(settings)
+try:
+    settings = SpaceSettings.from_app_dir(Path(__file__).parent)
+    space = create_space(settings)
+except FeatcalError as exc:  # a setting, the model or a task that cannot serve: one line in the Space's log
+    logging.getLogger("featcal.space").error("%s", exc)
+    sys.exit(2)
 demo = space.demo  # for `gradio app.py` (reload mode)
 
 if __name__ == "__main__":

@@ -170,6 +170,20 @@ def test_the_app_starts_from_a_copy_of_the_pushed_files(staged, tmp_path):
     assert list((copy / "featcal" / "space" / "__pycache__").glob("ui.*.pyc"))
 
 
+def test_an_app_that_cannot_serve_says_why_in_one_line(staged, tmp_path):
+    """A Space whose model cannot be served logs one line and exits 2, as the CLI would: no traceback."""
+    copy = tmp_path / "space"
+    _copy_staged(staged, copy)
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "PYTHONDONTWRITEBYTECODE"}}
+    env |= {"MODEL_ID": str(tmp_path / "no-such-release"), "BASE_MODEL_ID": str(FIXTURE / "base"),
+            "HF_HUB_OFFLINE": "1", "FEATCAL_CACHE": str(tmp_path / "cache")}  # fmt: skip
+    app = subprocess.run([sys.executable, "app.py"], cwd=copy, env=env, capture_output=True, text=True, timeout=120)
+    assert app.returncode == 2, app.stderr[-2000:]
+    errors = [line for line in app.stderr.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1 and "no-such-release" in errors[0], app.stderr[-2000:]
+    assert "Traceback" not in app.stderr
+
+
 def test_a_stopped_app_removes_the_examples_it_gathered(staged, tmp_path):
     """Without shipped examples the app takes one image per task from the (here local) test splits into
     a temporary folder; SIGTERM ends it through its clean-up, which removes that folder."""
