@@ -1,7 +1,9 @@
 """The typed metrics report: per-task results, their average, the model's size, and the run it belongs to.
 
 Every family's evaluator returns a :class:`MetricsReport`; on disk (``metrics.json``) it has the
-FeatCal reference run's flat layout. This module imports no torch.
+FeatCal reference run's flat layout. A task's result is its accuracy and loss (CLIP), or, for a task
+that has no accuracy (a language task whose responses have no single answer), its loss alone; a family
+adds its own measures beside them (a language task's exact match). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ CALIBRATION_EXAMPLES_USED = "calibration_examples_used"
 # The SHA-256 of each weight file of the model a report measured, by its path in the model's folder: a
 # report is the record of those weights, and of no others.
 WEIGHTS_SHA256 = "weights_sha256"
-RESERVED_TASK_NAMES = frozenset({AVERAGE, MODEL_INFO, RUN_ID, CALIBRATION_EXAMPLES_USED, WEIGHTS_SHA256})
+# lm-evaluation-harness's results of a language model, beside its tasks (:mod:`featcal.families.causal_lm.harness`).
+LM_EVAL = "lm_eval"
+RESERVED_TASK_NAMES = frozenset({AVERAGE, MODEL_INFO, RUN_ID, CALIBRATION_EXAMPLES_USED, WEIGHTS_SHA256, LM_EVAL})
+# A language task's further measure where its responses have one answer: the share of greedy answers equal
+# to the reference's (:mod:`featcal.families.causal_lm.evaluation`).
+EXACT_MATCH = "exact_match"
+# The keys that make an entry of metrics.json a task's result (its accuracy, or its loss alone).
+RESULT_KEYS = ("accuracy", "loss")
 
 
 def count_parameters(model: nn.Module) -> dict[str, float | int]:
@@ -39,17 +48,26 @@ def count_parameters(model: nn.Module) -> dict[str, float | int]:
 
 @dataclass(frozen=True)
 class TaskMetrics:
-    """One task's zero-shot result: accuracy (0..1), mean cross-entropy and the images counted."""
+    """One task's result: accuracy (0..1; None for a task that has none), mean cross-entropy, the examples
+    counted, and the family's further measures (``extra``: a language task's exact match, its tokens)."""
 
-    accuracy: float
+    accuracy: float | None
     loss: float
     num_samples: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"accuracy": self.accuracy, "loss": self.loss}
+        data: dict[str, Any] = {} if self.accuracy is None else {"accuracy": self.accuracy}
+        data["loss"] = self.loss
         if self.num_samples is not None:
             data["num_samples"] = self.num_samples
+        data.update(self.extra)
         return data
+
+
+def is_task_result(value: Any) -> bool:
+    """Whether an entry of ``metrics.json`` is a task's result (a mapping with an accuracy or a loss)."""
+    return isinstance(value, Mapping) and any(key in value for key in RESULT_KEYS)
 
 
 @dataclass(frozen=True)
@@ -70,21 +88,41 @@ class MetricsReport:
     def from_results(
         cls, results: Mapping[str, TaskMetrics], *, model_info: Mapping[str, Any] | None = None
     ) -> MetricsReport:
-        """A report whose average is the plain mean of the tasks' accuracies and losses."""
+        """A report whose average is the plain mean of the tasks' accuracies (when every task has one) and
+        losses."""
         count = len(results)
-        average = {
-            "accuracy": sum(r.accuracy for r in results.values()) / count,
-            "loss": sum(r.loss for r in results.values()) / count,
-        }
+        accuracies = [r.accuracy for r in results.values()]
+        average = {} if None in accuracies else {"accuracy": sum(accuracies) / count}  # type: ignore[arg-type]
+        average["loss"] = sum(r.loss for r in results.values()) / count
         return cls(tasks=dict(results), average=average, model_info=model_info)
 
+    @property
+    def has_accuracy(self) -> bool:
+        """Whether every task of the report has an accuracy (a CLIP report; a language model's has losses)."""
+        return all(result.accuracy is not None for result in self.tasks.values())
+
     def accuracy(self, task: str) -> float:
-        """The accuracy of ``task``, or the average's for :data:`AVERAGE`."""
+        """The accuracy of ``task``, or the average's for :data:`AVERAGE`.
+
+        Raises:
+            KeyError: for a task (or an average) without an accuracy.
+        """
+        if task == AVERAGE:
+            if self.average is None or "accuracy" not in self.average:
+                raise KeyError(AVERAGE)
+            return float(self.average["accuracy"])
+        value = self.tasks[task].accuracy
+        if value is None:
+            raise KeyError(task)
+        return value
+
+    def loss(self, task: str) -> float:
+        """The mean loss of ``task``, or the average's for :data:`AVERAGE`."""
         if task == AVERAGE:
             if self.average is None:
                 raise KeyError(AVERAGE)
-            return float(self.average["accuracy"])
-        return self.tasks[task].accuracy
+            return float(self.average["loss"])
+        return self.tasks[task].loss
 
     def with_run_id(self, run_id: str) -> MetricsReport:
         return MetricsReport(self.tasks, self.average, self.model_info, run_id, self.extra)
@@ -111,18 +149,22 @@ class MetricsReport:
         """Parse a flat ``metrics.json`` object; entries that are not task results are kept in ``extra``.
 
         Raises:
-            RunFolderError: when ``data`` is not an object or a task entry lacks its accuracy.
+            RunFolderError: when ``data`` is not an object.
         """
         if not isinstance(data, Mapping):
             raise RunFolderError(where, f"{where} must hold a JSON object (an evaluation report).")
         tasks: dict[str, TaskMetrics] = {}
         extra: dict[str, Any] = {}
         for key, value in data.items():
-            if key in RESERVED_TASK_NAMES:
+            if key in RESERVED_TASK_NAMES - {LM_EVAL}:
                 continue
-            if isinstance(value, Mapping) and "accuracy" in value:
+            if key != LM_EVAL and is_task_result(value):
+                accuracy = value.get("accuracy")
                 tasks[key] = TaskMetrics(
-                    float(value["accuracy"]), float(value.get("loss", math.nan)), value.get("num_samples")
+                    None if accuracy is None else float(accuracy),
+                    float(value.get("loss", math.nan)),
+                    value.get("num_samples"),
+                    {k: v for k, v in value.items() if k not in (*RESULT_KEYS, "num_samples")},
                 )
             else:
                 extra[key] = value
@@ -134,6 +176,27 @@ class MetricsReport:
             run_id=data.get(RUN_ID),
             extra=extra,
         )
+
+
+def gap_closed(expert: float, merged: float, calibrated: float) -> float | None:
+    """The share of the expert − merged gap that calibration closed: (calibrated − merged) / (expert − merged).
+
+    1 is the expert's result, 0 the merged model's, a negative share is a loss of ground; the same formula
+    holds for a loss (lower is better) and an accuracy (higher is better), since both differences change
+    sign together.
+
+    Args:
+        expert: The expert's result on its own task.
+        merged: The merged model's.
+        calibrated: The calibrated model's.
+
+    Returns:
+        The share, or None when the merged model is already at the expert's result (no gap to close).
+    """
+    gap = expert - merged
+    if gap == 0 or not math.isfinite(gap):
+        return None
+    return (calibrated - merged) / gap
 
 
 def weights_sha256(folder: Path) -> dict[str, str]:

@@ -164,7 +164,8 @@ def mergekit_config(recipe: ModelRecipe) -> str | None:
 
     Task Arithmetic (θ0 + κ·Σ τ_t) is mergekit's ``task_arithmetic`` with ``weight: κ`` per model;
     Simple Average is mergekit's ``linear`` with equal weights. featcal's TIES takes the top-k of each
-    whole task vector, mergekit's the density of each tensor: no equivalent, so no file.
+    whole task vector, mergekit's the density of each tensor: no equivalent, so no file; nor for Task
+    Arithmetic that keeps the embeddings at the base's (``keep_embeddings``).
     """
     import yaml
 
@@ -176,9 +177,10 @@ def mergekit_config(recipe: ModelRecipe) -> str | None:
         return None
     if form is None or recipe.merge.merged_from is not None:
         return None
-    models = [
-        {"model": ref, "parameters": form.model_parameters(recipe.merge.params)} for ref in recipe.experts.values()
-    ]
+    parameters = form.model_parameters(dict(recipe.merge.params))
+    if parameters is None:  # these hyper-parameters have no mergekit equivalent
+        return None
+    models = [{"model": ref, "parameters": dict(parameters)} for ref in recipe.experts.values()]
     config: dict[str, Any] = {"merge_method": form.name, "models": models}
     if form.needs_base:
         config["base_model"] = recipe.base_model

@@ -177,13 +177,14 @@ def check_metrics_output(path: Path, *, inputs: Iterable[str | Path] = ()) -> Pa
 
 
 def _is_metrics_report(path: Path) -> bool:
-    """Whether ``path`` holds a metrics report as featcal writes one (its ``average`` with an accuracy)."""
+    """Whether ``path`` holds a metrics report as featcal writes one (its ``average`` with an accuracy, or a
+    loss alone for a language model's)."""
     import json
 
-    from featcal.metrics import AVERAGE
+    from featcal.metrics import AVERAGE, is_task_result
 
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and isinstance(data.get(AVERAGE), dict) and "accuracy" in data[AVERAGE]
+    return isinstance(data, dict) and is_task_result(data.get(AVERAGE))

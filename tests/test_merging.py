@@ -538,3 +538,21 @@ def test_iso_c_rank_deficient_sum_keeps_its_direction_space() -> None:
     torch.testing.assert_close(col @ (col.T @ flat), flat, rtol=1e-5, atol=1e-5)
     s = torch.linalg.svdvals(flat)
     torch.testing.assert_close(s[:4], torch.linalg.svdvals(total)[:4].mean().expand(4), rtol=1e-5, atol=1e-5)
+
+
+def test_task_arithmetic_keeps_the_embeddings_and_head_at_the_base_when_asked_and_records_it_only_then() -> None:
+    """MergeBench's Task Arithmetic leaves every tensor whose name holds ``embed`` or ``lm_head`` at the base's
+    values; featcal's does so with ``keep_embeddings``, a parameter left out of the record while off, so the
+    records (and run ids) of runs made before it existed stay the same."""
+    base = {"model.embed_tokens.weight": torch.zeros(3, 2), "lm_head.weight": torch.zeros(3, 2),
+            "model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}  # fmt: skip
+    experts = [{k: torch.ones_like(v) for k, v in base.items()} for _ in range(2)]
+    method = get_method("task_arithmetic")
+    assert method.resolved_params() == {"scaling_factor": 0.3}
+    assert method.resolved_params(keep_embeddings=True) == {"scaling_factor": 0.3, "keep_embeddings": True}
+    kept = method(base, experts, scaling_factor=0.4, keep_embeddings=True)
+    assert torch.equal(kept["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+    assert torch.equal(kept["lm_head.weight"], base["lm_head.weight"])
+    assert torch.allclose(kept["model.layers.0.mlp.up_proj.weight"], torch.full((2, 2), 0.8))
+    merged = method(base, experts, scaling_factor=0.4)
+    assert torch.allclose(merged["model.embed_tokens.weight"], torch.full((3, 2), 0.8))

@@ -22,12 +22,14 @@ import torch
 from featcal.distributed import SINGLE, World
 from featcal.merging.common import StateDict, is_mergeable, progress, read_experts, read_task_vectors
 
-KERNEL_INPUTS = ("base", "task_vectors", "experts")
+KERNEL_INPUTS = ("base", "task_vectors", "experts", "key")
 """The names a kernel's positional parameters may take, each naming what the driver passes:
 
 * ``base``: θ0, the base tensor in float32;
 * ``task_vectors``: τ = θ_t − θ0 stacked over the experts, float32 of shape (T, *θ0.shape);
-* ``experts``: θ_t stacked over the experts, float32 of shape (T, *θ0.shape).
+* ``experts``: θ_t stacked over the experts, float32 of shape (T, *θ0.shape);
+* ``key``: the tensor's name in the state dict (``model.embed_tokens.weight``), for a kernel whose rule
+  depends on which tensor it merges.
 """
 
 
@@ -98,8 +100,9 @@ def _owners(base: StateDict, keys: list[str], world: World) -> dict[str, int]:
 
 def _kernel_inputs(
     base: StateDict, experts: Sequence[StateDict], key: str, names: Sequence[str], device: torch.device | None
-) -> list[torch.Tensor]:
-    """The float32 tensors ``names`` for one key on ``device``, reading each expert's tensor once."""
+) -> list[torch.Tensor | str]:
+    """The kernel's inputs ``names`` for one key: float32 tensors on ``device`` (each expert's tensor read once),
+    and the key itself."""
     if "experts" not in names:
         theta0, task_vectors = read_task_vectors(base, experts, key, device)
         values = {"base": theta0, "task_vectors": task_vectors}
@@ -109,4 +112,4 @@ def _kernel_inputs(
             values["base"] = base[key].to(device=device, dtype=torch.float32, copy=True)
         if "task_vectors" in names:
             values["task_vectors"] = values["experts"] - values["base"]
-    return [values[name] for name in names]
+    return [key if name == "key" else values[name] for name in names]

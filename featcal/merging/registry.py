@@ -12,9 +12,11 @@ the model and each task's examples (:class:`~featcal.merging.data.MergeData`):
 Hyper-parameters are the function's keyword-only arguments. Their annotations give the type
 (``float``, ``int``, ``bool``, ``str`` or ``Literal[...]`` choices), optionally bounded by a
 :class:`Range` (``Annotated[float, Range(gt=0, le=100)]``); their defaults are the method's
-defaults. The registry validates and converts the values given before the method runs, so methods
-check none themselves. Values are converted, checked and worded by :mod:`featcal.options`, as every
-other option of featcal is.
+defaults. A hyper-parameter added to a method after runs recorded it is marked :data:`RECORDED_WHEN_SET`
+(``Annotated[bool, RECORDED_WHEN_SET]``): it is left out of the resolved parameters while at its
+default, so the records, and the identities, of those runs stay what they were. The registry
+validates and converts the values given before the method runs, so methods check none themselves.
+Values are converted, checked and worded by :mod:`featcal.options`, as every other option of featcal is.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 DATA_INPUTS = ("base", "experts", "data", "device", "world")  # a data-using method's positional parameters
 
-__all__ = ["Range"]  # methods write their bounds as Annotated[float, Range(...)]
+__all__ = ["RECORDED_WHEN_SET", "Range"]  # methods write their bounds as Annotated[float, Range(...)]
+
+RECORDED_WHEN_SET = "recorded when set"  # an Annotated[...] mark: see the module docstring
 
 _KINDS = (bool, int, float, str)
 
@@ -55,12 +59,15 @@ class HyperParameter:
         default: The argument's default, converted to ``type``.
         option: Its choices (from a ``Literal[...]`` annotation) and range (from a :class:`Range` in an
             ``Annotated[...]`` annotation).
+        recorded_when_set: Left out of the resolved parameters while at its default (an ``Annotated[...]``
+            annotation marked :data:`RECORDED_WHEN_SET`).
     """
 
     name: str
     type: type
     default: Any
     option: Option = Option()
+    recorded_when_set: bool = False
 
     @property
     def choices(self) -> tuple[Any, ...] | None:
@@ -106,12 +113,13 @@ class MergekitForm:
 
     Args:
         name: mergekit's method name (``task_arithmetic``, ``linear``).
-        model_parameters: Each model's ``parameters`` from the method's resolved hyper-parameters.
+        model_parameters: Each model's ``parameters`` from the method's resolved hyper-parameters; None
+            when mergekit has no equivalent of the merge with these hyper-parameters.
         needs_base: Whether mergekit's method takes the base model.
     """
 
     name: str
-    model_parameters: Callable[[dict[str, Any]], dict[str, Any]]
+    model_parameters: Callable[[dict[str, Any]], dict[str, Any] | None]
     needs_base: bool = True
 
 
@@ -164,7 +172,8 @@ class MergeMethod:
             **params: Hyper-parameter values by name; ``None`` stands for the default.
 
         Returns:
-            All hyper-parameters by name, in the function's order (for recipes and model cards).
+            All hyper-parameters by name, in the function's order (for recipes and model cards), but those
+            recorded only when set that are at their defaults.
 
         Raises:
             UnknownNameError: If a name is not a hyper-parameter of this method (``.names`` lists them).
@@ -184,7 +193,9 @@ class MergeMethod:
                 self.check(resolved)
             except InvalidParameterError as error:  # named after this method, as a bad value above is
                 raise InvalidParameterError(error.name, error.value, error.expected, owner=owner) from None
-        return resolved
+        return {
+            p.name: resolved[p.name] for p in self.params if not (p.recorded_when_set and resolved[p.name] == p.default)
+        }
 
     def __call__(
         self,
@@ -375,12 +386,13 @@ def _hyper_parameter(p: inspect.Parameter, annotation: Any, where: str) -> Hyper
         if any(type(choice) is not kind for choice in choices):
             raise TypeError(f"{where}: the choices of {p.name} must all have one type; got {choices}")
     opt = with_annotation_limits(Option(), annotation)
+    marks = typing.get_args(annotation)[1:] if typing.get_origin(annotation) is Annotated else ()
     if kind not in _KINDS or (opt.range is not None and kind not in (int, float)):
         raise TypeError(
             f"{where}: hyper-parameter {p.name} is annotated {annotation!r}; use float, int, bool, str or "
             "Literal[...], with Annotated[..., Range(...)] for bounds on a number"
         )
-    param = HyperParameter(p.name, kind, None, opt)
+    param = HyperParameter(p.name, kind, None, opt, RECORDED_WHEN_SET in marks)
     try:
         default = param.check(p.default, owner=where)
     except InvalidParameterError as error:

@@ -14,7 +14,7 @@ from typing import Any
 
 from featcal.errors import RunFolderError
 from featcal.files.model_files import MODEL_CONFIG
-from featcal.metrics import RUN_ID, MetricsReport
+from featcal.metrics import RUN_ID, MetricsReport, is_task_result
 from featcal.runfolder.layout import (
     EXPERTS_DIR,
     LEGACY_BASE_DIR,
@@ -125,13 +125,12 @@ def _read_stage(
     metrics = read_json_file(folder / METRICS, f"Stage {name!r} of run {run}")
     if not isinstance(metrics, Mapping):
         raise RunFolderError(folder / METRICS, f"{folder / METRICS} must hold a JSON object (an evaluation report).")
-    missing = [
-        t.name for t in tasks if not isinstance(metrics.get(t.name), Mapping) or "accuracy" not in metrics[t.name]
-    ]
+    missing = [t.name for t in tasks if not is_task_result(metrics.get(t.name))]
     if missing:
         raise RunFolderError(
             folder / METRICS,
-            f"{folder / METRICS} has no accuracy for task(s) {missing}: re-run the evaluation of this stage.",
+            f"{folder / METRICS} has no accuracy for task(s) {missing} (nor a language task's loss): re-run the "
+            "evaluation of this stage.",
         )
     run_id = metrics.get(RUN_ID)
     if run_id is not None and run_id != recipe_hash:
