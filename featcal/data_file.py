@@ -34,7 +34,9 @@ from featcal.hub.refs import local_path, split_revision
 from featcal.tasks import TaskTable, parse_task_table
 
 TOP_KEYS = frozenset({"experts", "max_length", "weigh", "family"})
-ENTRY_KEYS = frozenset({"dataset", "split", "config", "text", "prompt", "response", "weigh", "max_length", "task"})
+ENTRY_KEYS = frozenset(
+    {"dataset", "split", "config", "text", "prompt", "response", "weigh", "max_length", "task", "answer"}
+)
 DEFAULT_TEXT_FAMILY = "causal_lm"
 
 
@@ -128,7 +130,7 @@ def _task_entry(ref: str, entry: Mapping[str, Any], top: Mapping[str, Any], wher
     if entry.get("config") is not None:
         dataset["name"] = entry["config"]
     task: dict[str, Any] = {"family": str(top.get("family", DEFAULT_TEXT_FAMILY)), "dataset": dataset, "expert": ref}
-    for key in ("text", "prompt", "response"):
+    for key in ("text", "prompt", "response", "answer"):
         if entry.get(key) is not None:
             task[key] = entry[key]
     for key in ("weigh", "max_length"):

@@ -220,7 +220,9 @@ def resolve_inputs(spec: RunSpec, *, need_experts: bool = True, merged: str | Pa
         else None
     )
     base_folder, base, experts = resolve_models(family, tasks, base_ref, refs, cache_dir=spec.cache_dir)
-    params = get_method(spec.merge_method).resolved_params(**spec.method_params())
+    # a suite's own settings of the method (MergeBench's Task Arithmetic), under those the spec gives
+    defaults = dict(table.merge_defaults.get(spec.merge_method, {}))
+    params = get_method(spec.merge_method).resolved_params(**{**defaults, **spec.method_params()})
     return RunInputs(family, tasks, base_ref, base_folder, refs or {}, experts, base, params)
 
 

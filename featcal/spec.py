@@ -22,9 +22,15 @@ from featcal.calibration.params import FeatCalParams
 from featcal.errors import FeatcalError, InputError, InvalidParameterError, UnknownNameError
 from featcal.options import convert_field, flag_name, option, option_fields, validate
 from featcal.precision import PRECISIONS
-from featcal.suites import BACKBONE_NAMES, DEFAULT_BACKBONE, DEFAULT_SUITE, SUITE_NAMES
-
-OUTPUT_DIR_PATTERN = "outputs/clip-vit-{backbone}-{suite}"  # outputs/clip-vit-b32-ta8 by default
+from featcal.suites import (
+    BACKBONE_NAMES,
+    DEFAULT_SUITE,
+    OUTPUT_DIR_PATTERN,
+    SUITE_NAMES,
+    default_backbone,
+    default_output_dir,
+    suite_backbones,
+)
 
 
 def default_eval_workers() -> int:
@@ -53,19 +59,22 @@ class RunSpec:
     """
 
     output_dir: str | None = option(
-        None, help=f"run folder (default {OUTPUT_DIR_PATTERN.format(backbone='BACKBONE', suite='SUITE')})",
+        None, help=f"run folder (default {OUTPUT_DIR_PATTERN.format(backbone='BACKBONE', suite='SUITE')}; "
+        "outputs/BACKBONE-mergebench for mergebench)",
         group="output", metavar="DIR",
     )  # fmt: skip
     force: bool = option(
         False, help="redo every stage, and replace a run of other tasks or base model in output-dir", group="output"
     )
     suite: str = option(
-        DEFAULT_SUITE, help=f"built-in task suite, {' | '.join(SUITE_NAMES)}: FusionBench's 8, 14 or 20 tasks "
-        "(see `featcal tasks`)", group=TASKS, metavar="SUITE", choices=SUITE_NAMES,
+        DEFAULT_SUITE, help=f"built-in task suite, {' | '.join(SUITE_NAMES)}: FusionBench's 8, 14 or 20 CLIP tasks, "
+        "or MergeBench's five language-model tasks (see `featcal tasks`)", group=TASKS, metavar="SUITE",
+        choices=SUITE_NAMES,
     )  # fmt: skip
-    backbone: str = option(
-        DEFAULT_BACKBONE, help=f"CLIP backbone, {' | '.join(BACKBONE_NAMES)} (ViT-B/32, B/16, L/14): the base and "
-        "expert ids of the built-in suite", group=TASKS, metavar="BACKBONE", choices=BACKBONE_NAMES,
+    backbone: str | None = option(
+        None, help=f"the suite's backbone, {' | '.join(BACKBONE_NAMES)}: the base and expert ids of the built-in "
+        "suite (default: b32 for CLIP's suites, llama-3.2-3b for mergebench)", group=TASKS, metavar="BACKBONE",
+        choices=BACKBONE_NAMES,
     )  # fmt: skip
     tasks: list[str] | None = option(
         None, help="tasks to use (default: every task of tasks-file, else every task of the suite)", group=TASKS,
@@ -113,8 +122,20 @@ class RunSpec:
         group=EVALUATION, metavar="W", ge=0,
     )  # fmt: skip
     max_eval_samples: int | None = option(
-        None, help="evaluate only the first N test images per task (quick runs)", group=EVALUATION, metavar="N",
-        ge=1,
+        None, help="evaluate only the first N test images per task (quick runs; language tasks: the first N "
+        "held-out texts, and N examples per lm-eval task)", group=EVALUATION, metavar="N", ge=1,
+    )  # fmt: skip
+    eval_max_new_tokens: int = option(
+        512, help="language tasks with one answer: tokens a greedy response may have (its answer is compared "
+        "with the reference's: exact match)", group=EVALUATION, metavar="T", ge=1,
+    )  # fmt: skip
+    lm_eval_tasks: list[str] | None = option(
+        None, help="language models: also run these lm-evaluation-harness tasks on every evaluated model "
+        "(`mergebench`: MergeBench's; needs the lm-eval extra)", group=EVALUATION, metavar="TASK", nargs="+",
+    )  # fmt: skip
+    lm_eval_include: str | None = option(
+        None, help="folder of lm-evaluation-harness task definitions (YAML) beside the harness's own",
+        group=EVALUATION, metavar="DIR",
     )  # fmt: skip
     device: str = option("auto", help="auto, cpu, cuda or cuda:N (merging, calibration and evaluation)", group=RUNTIME)
     precision: str = option(
@@ -156,8 +177,17 @@ class RunSpec:
         if isinstance(self.featcal, Mapping):
             object.__setattr__(self, "featcal", FeatCalParams(**self.featcal))
         validate(self)
+        if self.backbone is None:
+            object.__setattr__(self, "backbone", default_backbone(self.suite))
+        backbones = suite_backbones(self.suite)
+        if self.backbone not in backbones:
+            raise InvalidParameterError("backbone", self.backbone, f"one of {self.suite}'s: {', '.join(backbones)}")
         if self.output_dir is None:
-            object.__setattr__(self, "output_dir", OUTPUT_DIR_PATTERN.format(backbone=self.backbone, suite=self.suite))
+            object.__setattr__(self, "output_dir", default_output_dir(self.suite, self.backbone))
+        if self.lm_eval_include is not None and not self.lm_eval_tasks:
+            raise InvalidParameterError(
+                "lm_eval_include", self.lm_eval_include, "given with lm_eval_tasks, the tasks to run from it"
+            )
         if self.skip_ta and not self.ta_model_path:
             raise InvalidParameterError(
                 "ta_model_path", None, "the merged model folder to start from, since skip_ta is set"

@@ -1,10 +1,15 @@
-"""Built-in task suites (``ta8``, ``ta14``, ``ta20``) and CLIP backbones (``b32``, ``b16``, ``l14``).
+"""Built-in task suites (``ta8``, ``ta14``, ``ta20``; ``mergebench``) and their backbones.
 
-FusionBench's standard CLIP benchmark merges experts of three backbones on 8, 14 and 20 tasks.
-``featcal/resources/suites.json`` says which tasks form each suite, which base and expert ids each
-backbone has, and the accuracies FusionBench publishes; the tasks themselves are described once, the
-eight TA8 tasks in ``ta8_tasks.json`` and the twelve others in ``tall_tasks.json``. Both files name
-the FusionBench files (and commit) their facts come from.
+FusionBench's standard CLIP benchmark merges experts of three backbones (``b32``, ``b16``, ``l14``)
+on 8, 14 and 20 tasks. ``featcal/resources/suites.json`` says which tasks form each suite, which base
+and expert ids each backbone has, and the accuracies FusionBench publishes; the tasks themselves are
+described once, the eight TA8 tasks in ``ta8_tasks.json`` and the twelve others in
+``tall_tasks.json``. Both files name the FusionBench files (and commit) their facts come from.
+
+MergeBench's language-model benchmark (``mergebench``) merges five experts of four backbones of its own
+(``llama-3.2-3b``, ``llama-3.1-8b``, ``gemma-2-2b``, ``gemma-2-9b``); ``mergebench.json`` describes its
+tasks (datasets and text formats), its merge settings, the lm-evaluation-harness tasks of each task,
+and the reference numbers quoted for it, with the files they come from.
 
 :func:`suite_table` builds the task table of a suite for a backbone. The defaults, ``ta8`` on
 ``b32``, give the TA8 table exactly as shipped, so runs recorded before suites existed keep their
@@ -30,6 +35,8 @@ if TYPE_CHECKING:
 SUITES_RESOURCE = "suites.json"
 TALL_TABLE = "tall_tasks.json"
 SINGLE_MODEL_KINDS = ("zero_shot", "expert")
+IMAGE_FAMILY = "clip_vision"  # the family of a suite or backbone whose entry names none
+OUTPUT_DIR_PATTERN = "outputs/clip-vit-{backbone}-{suite}"  # a run folder's default, unless its suite names one
 
 
 @cache
@@ -48,9 +55,62 @@ DEFAULT_SUITE: str = suites_data()["default_suite"]
 DEFAULT_BACKBONE: str = suites_data()["default_backbone"]
 
 
+def suite_family(suite: str) -> str:
+    """The model family of ``suite``'s tasks (``clip_vision``, ``causal_lm``).
+
+    Raises:
+        UnknownNameError: for a suite that is not built in.
+    """
+    suite_task_names(suite)
+    return suites_data()["suites"][suite].get("family", IMAGE_FAMILY)
+
+
+def suite_names(family: str) -> tuple[str, ...]:
+    """The built-in suites of one model family (the Space serves CLIP's)."""
+    return tuple(name for name in SUITE_NAMES if suite_family(name) == family)
+
+
+def suite_backbones(suite: str) -> list[str]:
+    """The backbones ``suite`` can run on: its own list, else every backbone of its family.
+
+    Raises:
+        UnknownNameError: for a suite that is not built in.
+    """
+    family = suite_family(suite)
+    listed = suites_data()["suites"][suite].get("backbones")
+    if listed:
+        return list(listed)
+    entries = suites_data()["backbones"]
+    return [name for name, entry in entries.items() if entry.get("family", IMAGE_FAMILY) == family]
+
+
+def default_backbone(suite: str) -> str:
+    """The backbone of ``suite`` when none is chosen: ``b32`` for CLIP's suites, else the suite's first."""
+    names = suite_backbones(suite)
+    return DEFAULT_BACKBONE if DEFAULT_BACKBONE in names else names[0]
+
+
+def check_backbone(suite: str, backbone_name: str) -> None:
+    """Refuse a backbone ``suite`` does not run on.
+
+    Raises:
+        UnknownNameError: naming the backbone and the suite's backbones.
+    """
+    backbone(backbone_name)
+    names = suite_backbones(suite)
+    if backbone_name not in names:
+        raise UnknownNameError("backbone", backbone_name, names, where=f"Suite {suite}")
+
+
+def default_output_dir(suite: str, backbone_name: str) -> str:
+    """The run folder of ``suite`` on ``backbone_name`` when none is given (``outputs/clip-vit-b32-ta8``)."""
+    pattern = suites_data()["suites"][suite].get("output_dir", OUTPUT_DIR_PATTERN)
+    return pattern.format(backbone=backbone_name, suite=suite)
+
+
 @dataclass(frozen=True)
 class Backbone:
-    """A CLIP backbone: its title, base model id and the pattern of its experts' ids (with ``{task}``)."""
+    """A backbone: its title, base model id and the pattern of its experts' ids (with ``{task}``)."""
 
     name: str
     title: str
@@ -63,7 +123,7 @@ class Backbone:
 
 
 def backbone(name: str) -> Backbone:
-    """The backbone called ``name`` (``b32``, ``b16``, ``l14``).
+    """The backbone called ``name`` (``b32``, ``b16``, ``l14``, ``llama-3.2-3b``, ...).
 
     Raises:
         UnknownNameError: for another name, listing the known ones.
@@ -98,10 +158,12 @@ def single_model_reference(backbone_name: str) -> dict[str, dict[str, float]]:
 
     Returns:
         ``{"zero_shot": {task: accuracy}, "expert": {task: accuracy}}``: the pre-trained CLIP, and each
-        task's own expert on its task. Accuracies are fractions.
+        task's own expert on its task. Accuracies are fractions. Empty for a backbone FusionBench publishes
+        none for (the language models').
     """
     backbone(backbone_name)
-    return {k: dict(v) for k, v in suites_data()["reference_accuracy"]["single_model"][backbone_name].items()}
+    published = suites_data()["reference_accuracy"]["single_model"].get(backbone_name, {})
+    return {kind: dict(published.get(kind, {})) for kind in SINGLE_MODEL_KINDS}
 
 
 def merged_reference(suite: str, backbone_name: str) -> dict[str, dict[str, float]]:
@@ -109,7 +171,8 @@ def merged_reference(suite: str, backbone_name: str) -> dict[str, dict[str, floa
 
     The CLIP ViT-B/32 TA8 numbers are the FeatCal reference run's (``ta8_tasks.json``); the others
     FusionBench's. Empty where nothing is published (FusionBench gives no per-task merge accuracies
-    for 14 or 20 tasks).
+    for 14 or 20 tasks). A language-model suite's are averages only (MergeBench's benchmarks, as the
+    FeatCal paper reports them: see :func:`reference_source`).
 
     Raises:
         UnknownNameError: for a suite or backbone that is not built in.
@@ -118,6 +181,10 @@ def merged_reference(suite: str, backbone_name: str) -> dict[str, dict[str, floa
     backbone(backbone_name)
     if (suite, backbone_name) == (DEFAULT_SUITE, DEFAULT_BACKBONE):
         return _ta8_reference()
+    table = _text_suite(suite)
+    if table is not None:
+        averages = table.get("reference", {}).get(backbone_name, {})
+        return {method: {"average": float(value)} for method, value in averages.items()}
     published = suites_data()["reference_accuracy"]["merged"].get(backbone_name, {}).get(suite, {})
     return {method: dict(values) for method, values in published.items()}
 
@@ -139,8 +206,47 @@ def reference_source(suite: str, backbone_name: str) -> str:
     """Where the merge references of ``suite`` on ``backbone_name`` come from, in words."""
     if (suite, backbone_name) == (DEFAULT_SUITE, DEFAULT_BACKBONE):
         return "the FeatCal reference run (arXiv 2605.13030)"
+    table = _text_suite(suite)
+    if table is not None:
+        return str(table["reference_source"])
     title, count = backbone(backbone_name).title, len(suite_task_names(suite))
     return f"FusionBench (docs/modelpool/clip_vit.md, {title}, {count} tasks)"
+
+
+def _text_suite(suite: str) -> dict[str, Any] | None:
+    """The resource describing a language-model suite's tasks (``mergebench.json``); None for CLIP's."""
+    name = suites_data()["suites"][suite].get("table")
+    return _resource(name) if name else None
+
+
+def suite_lm_eval(suite: str) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The lm-evaluation-harness tasks of each task of a language-model suite, and, by task, what its
+    benchmark evaluates that featcal does not run (code execution, safety classifiers), in words.
+
+    Raises:
+        UnknownNameError: for a suite that is not built in.
+    """
+    suite_task_names(suite)
+    table = _text_suite(suite) or {}
+    return {k: list(v) for k, v in table.get("lm_eval", {}).items()}, dict(table.get("not_run", {}))
+
+
+def _text_suite_table(suite: str, model: Backbone) -> TaskTable:
+    """The task table of a language-model suite on ``model``: tasks from its resource, each with its expert."""
+    from featcal.tasks import parse_task_table
+
+    data = _text_suite(suite) or {}
+    table = parse_task_table({"tasks": data["tasks"]}, source=f"built-in {suite}")
+    tasks = {name: replace(table.tasks[name], expert=model.expert(name)) for name in suite_task_names(suite)}
+    return replace(
+        table,
+        tasks=tasks,
+        base_model=model.base_model,
+        expert_model_pattern=model.expert_model_pattern,
+        reference_average=_averages(merged_reference(suite, model.name)),
+        merge_defaults={method: dict(params) for method, params in data.get("merge", {}).items()},
+        source=f"built-in {suite} ({model.title})",
+    )
 
 
 def suite_table(suite: str | None = None, backbone_name: str | None = None) -> TaskTable:
@@ -148,20 +254,25 @@ def suite_table(suite: str | None = None, backbone_name: str | None = None) -> T
 
     Each task's ``reference_accuracy`` holds the merge accuracies published for this suite and
     backbone (none for most: see :func:`merged_reference`), with their source in ``reference_source``.
-    ``ta8`` on ``b32`` is the TA8 table exactly as shipped.
+    ``ta8`` on ``b32`` is the TA8 table exactly as shipped. A language-model suite's table carries its
+    merge settings (``merge_defaults``) and its reference averages.
 
     Args:
-        suite: ``ta8``, ``ta14`` or ``ta20``; None: :data:`DEFAULT_SUITE`.
-        backbone_name: ``b32``, ``b16`` or ``l14``; None: :data:`DEFAULT_BACKBONE`.
+        suite: ``ta8``, ``ta14``, ``ta20`` or ``mergebench``; None: :data:`DEFAULT_SUITE`.
+        backbone_name: One of the suite's backbones (:func:`suite_backbones`); None: its default.
 
     Raises:
-        UnknownNameError: for a suite or backbone that is not built in.
+        UnknownNameError: for a suite or backbone that is not built in, or a backbone of another suite.
     """
     from featcal.tasks import builtin_tasks, parse_task_table
 
-    suite, backbone_name = suite or DEFAULT_SUITE, backbone_name or DEFAULT_BACKBONE
+    suite = suite or DEFAULT_SUITE
+    backbone_name = backbone_name or default_backbone(suite)
     names = suite_task_names(suite)
+    check_backbone(suite, backbone_name)
     model = backbone(backbone_name)
+    if _text_suite(suite) is not None:
+        return _text_suite_table(suite, model)
     ta8 = builtin_tasks()
     if (suite, backbone_name) == (DEFAULT_SUITE, DEFAULT_BACKBONE):
         return ta8
@@ -196,21 +307,39 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
     """What `featcal tasks` lists: the suite's tasks on a backbone, with their data and reference numbers.
 
     Args:
-        suite: ``ta8``, ``ta14`` or ``ta20``; None: :data:`DEFAULT_SUITE`.
-        backbone_name: ``b32``, ``b16`` or ``l14``; None: :data:`DEFAULT_BACKBONE`.
+        suite: ``ta8``, ``ta14``, ``ta20`` or ``mergebench``; None: :data:`DEFAULT_SUITE`.
+        backbone_name: One of the suite's backbones; None: its default (:func:`default_backbone`).
 
     Returns:
-        A JSON-able mapping: the suite, backbone, base and expert pattern; per task its dataset id,
-        configuration, splits, number of classes and templates, expert id and reference accuracies
-        (``zero_shot`` and ``expert`` from FusionBench, and each merging method's where published);
-        the published merge averages; and where the numbers come from.
+        A JSON-able mapping: the suite, its family, backbone, base and expert pattern; per task its
+        dataset id, configuration, splits, expert id and reference numbers, and for a CLIP task its
+        number of classes and templates (``zero_shot`` and ``expert`` accuracies from FusionBench, and
+        each merging method's where published), for a language task the columns its text format reads,
+        how its answer is found (exact match) or none, and its lm-evaluation-harness tasks; the published
+        merge averages; a language suite's merge settings and what it does not run; and where the numbers
+        come from.
 
     Raises:
-        UnknownNameError: for a suite or backbone that is not built in.
+        UnknownNameError: for a suite or backbone that is not built in, or a backbone of another suite.
     """
-    suite, backbone_name = suite or DEFAULT_SUITE, backbone_name or DEFAULT_BACKBONE
+    suite = suite or DEFAULT_SUITE
+    backbone_name = backbone_name or default_backbone(suite)
     table = suite_table(suite, backbone_name)
     model = backbone(backbone_name)
+    family = suite_family(suite)
+    listing = {
+        "suite": suite,
+        "title": suite_title(suite),
+        "family": family,
+        "backbone": backbone_name,
+        "backbone_title": model.title,
+        "base_model": model.base_model,
+        "expert_model_pattern": model.expert_model_pattern,
+        "reference_average": dict(table.reference_average),
+        "merged_reference_source": reference_source(suite, backbone_name) if table.reference_average else None,
+    }
+    if family != IMAGE_FAMILY:
+        return {**listing, **_describe_text_suite(suite, table)}
     single = single_model_reference(backbone_name)
     tasks = []
     for task in table.tasks.values():
@@ -230,17 +359,40 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
         )
     data = suites_data()
     return {
-        "suite": suite,
-        "title": suite_title(suite),
-        "backbone": backbone_name,
-        "backbone_title": model.title,
-        "base_model": model.base_model,
-        "expert_model_pattern": model.expert_model_pattern,
+        **listing,
         "tasks": tasks,
-        "reference_average": dict(table.reference_average),
-        "merged_reference_source": reference_source(suite, backbone_name) if table.reference_average else None,
         "single_model_reference_source": "FusionBench (docs/modelpool/clip_vit.md, 'The 20-Task Model Collections')",
         "source": {"repository": data["source"]["repository"], "commit": data["source"]["commit"]},
+    }
+
+
+def _describe_text_suite(suite: str, table: TaskTable) -> dict[str, Any]:
+    """The language-model part of :func:`describe_suite`: tasks, merge settings, harness tasks, sources."""
+    from featcal.tasks import format_columns
+
+    lm_eval, not_run = suite_lm_eval(suite)
+    tasks = []
+    for task in table.tasks.values():
+        fmt = task.text
+        assert fmt is not None  # a language suite's tasks are text tasks
+        tasks.append(
+            {
+                "name": task.name,
+                "dataset": task.dataset.path,
+                "config": task.dataset.name,
+                "train_split": task.dataset.train_split,
+                "columns": list(dict.fromkeys(format_columns(fmt, []))),
+                "answer": fmt.answer,
+                "expert": task.expert,
+                "lm_eval": lm_eval.get(task.name, []),
+                "not_run": not_run.get(task.name),
+            }
+        )
+    source = (_text_suite(suite) or {})["source"]
+    return {
+        "tasks": tasks,
+        "merge_defaults": {method: dict(params) for method, params in table.merge_defaults.items()},
+        "source": {"repository": source["repository"], "commit": source["commit"], "models": source["models"]},
     }
 
 
@@ -256,9 +408,10 @@ def task_table(
     Args:
         tasks_file: A JSON or YAML tasks file, or None for the built-in table alone.
         replace: Use the tasks file's table instead of the built-in one.
-        suite: The built-in suite (``ta8``, ``ta14``, ``ta20``; see :mod:`featcal.suites`); None: ``ta8``.
-        backbone: The CLIP backbone whose base and experts the built-in table names (``b32``, ``b16``,
-            ``l14``); None: ``b32``.
+        suite: The built-in suite (``ta8``, ``ta14``, ``ta20``, ``mergebench``; see :mod:`featcal.suites`);
+            None: ``ta8``.
+        backbone: The backbone whose base and experts the built-in table names (``b32``, ``b16``, ``l14``
+            for CLIP's suites; ``llama-3.2-3b``, ... for ``mergebench``); None: the suite's default.
 
     Raises:
         FeatcalError: for an invalid tasks file; ``UnknownNameError`` for an unknown suite or backbone.

@@ -13,6 +13,7 @@ its dataset becomes a text (:class:`TextFormat`).
 from __future__ import annotations
 
 import json
+import string
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -64,6 +65,10 @@ class TextFormat:
         weigh: ``all`` (every token of the text weighs 1) or ``response`` (the prompt's tokens weigh
             0); ``response`` needs ``prompt`` and ``response``.
         max_length: Texts are cut after this many tokens.
+        answer: How the one answer of a response is found, for a task whose responses have one
+            (``line``, ``boxed`` or a regular expression with one group: see
+            :mod:`featcal.families.causal_lm.answers`); its evaluation then measures exact match. None: the
+            responses have no single answer (loss only). Needs ``prompt`` and ``response``.
     """
 
     text: str | None = None
@@ -71,13 +76,28 @@ class TextFormat:
     response: str | None = None
     weigh: str = "all"
     max_length: int = DEFAULT_MAX_LENGTH
+    answer: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The entry's keys: those set, and ``weigh`` and ``max_length`` always."""
+        """The entry's keys: those set, ``weigh`` and ``max_length`` always, and ``answer`` when set."""
         data: dict[str, Any] = {
             k: v for k, v in (("text", self.text), ("prompt", self.prompt), ("response", self.response)) if v
         }
-        return {**data, "weigh": self.weigh, "max_length": self.max_length}
+        data = {**data, "weigh": self.weigh, "max_length": self.max_length}
+        return data if self.answer is None else {**data, "answer": self.answer}
+
+
+def format_columns(fmt: TextFormat, columns: Sequence[str]) -> list[str]:
+    """The columns a text format reads: a part that is a column name reads that column, a template its fields."""
+    names: list[str] = []
+    for part in (fmt.text, fmt.prompt, fmt.response):
+        if part is None:
+            continue
+        if part in columns:
+            names.append(part)
+            continue
+        names.extend(field for _, field, _, _ in string.Formatter().parse(part) if field)
+    return names
 
 
 @dataclass(frozen=True)
@@ -127,13 +147,15 @@ TABLE_KEYS = frozenset({"tasks", "base_model", "expert_model_pattern", "referenc
 
 @dataclass(frozen=True)
 class TaskTable:
-    """A set of tasks plus the defaults that go with them (base model, expert id pattern)."""
+    """A set of tasks plus the defaults that go with them (base model, expert id pattern, and the merging
+    methods' hyper-parameters a built-in suite sets: MergeBench's Task Arithmetic)."""
 
     tasks: Mapping[str, Task]
     base_model: str | None = None
     expert_model_pattern: str | None = None
     reference_average: Mapping[str, float] = field(default_factory=dict)
     source: str = "built-in"
+    merge_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def select(self, names: Sequence[str] | None) -> list[Task]:
         """The tasks named, in the order given (all tasks when ``names`` is empty)."""
@@ -157,6 +179,7 @@ class TaskTable:
             expert_model_pattern=other.expert_model_pattern or self.expert_model_pattern,
             reference_average=other.reference_average or self.reference_average,
             source=f"{self.source} + {other.source}",
+            merge_defaults=other.merge_defaults or self.merge_defaults,
         )
 
 
@@ -172,7 +195,7 @@ def _resolve_ref(value: str | None, root: Path | None) -> str | None:
 
 COMMON_FIELDS = frozenset({"dataset", "expert", "reference_accuracy", "reference_source", "family"})
 IMAGE_FIELDS = frozenset({"classnames", "templates"})
-TEXT_FIELDS = frozenset({"text", "prompt", "response", "weigh", "max_length"})
+TEXT_FIELDS = frozenset({"text", "prompt", "response", "weigh", "max_length", "answer"})
 
 
 def _parse_dataset(entry: Mapping[str, Any], root: Path | None, where: str) -> DatasetSpec:
@@ -236,7 +259,18 @@ def _parse_text_fields(entry: Mapping[str, Any], where: str) -> TextFormat:
     max_length = entry.get("max_length", DEFAULT_MAX_LENGTH)
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise FeatcalError(f"{where}: 'max_length' must be a whole number of tokens, at least 2, not {max_length!r}.")
-    return TextFormat(text, prompt, response, weigh, max_length)
+    answer = entry.get("answer")
+    if answer is not None:
+        from featcal.families.causal_lm.answers import answer_rule_problem
+
+        if not isinstance(answer, str) or text is not None:
+            raise FeatcalError(
+                f"{where}: 'answer' (line, boxed or a pattern with one group) needs 'prompt' and 'response'."
+            )
+        problem = answer_rule_problem(answer)
+        if problem is not None:
+            raise FeatcalError(f"{where}: {problem}.")
+    return TextFormat(text, prompt, response, weigh, max_length, answer)
 
 
 def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:

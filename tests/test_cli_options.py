@@ -21,7 +21,9 @@ CHANGES = {
     # the demo's zoo cache under its own name; --cache-dir, which means the Hub cache elsewhere, is kept hidden
     "demo": ({"--zoo-cache-dir"}, {"--cache-dir"}),
     # a language-model merge's calibration texts per expert (docs/causal-lm.md), among the task options
-    **{command: ({"--data"}, set()) for command in ("run", "merge", "calibrate")},
+    **{command: ({"--data"}, set()) for command in ("merge", "calibrate")},
+    # a language model's evaluation: generation length of exact match, lm-evaluation-harness tasks (docs/causal-lm.md)
+    "run": ({"--data", "--eval-max-new-tokens", "--lm-eval-tasks", "--lm-eval-include"}, set()),
     # the Space's model listed under one spelling; --model-id is kept as a hidden alias
     "space": (set(), {"--model-id"}),
 }

@@ -19,6 +19,8 @@ from featcal.suites import (
     backbone,
     describe_suite,
     merged_reference,
+    suite_backbones,
+    suite_names,
     suite_table,
     suite_task_names,
     suites_data,
@@ -34,12 +36,14 @@ FUSIONBENCH_CLASSES = {
     "cifar100": 100, "cifar10": 10, "food101": 101, "fashion_mnist": 10, "emnist_letters": 26, "kmnist": 10,
     "rendered-sst2": 2,
 }  # fmt: skip
-ALL_PAIRS = [(s, b) for s in SUITE_NAMES for b in BACKBONE_NAMES]
+CLIP_SUITES = suite_names("clip_vision")
+ALL_PAIRS = [(s, b) for s in CLIP_SUITES for b in suite_backbones(s)]
 
 
 def test_suites_are_fusionbenchs_8_14_and_20_tasks_each_extending_the_last():
-    assert SUITE_NAMES == ("ta8", "ta14", "ta20") and BACKBONE_NAMES == ("b32", "b16", "l14")
-    ta8, ta14, ta20 = (suite_task_names(s) for s in SUITE_NAMES)
+    assert CLIP_SUITES == ("ta8", "ta14", "ta20") and suite_backbones("ta8") == ["b32", "b16", "l14"]
+    assert SUITE_NAMES == (*CLIP_SUITES, "mergebench") and set(suite_backbones("ta8")) < set(BACKBONE_NAMES)
+    ta8, ta14, ta20 = (suite_task_names(s) for s in CLIP_SUITES)
     assert ta8 == list(builtin_tasks().tasks)
     assert ta14 == [*ta8, "oxford_flowers102", "pcam", "fer2013", "oxford-iiit-pet", "stl10", "cifar100"]
     assert ta20 == [*ta14, "cifar10", "food101", "fashion_mnist", "emnist_letters", "kmnist", "rendered-sst2"]
@@ -109,10 +113,10 @@ def test_references_belong_to_the_suite_and_backbone_they_were_published_for():
     assert table.tasks["dtd"].reference_accuracy["ties"] == pytest.approx(0.639)
     assert "FusionBench" in table.tasks["dtd"].reference_source and "ViT-L/14" in table.tasks["dtd"].reference_source
     # the TA8 merge numbers are not those of a 14-task merge: none are carried over
-    for name in BACKBONE_NAMES:
+    for name in suite_backbones("ta14"):
         assert not any(t.reference_accuracy for t in suite_table("ta14", name).tasks.values())
     single = suites_data()["reference_accuracy"]["single_model"]
-    assert set(single) == set(BACKBONE_NAMES)
+    assert set(single) == set(suite_backbones("ta8"))
     for kinds in single.values():
         assert all(set(values) == set(FUSIONBENCH_CLASSES) for values in kinds.values())
 

@@ -14,7 +14,7 @@ from typing import Any
 from featcal.cli.options import add_options, command, given_values
 from featcal.options import field_option, option, validate
 from featcal.spec import RunSpec
-from featcal.suites import describe_suite
+from featcal.suites import check_backbone, default_backbone, describe_suite
 
 
 @dataclass(frozen=True)
@@ -22,11 +22,14 @@ class SuiteChoice:
     """A built-in suite on a backbone, as `featcal tasks` and `featcal methods` take them (the run's options)."""
 
     suite: str = field_option(RunSpec, "suite", help="the suite", group="")
-    backbone: str = field_option(RunSpec, "backbone", help="the backbone", group="")
+    backbone: str | None = field_option(RunSpec, "backbone", help="the backbone (default: the suite's)", group="")
     json: bool = option(False, help="print the listing as JSON")
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.backbone is None:
+            object.__setattr__(self, "backbone", default_backbone(self.suite))
+        check_backbone(self.suite, self.backbone)
 
 
 REFERENCE_COLUMNS = {"zero_shot": "zero-shot", "expert": "expert"}

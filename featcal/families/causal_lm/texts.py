@@ -11,7 +11,6 @@ right-padded to the longest; padding weighs 0 in the calibration's statistics, a
 from __future__ import annotations
 
 import logging
-import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError, ModelInputError
 from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS
 from featcal.hub.refs import local_path
-from featcal.tasks import Task, TextFormat
+from featcal.tasks import Task, TextFormat, format_columns
 
 logger = logging.getLogger(__name__)
 
@@ -80,19 +79,6 @@ def _text_format(task: Task) -> TextFormat:
     if task.text is None:
         raise DatasetInputError(task.name, task.dataset.path, f"Task {task.name!r} says nothing of how to read texts.")
     return task.text
-
-
-def format_columns(fmt: TextFormat, columns: Sequence[str]) -> list[str]:
-    """The columns a text format reads: a part that is a column name reads that column, a template its fields."""
-    names: list[str] = []
-    for part in (fmt.text, fmt.prompt, fmt.response):
-        if part is None:
-            continue
-        if part in columns:
-            names.append(part)
-            continue
-        names.extend(field for _, field, _, _ in string.Formatter().parse(part) if field)
-    return names
 
 
 def _render(part: str, row: Mapping[str, Any]) -> str:
