@@ -141,6 +141,22 @@ def calibration_indices(num_rows: int, n: int, seed: int) -> list[int]:
     return torch.randperm(num_rows, generator=generator)[:n].tolist()
 
 
+def held_out_indices(num_rows: int, skip: int, seed: int) -> list[int]:
+    """The rows of the split after the first ``skip`` of the same shuffle as :func:`calibration_indices`: rows
+    no calibration of ``skip`` (or fewer) examples with ``seed`` reads.
+
+    Args:
+        num_rows: The split's size.
+        skip: The calibration's number of examples (its rows come first in the shuffle).
+        seed: The shuffle's seed.
+
+    Returns:
+        The held-out rows, in shuffled order (empty when ``skip`` covers the split).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(num_rows, generator=generator)[skip:].tolist()
+
+
 @dataclass
 class DatasetFacts:
     """What validation learnt about the tasks' datasets: each split's identity, and the calibration

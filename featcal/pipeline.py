@@ -89,7 +89,9 @@ def run_record(spec: RunSpec, inputs: RunInputs, data: DatasetFacts | None = Non
         seed=spec.seed,
         merge=merge_record(spec, inputs, calibration_counts),
         featcal=None if spec.skip_featcal else FeatCalRecord(spec.featcal, dict(calibration_counts or {})),
-        evaluation=EvaluationRecord(spec.max_eval_samples, inputs.family.evaluation_record()),
+        evaluation=EvaluationRecord(
+            spec.max_eval_samples, {**inputs.family.evaluation_record(), **inputs.family.evaluation_settings(spec)}
+        ),
         precision=spec.precision,
         family=inputs.family.name,
         hub_commits={kind: refs for kind, refs in commits.items() if refs},
@@ -137,7 +139,8 @@ def stage_identities(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> di
     tests = [data.fingerprints[t.name].get("test") for t in inputs.tasks]
     trains = [data.fingerprints[t.name].get("train") for t in inputs.tasks]
     table = {t.name: t.to_dict() for t in inputs.tasks}
-    evaluation = digest("evaluation", __version__, base, table, tests, spec.max_eval_samples)
+    settings = inputs.family.evaluation_settings(spec)  # none for CLIP: its identities stay as they were
+    evaluation = digest("evaluation", __version__, base, table, tests, spec.max_eval_samples, *filter(None, [settings]))
     ids = {evaluate_step(ZERO_SHOT_DIR): digest(evaluation), evaluate_step(EXPERTS_DIR): digest(evaluation, experts)}
     if not spec.skip_ta:
         # A data-using merge depends on the draw too: the train splits, how many of their examples, the seed
@@ -227,7 +230,7 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
         if not spec.force:
             check_same_run(out, list(record.tasks), record.base_model_id)
         threads = choose_threads(spec.threads, family.hidden_size(inputs.config))
-        evaluator = family.evaluator(inputs.base_folder, device, world=world)
+        evaluator = family.evaluator(inputs.base_folder, device, world=world, settings=family.evaluation_settings(spec))
         # A merged model to start from is checked before the folder is touched (and read when needed).
         if spec.skip_ta:
             family.check_model_folder(Path(spec.ta_model_path), inputs.base)

@@ -268,13 +268,6 @@ def test_a_data_file_that_is_not_one_is_named(tmp_path) -> None:
         read_data_file(tmp_path / "d.yaml")
 
 
-def test_featcal_run_on_language_models_says_what_to_use_instead(zoo, tmp_path, capsys) -> None:
-    argv = ["run", "--data", str(zoo / "data.yaml"), "--base-model-id", str(zoo / "base"), *CALIBRATE]
-    code, err = _run_error(capsys, [*argv, "--output-dir", str(tmp_path / "run")])
-    assert code == 2 and len(err) == 1 and "featcal calibrate" in err[0] and "lm-evaluation-harness" in err[0], err
-    assert not (tmp_path / "run").exists()
-
-
 def test_a_tied_bfloat16_merge_is_calibrated_and_written_tied_in_bfloat16(tmp_path) -> None:
     """Weights are stored in the base's dtype (bf16 here; the arithmetic is float32) and a tied LM head
     stays tied: stored once, as the token embedding, which the calibration leaves as merged."""

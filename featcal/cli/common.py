@@ -47,35 +47,44 @@ def format_losses(
 ) -> str:
     """A plain-text table of a language model's reports: per task its held-out loss (mean response-token
     NLL, lower is better), its exact match in % where the task has one, and the average loss; one column
-    per stage.
+    per stage, and, with the experts, a merged stage and its calibration, the share of the expert − merged
+    gap the calibration closed (``closed``, in %).
 
     Args:
         results: Evaluation reports by stage name, in column order.
         labels: Column headings by stage name (default: the stage names).
         column: The width of a column.
     """
-    from featcal.metrics import AVERAGE, EXACT_MATCH
+    from featcal.metrics import AVERAGE, EXACT_MATCH, gap_closed
+    from featcal.runfolder.layout import CALIBRATED_PREFIX, EXPERTS_DIR
 
     stages = list(results)
+    merged = next((s for s in stages if CALIBRATED_PREFIX + s in results), None)
+    closing = (EXPERTS_DIR, merged, CALIBRATED_PREFIX + str(merged)) if merged and EXPERTS_DIR in results else None
+    blank = f"{'-':>{column}}"
+
+    def cells(values: dict[str, float | None], scale: float, digits: int) -> list[str]:
+        out = [blank if values[s] is None else f"{scale * values[s]:>{column}.{digits}f}" for s in stages]
+        if closing is not None:
+            expert, before, after = (values[s] for s in closing)
+            share = None if None in (expert, before, after) else gap_closed(expert, before, after)
+            out.append(blank if share is None else f"{100 * share:>{column}.1f}")
+        return out
+
     tasks = list(dict.fromkeys(name for report in results.values() for name in report.tasks))
     rows: list[tuple[str, list[str]]] = []
     for name in tasks:
-        losses, matches = [], []
-        for stage in stages:
-            result = results[stage].tasks.get(name)
-            losses.append(f"{result.loss:>{column}.4f}" if result is not None else f"{'-':>{column}}")
-            match = None if result is None else result.extra.get(EXACT_MATCH)
-            matches.append(f"{100 * match:>{column}.2f}" if match is not None else f"{'-':>{column}}")
-        rows.append((f"{name} loss", losses))
-        if any(cell.strip() != "-" for cell in matches):
-            rows.append((f"{name} exact match %", matches))
-    averages = [
-        f"{results[s].loss(AVERAGE):>{column}.4f}" if results[s].average else f"{'-':>{column}}" for s in stages
-    ]
-    rows.append(("average loss", averages))
+        found = {s: results[s].tasks.get(name) for s in stages}
+        rows.append((f"{name} loss", cells({s: r.loss if r else None for s, r in found.items()}, 1, 4)))
+        matches = {s: r.extra.get(EXACT_MATCH) if r else None for s, r in found.items()}
+        if any(value is not None for value in matches.values()):
+            rows.append((f"{name} exact match %", cells(matches, 100, 2)))
+    averages = {s: results[s].loss(AVERAGE) if results[s].average else None for s in stages}
+    rows.append(("average loss", cells(averages, 1, 4)))
     width = max(len(label) for label, _ in rows)
-    heading = f"{'task':<{width}}  " + "  ".join(f"{(labels or {}).get(s, s):>{column}}" for s in stages)
-    return "\n".join([heading, *(f"{label:<{width}}  " + "  ".join(cells) for label, cells in rows)])
+    headings = [*((labels or {}).get(s, s) for s in stages), *(["closed %"] if closing else [])]
+    heading = f"{'task':<{width}}  " + "  ".join(f"{h:>{column}}" for h in headings)
+    return "\n".join([heading, *(f"{label:<{width}}  " + "  ".join(row) for label, row in rows)])
 
 
 def show_progress(args: argparse.Namespace) -> bool:

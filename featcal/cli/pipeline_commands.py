@@ -210,7 +210,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                     output, inputs=[*inputs.local_folders(), *files, *datasets, *([args.model] if args.model else [])]
                 )  # fmt: skip
             validate_datasets(family, inputs.tasks, splits=("test",))
-            evaluator = family.evaluator(inputs.base_folder, device, world=world)
+            evaluator = family.evaluator(
+                inputs.base_folder, device, world=world, settings=family.evaluation_settings(spec)
+            )
             model = family.load_model(Path(args.model), inputs.base) if args.model else evaluator.base_model()
         with compute_settings(spec, inputs):
             data = evaluator.test_data(
@@ -312,7 +314,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="metrics JSON (default DIR/metrics.json; needed where DIR is a stage of a run or a release, whose "
         "metrics.json is their record; inside a run folder, only in RUN/evaluations/)",
     )
-    add_spec_options(p, groups=(TASKS, EVALUATION, RUNTIME), exclude=("expert_model_format", "seed", "data"))
+    add_spec_options(
+        p, groups=(TASKS, EVALUATION, RUNTIME),
+        exclude=("expert_model_format", "seed", "data", "eval_max_new_tokens", "lm_eval_tasks", "lm_eval_include"),
+    )  # fmt: skip
     command(p, cmd_evaluate)
 
     p = subparsers.add_parser("methods", help="list the merging methods and their hyper-parameters")

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from featcal.files.safetensors_writer import ShardedSafetensorsWriter
     from featcal.metrics import MetricsReport, TaskMetrics
     from featcal.runfolder.reader import RunFolder
+    from featcal.spec import RunSpec
     from featcal.tasks import Task
 
 
@@ -31,7 +32,9 @@ class Evaluator(Protocol):
     """A family's evaluation of models on tasks, sharing what every evaluation of a run reads.
 
     Built from the base model (:meth:`ModelFamily.evaluator`); under torchrun each process evaluates
-    its share of every task's test examples and the counts are summed over the processes.
+    its share of every task's test examples and the counts are summed over the processes. A task's
+    result is its accuracy and loss (CLIP), or its loss alone with the family's own measures beside it
+    (a language model: held-out response loss, exact match; see :class:`~featcal.metrics.TaskMetrics`).
     """
 
     def base_model(self) -> nn.Module:
@@ -151,8 +154,16 @@ class ModelFamily(Protocol):
         """Refuse a split whose examples the family cannot read (columns, labels), naming task and split."""
 
     # --- evaluation and release ---------------------------------------------------------------
-    def evaluator(self, base_folder: Path, device: torch.device, *, world: World) -> Evaluator:
-        """The evaluation of models of this family against the base in ``base_folder``."""
+    def evaluator(
+        self, base_folder: Path, device: torch.device, *, world: World, settings: Mapping[str, Any] | None = None
+    ) -> Evaluator:
+        """The evaluation of models of this family against the base in ``base_folder``, with the run's
+        :meth:`evaluation_settings`."""
+
+    def evaluation_settings(self, spec: RunSpec) -> Mapping[str, Any]:
+        """What the family's evaluations depend on besides the test data and ``max_eval_samples``, from the
+        run's options (a language model: the held-out rows' shuffle, the greedy answers' length, the harness's
+        tasks); recorded in ``run_config.json`` and part of every evaluation's identity. Empty for CLIP."""
 
     def evaluation_record(self) -> Mapping[str, Any]:
         """What a run records of how it evaluated, besides ``max_eval_samples`` (CLIP's image processor)."""

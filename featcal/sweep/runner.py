@@ -71,6 +71,12 @@ def run_sweep(run_dir: str | Path, spec: RunSpec, request: SweepRequest | None =
     """
     request = request or SweepRequest()
     run = read_run(run_dir)
+    if not run.released.report.has_accuracy:
+        raise RunFolderError(
+            run.path,
+            f"Run folder {run.path} evaluated a language model (held-out losses): featcal sweep charts accuracy "
+            "against n, and sweeps CLIP runs only.",
+        )
     base = base_settings(run)
     sizes = request.sizes or ((base.num_calibration_examples,) if request.parameter is not None else DEFAULT_SIZES)
     settings = sweep_settings(base, sizes, request.parameter)
@@ -88,7 +94,7 @@ def run_sweep(run_dir: str | Path, spec: RunSpec, request: SweepRequest | None =
         family, inputs.tasks, ("train", "test"), calibration_examples=max(sizes),
         allow_fewer=spec.allow_fewer_calibration_examples, seed=run.record.seed,
     )  # fmt: skip
-    evaluator = family.evaluator(inputs.base_folder, compute, world=SINGLE)
+    evaluator = family.evaluator(inputs.base_folder, compute, world=SINGLE, settings=run.record.evaluation.details)
     preprocessor = family.preprocessor(inputs.base_folder)
     merged = family.load_model(merged_folder, inputs.base)
     seed = run.record.seed

@@ -1,12 +1,11 @@
 """The causal-LM family: decoder-only language models (Llama, Mistral, Qwen2, Qwen3, Gemma-2), text tasks.
 
 Everything featcal knows of causal LMs lives in this package: model folders (:mod:`.folders`), the
-calibration's adapter (:mod:`.adapter`), calibration texts (:mod:`.texts`) and merges made by mergekit
-(:mod:`.mergekit`). :data:`FAMILY` is the :class:`~featcal.families.base.ModelFamily` the rest of
-featcal uses; its parts are imported on first use, so looking the family up imports no torch.
-
-What a family is also asked for and a causal LM does not have yet (its evaluation) raises
-:class:`~featcal.errors.FeatcalError` saying so.
+calibration's adapter (:mod:`.adapter`), calibration texts (:mod:`.texts`), merges made by mergekit
+(:mod:`.mergekit`), and the evaluation on held-out texts (:mod:`.evaluation`, :mod:`.settings`,
+:mod:`.answers`) with lm-evaluation-harness beside it (:mod:`.harness`). :data:`FAMILY` is the
+:class:`~featcal.families.base.ModelFamily` the rest of featcal uses; its parts are imported on first
+use, so looking the family up imports no torch.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from featcal.errors import FeatcalError
 from featcal.families.base import ReleaseParts
 
 if TYPE_CHECKING:
@@ -25,7 +23,9 @@ if TYPE_CHECKING:
     from featcal.calibration.adapters import CalibrationBatch, LayerAdapter
     from featcal.checkpoint import Checkpoint
     from featcal.distributed import World
+    from featcal.families.causal_lm.evaluation import HeldOutEvaluator
     from featcal.runfolder.reader import RunFolder
+    from featcal.spec import RunSpec
     from featcal.tasks import Task
 
 
@@ -107,9 +107,11 @@ class CausalLMFamily:
         return base_tokenizer(base_folder)
 
     def load_split(self, task: Task, split: str) -> Any:
+        """The task's calibration split, for ``train`` and ``test`` alike: its evaluation reads rows held out
+        of it (:mod:`featcal.families.causal_lm.evaluation`)."""
         from featcal.families.causal_lm.texts import load_text_split
 
-        return load_text_split(task, split)
+        return load_text_split(task)
 
     def check_examples(
         self, task: Task, dataset: Any, split: str, rows: Sequence[int], preprocessor: Any = None
@@ -135,11 +137,21 @@ class CausalLMFamily:
         return first_texts(task, preprocessor, n)
 
     # --- evaluation and release ---------------------------------------------------------------
-    def evaluator(self, base_folder: Path, device: torch.device, *, world: World) -> Any:
-        raise FeatcalError(
-            "featcal does not evaluate causal LMs itself: calibrate with `featcal calibrate`, then evaluate the "
-            "folder with lm-evaluation-harness (docs/causal-lm.md)."
-        )
+    def evaluator(
+        self, base_folder: Path, device: torch.device, *, world: World, settings: Mapping[str, Any] | None = None
+    ) -> HeldOutEvaluator:
+        from featcal.families.causal_lm.evaluation import HeldOutEvaluator
+
+        if settings is None:
+            raise TypeError("a language model's evaluator needs its settings (evaluation_settings)")
+        return HeldOutEvaluator(base_folder, device, world=world, settings=settings)
+
+    def evaluation_settings(self, spec: RunSpec) -> Mapping[str, Any]:
+        """The held-out rows' shuffle, the greedy answers' length and the harness's tasks
+        (:class:`~featcal.families.causal_lm.settings.LMEvaluationSettings`)."""
+        from featcal.families.causal_lm.settings import evaluation_settings
+
+        return evaluation_settings(spec).to_json()
 
     def evaluation_record(self) -> Mapping[str, Any]:
         return {}

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from featcal.distributed import World
     from featcal.families.clip_vision.evaluation import ZeroShotEvaluator
     from featcal.runfolder.reader import RunFolder
+    from featcal.spec import RunSpec
     from featcal.tasks import Task
 
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -141,10 +142,16 @@ class ClipVisionFamily:
         return CalibrationBatch({PIXELS: test_pixels(task, preprocessor, n)})
 
     # --- evaluation ---------------------------------------------------------------------------
-    def evaluator(self, base_folder: Path, device: torch.device, *, world: World) -> ZeroShotEvaluator:
+    def evaluator(
+        self, base_folder: Path, device: torch.device, *, world: World, settings: Mapping[str, Any] | None = None
+    ) -> ZeroShotEvaluator:
         from featcal.families.clip_vision.evaluation import ZeroShotEvaluator
 
         return ZeroShotEvaluator(base_folder, device, world=world)
+
+    def evaluation_settings(self, spec: RunSpec) -> Mapping[str, Any]:
+        """None: a CLIP evaluation depends on the test images and ``max_eval_samples`` alone."""
+        return {}
 
     def evaluation_record(self) -> Mapping[str, Any]:
         from featcal.families.clip_vision.evaluation import IMAGE_PROCESSOR
