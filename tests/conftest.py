@@ -38,6 +38,14 @@ def world(tmp_path_factory):
     return build_world(tmp_path_factory.mktemp("world"))
 
 
+@pytest.fixture(scope="session")
+def mergebench_world(tmp_path_factory):
+    """Tiny stand-ins of MergeBench's Llama-3.2-3B base, five experts and five datasets (built once)."""
+    from tests.support.tiny_lm_world import build_lm_world
+
+    return build_lm_world(tmp_path_factory.mktemp("mergebench"))
+
+
 def available_devices() -> list[str]:
     """The devices the model tests run on: the CPU always, CUDA when torch sees a GPU."""
     import torch

@@ -20,7 +20,7 @@ from featcal.metrics import WEIGHTS_SHA256, weights_sha256
 from featcal.outputs import check_output_folder
 from featcal.release.card import CARD_FILE, write_card_files
 from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, write_manifest
-from featcal.release.model_folder import is_model_input
+from featcal.release.model_folder import LM_FAMILY, is_model_input
 from featcal.release.options import DEFAULT_LICENSE
 from featcal.release.plot import PLOT_FILE
 from featcal.release.published import published_config
@@ -169,7 +169,10 @@ def export_release(
 
     A language-model folder written by ``featcal merge`` or ``featcal calibrate`` (a folder with
     ``featcal_recipe.json`` or ``config.json`` and no ``run_config.json``) is released by
-    :func:`featcal.release.model_release.export_model_release` instead (default ``<folder>-release``).
+    :func:`featcal.release.model_release.export_model_release` instead (default ``<folder>-release``), and a
+    language-model run by :func:`featcal.release.lm_run_release.export_lm_run_release` (its released stage as
+    a model folder's release, with the run's ``metrics.json`` and a card of its results; license ``other``
+    unless given).
 
     The folder holds the released model (calibrated when present, else merged) as its family's class (a
     ``CLIPVisionModel``), the base model's preprocessor (CLIP's image processor config), the model card
@@ -206,7 +209,6 @@ def export_release(
         from featcal.release.model_release import export_model_release
 
         return export_model_release(run_dir, out_dir, repo_id=repo_id, license=license, template=template)
-    license = DEFAULT_LICENSE if license is None else license
     if repo_id is not None:
         check_repo_id(repo_id, namespace=True)
     run_path = Path(run_dir).expanduser()
@@ -217,6 +219,11 @@ def export_release(
         run = read_run(run_path)
         family = get_family(run.record.family)
         source = released_source(run)
+        if run.record.family == LM_FAMILY:  # the language-model release path: links, the run's results
+            from featcal.release.lm_run_release import export_lm_run_release
+
+            return export_lm_run_release(run, out, source, repo_id=repo_id, license=license, template=template)
+        license = DEFAULT_LICENSE if license is None else license
         check_output_folder(out, kind="release", allowed=release_names(family))
         with atomic_folder(out) as tmp:
             published = published_config(run.raw_config)

@@ -172,11 +172,15 @@ def model_card_data(folder: ModelFolder, *, model_name: str, license: str) -> Mo
     )
 
 
-def _context(folder: ModelFolder, *, repo_id: str | None, license: str | None) -> dict[str, Any]:
-    """The template's variables: everything from the folder's recipe, inputs named as published."""
+def model_context(
+    folder: ModelFolder, *, repo_id: str | None, license: str | None, name: str | None = None
+) -> dict[str, Any]:
+    """The template's variables: everything from the folder's recipe, inputs named as published (a run's
+    language-model card adds its results to them: :mod:`featcal.release.lm_run_card`). The repository is
+    ``repo_id``, else named ``name``, else by the folder (:func:`default_model_name`)."""
     recipe = folder.recipe
     family = get_family(recipe.family)
-    model_name = repo_id or default_model_name(folder)
+    model_name = repo_id or name or default_model_name(folder)
     published = published_model_recipe(folder.raw_recipe, mergekit_refs(recipe))
     return {
         "card_data": model_card_data(folder, model_name=model_name, license=license or NO_LICENSE).to_yaml(),
@@ -224,7 +228,7 @@ def render_model_card(
     env, source = _environment(template, family)
     shown = template or "/".join(family.release.card_template)
     try:
-        text = env.from_string(source).render(**_context(folder, repo_id=repo_id, license=license))
+        text = env.from_string(source).render(**model_context(folder, repo_id=repo_id, license=license))
     except jinja2.TemplateError as exc:
         raise FeatcalError(f"Model card template {shown} failed to render: {exc}") from None
     try:

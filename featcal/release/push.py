@@ -23,7 +23,7 @@ from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import RepositoryNotFoundError
 
 from featcal.errors import ReleaseError
-from featcal.files.model_files import WEIGHTS
+from featcal.files.model_files import WEIGHTS, WEIGHTS_INDEX
 from featcal.hub.publishing import HIDDEN_PATTERNS, hub_api, publishing
 from featcal.hub.refs import check_repo_id
 from featcal.hub.verification import HubFile, hub_files, verify_hub_files
@@ -78,7 +78,7 @@ def resolve_release_folder(folder: str | Path, repo_id: str, *, dry_run: bool = 
             that has no release yet.
     """
     path = Path(folder).expanduser()
-    if (path / WEIGHTS).is_file():
+    if _has_weights(path):
         return path
     if not (path / RUN_CONFIG).is_file():
         raise ReleaseError(
@@ -87,7 +87,7 @@ def resolve_release_folder(folder: str | Path, repo_id: str, *, dry_run: bool = 
             f"(with {RUN_CONFIG}): point at the output of `featcal run` or `featcal export`.",
         )
     release = path / RELEASE_DIR
-    if not (release / WEIGHTS).is_file():
+    if not _has_weights(release):
         if dry_run:
             raise ReleaseError(
                 path,
@@ -97,6 +97,11 @@ def resolve_release_folder(folder: str | Path, repo_id: str, *, dry_run: bool = 
         logger.info("No release in %s yet: exporting it", path)
         export_release(path, release, repo_id=repo_id)
     return release
+
+
+def _has_weights(folder: Path) -> bool:
+    """Whether ``folder`` holds a release's weights: one file, or (a language model's) a shard index."""
+    return (folder / WEIGHTS).is_file() or (folder / WEIGHTS_INDEX).is_file()
 
 
 def check_source(release: Path) -> None:
@@ -186,10 +191,6 @@ def push_release(
     options = dict(private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
                    token=token, dry_run=dry_run, endpoint=endpoint)  # fmt: skip
     path = Path(folder).expanduser()
-    if is_model_release(path):  # a language-model folder's release: no run around it
-        from featcal.release.model_check import check_model_release
-
-        return _push(check_model_release(path), repo_id, **options)
     if is_model_folder(path):
         raise ReleaseError(
             path,
@@ -199,7 +200,12 @@ def push_release(
     folder = resolve_release_folder(folder, repo_id, dry_run=dry_run)
     run = enclosing_run(folder.resolve())
     with RunLock(run, shared=True) if run is not None else nullcontext():  # no run rewrites it meanwhile
-        release = check_release(folder)
+        if is_model_release(folder):  # a language model's release (of a model folder, or of a run)
+            from featcal.release.model_check import check_model_release
+
+            release = check_model_release(folder)
+        else:
+            release = check_release(folder)
         check_source(release.folder)
         return _push(release, repo_id, **options)
 
@@ -224,7 +230,9 @@ def _push(
             release.folder,
             release.model_name,
             repo_id,
-            "MODEL_FOLDER" if is_model_release(release.folder) else "RUN",
+            "MODEL_FOLDER"
+            if is_model_release(release.folder) and not enclosing_run(release.folder.resolve())
+            else "RUN",
             repo_id,
         )
     if dry_run:
