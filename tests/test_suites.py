@@ -259,3 +259,75 @@ def test_featcal_methods_shows_the_averages_published_for_the_suite(capsys):
     assert main(["methods", "--suite", "ta14", "--backbone", "b16"]) == 0
     out = capsys.readouterr().out
     assert "published average" not in out and "No merge accuracy is published for ta14 on b16." in out
+
+
+# MergeBench's formatting_prompts_func (merging/taskloader.py at b245648) of a row without input: its f-string's
+# eight-space indents and trailing newline are part of the text.
+MERGEBENCH_TEXT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
+    "response that appropriately completes the request.\n        \n        ### Instruction:\n        {q}\n        "
+    "\n        ### Response:\n        {r}\n        "
+)
+MERGEBENCH_POOLS = {  # FusionBench config/modelpool/CausalLMPool/mergebench/*.yaml
+    "llama-3.2-3b": ("meta-llama/Llama-3.2-3B", "MergeBench/Llama-3.2-3B_{task}"),
+    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B", "MergeBench/Llama-3.1-8B_{task}"),
+    "gemma-2-2b": ("google/gemma-2-2b", "MergeBench/gemma-2-2b_{task}"),
+    "gemma-2-9b": ("google/gemma-2-9b", "MergeBench/gemma-2-9b_{task}"),
+}
+
+
+def test_mergebench_is_merge_bench_s_tasks_data_prompt_and_models():
+    from featcal.families.causal_lm.texts import render_text
+
+    assert suite_backbones("mergebench") == list(MERGEBENCH_POOLS)
+    columns = {"instruction": ("instruction", "output"), "math": ("query", "response"),
+               "coding": ("instruction", "response"), "multilingual": ("inputs", "targets"),
+               "safety": ("prompt", "response")}  # fmt: skip
+    for name, (base, pattern) in MERGEBENCH_POOLS.items():
+        table = suite_table("mergebench", name)
+        assert table.base_model == base and list(table.tasks) == list(columns)
+        assert table.merge_defaults == {"task_arithmetic": {"scaling_factor": 0.4, "keep_embeddings": True}}
+        for task, (question, answer) in columns.items():
+            entry = table.tasks[task]
+            assert entry.family == "causal_lm" and entry.expert == pattern.format(task=task)
+            assert (entry.dataset.path, entry.dataset.train_split) == (f"MergeBench/{task}_val", "train")
+            prompt, response = render_text(entry, {question: "Q?", answer: "A."})
+            assert prompt + response == MERGEBENCH_TEXT.format(q="Q?", r="A.")
+            assert entry.text.answer == ("boxed" if task == "math" else None)
+            assert (entry.text.weigh, entry.text.max_length) == ("all", 2048)
+    assert merged_reference("mergebench", "llama-3.2-3b") == {
+        "task_arithmetic": {"average": 0.601},
+        "task_arithmetic_featcal": {"average": 0.621},
+    }
+    assert merged_reference("mergebench", "llama-3.1-8b")["task_arithmetic_featcal"] == {"average": 0.658}
+    assert merged_reference("mergebench", "gemma-2-2b") == {}
+
+
+def test_a_suite_s_backbone_is_its_own_and_chooses_the_run_folder(capsys):
+    spec = RunSpec(suite="mergebench")
+    assert spec.backbone == "llama-3.2-3b" and spec.output_dir == "outputs/llama-3.2-3b-mergebench"
+    assert RunSpec().backbone == "b32" and RunSpec().output_dir == "outputs/clip-vit-b32-ta8"
+    with pytest.raises(InvalidParameterError, match="one of mergebench's: llama-3.2-3b"):
+        RunSpec(suite="mergebench", backbone="l14")
+    with pytest.raises(UnknownNameError, match="unknown backbone 'gemma-2-2b'"):
+        suite_table("ta8", "gemma-2-2b")
+    assert main(["tasks", "--suite", "mergebench", "--backbone", "gemma-2-9b"]) == 0
+    out = capsys.readouterr().out
+    assert "MergeBench/gemma-2-9b_math" in out and "boxed" in out and "gsm8k_cot" in out
+    assert "Not run by featcal (coding)" in out and "No reference average is quoted" in out
+    assert main(["tasks", "--suite", "mergebench", "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert listing["family"] == "causal_lm" and listing["reference_average"]["task_arithmetic_featcal"] == 0.621
+
+
+def test_a_suite_s_merge_settings_are_the_defaults_under_the_spec_s(monkeypatch):
+    from featcal import resolve
+
+    calls = []
+    monkeypatch.setattr(resolve, "resolve_models", lambda *a, **k: calls.append(a) or ("base", None, {}))
+    inputs = resolve.resolve_inputs(RunSpec(suite="mergebench"))
+    assert inputs.merge_params == {"scaling_factor": 0.4, "keep_embeddings": True}
+    assert calls[0][2] == "meta-llama/Llama-3.2-3B"
+    mine = resolve.resolve_inputs(RunSpec(suite="mergebench", ta_scaling_factor=0.3))
+    assert mine.merge_params == {"scaling_factor": 0.3, "keep_embeddings": True}
+    assert resolve.resolve_inputs(RunSpec()).merge_params == {"scaling_factor": 0.3}

@@ -39,8 +39,60 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
 
 
+def _table(header: list[str], rows: list[list[str]], left: int) -> list[str]:
+    """Aligned lines: the first ``left`` columns are text (left-aligned), the rest numbers."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return [line(header).rstrip(), *(line(r).rstrip() for r in rows)]
+
+
+def format_text_suite(listing: Mapping[str, Any]) -> str:
+    """A language-model suite's listing: per task its dataset, the columns its text reads, its answer rule,
+    expert and lm-evaluation-harness tasks; the merge settings, what is not run, the quoted averages."""
+    rows = [
+        [
+            t["name"],
+            t["dataset"],
+            t["train_split"],
+            ", ".join(t["columns"]),
+            t["answer"] or "-",
+            t["expert"],
+            ", ".join(t["lm_eval"]) or "-",
+        ]
+        for t in listing["tasks"]
+    ]
+    header = ["task", "dataset", "split", "columns", "answer", "expert", "lm-eval tasks"]
+    out = [
+        f"Suite {listing['suite']}: {listing['title']}, {len(listing['tasks'])} tasks, on {listing['backbone_title']}",
+        f"Base {listing['base_model']}; experts {listing['expert_model_pattern']}",
+        "",
+        *_table(header, rows, left=len(header)),
+        "",
+        "Merge: " + "; ".join(f"{m} {params}" for m, params in listing["merge_defaults"].items()),
+    ]
+    for t in listing["tasks"]:
+        if t["not_run"]:
+            out.append(f"Not run by featcal ({t['name']}): {t['not_run']}.")
+    averages = listing["reference_average"]
+    if averages:
+        quoted = ", ".join(f"{m} {_pct(v)}" for m, v in averages.items())
+        out.append(
+            f"Reference averages (not measured by featcal): {quoted}, from {listing['merged_reference_source']}."
+        )
+    else:
+        out.append("No reference average is quoted for this backbone.")
+    source = listing["source"]
+    out.append(f"Source: {source['repository']} at {source['commit'][:12]}; {source['models']}.")
+    return "\n".join(out)
+
+
 def format_suite(listing: Mapping[str, Any]) -> str:
     """The listing of :func:`featcal.suites.describe_suite` as a plain-text table, accuracies in %."""
+    if listing.get("family", "clip_vision") != "clip_vision":
+        return format_text_suite(listing)
     methods = sorted({m for t in listing["tasks"] for m in t["reference_accuracy"]} - set(REFERENCE_COLUMNS))
     columns = [*REFERENCE_COLUMNS, *methods]
     headings = [REFERENCE_COLUMNS.get(c, c) for c in columns]

@@ -28,7 +28,7 @@ from featcal.release.published import is_published_local
 from featcal.runfolder.layout import CALIBRATED_PREFIX, RELEASE_DIR, RUN_CONFIG
 from featcal.space.heads import default_cache_dir, task_heads
 from featcal.space.settings import DEFAULT_BASE_MODEL_ID, SpaceSettings
-from featcal.suites import SUITE_NAMES, suite_table, task_table
+from featcal.suites import suite_names, suite_table, task_table
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,8 @@ class SpaceModel:
         self.base_ref = base_model_ref(settings, self.source)
         recorded_suite = self.source.recipe().get("suite")
         self.tasks = {
-            task.name: task for task in space_tasks(settings, recorded_suite if recorded_suite in SUITE_NAMES else None)
+            task.name: task
+            for task in space_tasks(settings, recorded_suite if recorded_suite in suite_names("clip_vision") else None)
         }
         unoffered = [name for name in self.source.recipe().get("tasks") or [] if name not in self.tasks]
         if unoffered:

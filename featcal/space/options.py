@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from featcal.options import field_option, option, validate
 from featcal.space.settings import DEFAULT_MODEL_ID
 from featcal.spec import RunSpec
-from featcal.suites import SUITE_NAMES
+from featcal.suites import suite_names
+
+IMAGE_SUITES = suite_names("clip_vision")  # the Space classifies images: CLIP's suites
 
 GROUP = "Space"
 SUITE_HELP = "built-in suite whose tasks to offer (default: the model's run_config.json's, else ta8)"
@@ -46,7 +48,7 @@ class SpaceServeOptions:
         help="JSON or YAML task table to offer instead of the built-in suite's tasks",
         group=GROUP,
     )
-    suite: str | None = field_option(RunSpec, "suite", default=None, help=SUITE_HELP, group=GROUP, choices=SUITE_NAMES)
+    suite: str | None = field_option(RunSpec, "suite", default=None, help=SUITE_HELP, group=GROUP, choices=IMAGE_SUITES)
     host: str = option("127.0.0.1", help="address to serve on (0.0.0.0 for all)", group=GROUP, metavar="HOST")
     port: int | None = option(
         None, help="port (default: Gradio's, 7860 or the next free one)", group=GROUP, metavar="PORT", ge=1, le=65535
@@ -85,7 +87,7 @@ class SpacePushOptions:
         help="task table to ship with the Space instead of the built-in suite's tasks",
         group=GROUP,
     )
-    suite: str | None = field_option(RunSpec, "suite", default=None, help=SUITE_HELP, group=GROUP, choices=SUITE_NAMES)
+    suite: str | None = field_option(RunSpec, "suite", default=None, help=SUITE_HELP, group=GROUP, choices=IMAGE_SUITES)
     output: str | None = option(
         None, help="stage the Space in DIR (new or empty) and keep it", group=GROUP, metavar="DIR"
     )
