@@ -234,3 +234,24 @@ def test_a_run_with_harness_tasks_records_them_for_each_stage(mergebench_world, 
         assert 0.0 <= accuracy <= 1.0, stage
     card = (out / "release" / "README.md").read_text()
     assert "### lm-evaluation-harness" in card and "| tiny_copy | `acc,none` |" in card
+
+
+def test_two_processes_under_torchrun_measure_what_one_does(mergebench_world, data_file, lm_run, tmp_path) -> None:
+    """Each process evaluates its share of every task's held-out rows; the sums over the processes give one
+    process's numbers (losses up to the order of the additions), the calibrated model's up to float rounding,
+    and rank 0 alone prints them."""
+    from tests.test_distributed import torchrun
+
+    one, _ = lm_run
+    out = tmp_path / "run"
+    done, _ = torchrun(2, ["-q", *run_args(mergebench_world, data_file, out, "--eval-zero-shot", "--eval-experts")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    for stage in ("zero-shot", "experts", "ta"):  # the same models: the same numbers
+        for task in TASKS:
+            a, b = _metrics(one, stage)[task], _metrics(out, stage)[task]
+            assert b.pop("loss") == pytest.approx(a.pop("loss"), rel=1e-6) and a == b, (stage, task)
+    for task in TASKS:  # the calibration's statistics are summed over the processes: its model up to rounding
+        a, b = _metrics(one, "featcal-ta")[task], _metrics(out, "featcal-ta")[task]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4) and b["tokens"] == a["tokens"], task
+    assert json.loads((out / "run_config.json").read_text())["processes"] == {"world_size": 2, "backend": "gloo"}
+    assert done.stdout.count("closed %") == 1, done.stdout  # rank 0 alone prints the results
