@@ -213,6 +213,18 @@ def reference_source(suite: str, backbone_name: str) -> str:
     return f"FusionBench (docs/modelpool/clip_vit.md, {title}, {count} tasks)"
 
 
+def featcal_settings_source(suite: str) -> str | None:
+    """Where the FeatCal parameters of a run on a language-model suite come from when they are featcal's
+    defaults (the CLIP reference run's), in words; None for a CLIP suite, whose defaults are its own.
+
+    Raises:
+        UnknownNameError: for a suite that is not built in.
+    """
+    suite_task_names(suite)
+    table = _text_suite(suite)
+    return None if table is None else table.get("featcal_settings")
+
+
 def _text_suite(suite: str) -> dict[str, Any] | None:
     """The resource describing a language-model suite's tasks (``mergebench.json``); None for CLIP's."""
     name = suites_data()["suites"][suite].get("table")
@@ -316,8 +328,8 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
         number of classes and templates (``zero_shot`` and ``expert`` accuracies from FusionBench, and
         each merging method's where published), for a language task the columns its text format reads,
         how its answer is found (exact match) or none, and its lm-evaluation-harness tasks; the published
-        merge averages; a language suite's merge settings and what it does not run; and where the numbers
-        come from.
+        merge averages; a language suite's merge settings, where its FeatCal parameters come from and what
+        it does not run; and where the numbers come from.
 
     Raises:
         UnknownNameError: for a suite or backbone that is not built in, or a backbone of another suite.
@@ -392,6 +404,7 @@ def _describe_text_suite(suite: str, table: TaskTable) -> dict[str, Any]:
     return {
         "tasks": tasks,
         "merge_defaults": {method: dict(params) for method, params in table.merge_defaults.items()},
+        "featcal_settings": featcal_settings_source(suite),
         "source": {"repository": source["repository"], "commit": source["commit"], "models": source["models"]},
     }
 

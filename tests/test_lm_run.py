@@ -14,6 +14,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from featcal.families.causal_lm.settings import LMEvaluationSettings
 from featcal.families.causal_lm.texts import load_text_split, render_text
 from featcal.release.model_check import check_model_release
 from featcal.runfolder.lock import RunLock
+from featcal.runfolder.reader import read_run
 from tests.support.hub_world import REPO_ROOT
 from tests.support.tiny_lm_world import ROWS, TASKS, write_data_file
 
@@ -124,10 +126,25 @@ def test_the_release_is_the_calibrated_folder_with_the_run_s_results(lm_run) -> 
     card = (release / "README.md").read_text()
     assert "held out of the calibration" in card and "| math exact match (%) |" in card and "closed" in card
     assert "Reference numbers" not in card  # a data-file run has no suite, so no quoted numbers
+    assert "featcal's defaults" not in card  # nor a suite's word on where its FeatCal parameters come from
     model = AutoModelForCausalLM.from_pretrained(release)
     ids = torch.tensor([[2, 10, 20, 30]])
     expected = AutoModelForCausalLM.from_pretrained(stage)(ids).logits
     assert torch.equal(model(ids).logits, expected)
+
+
+def test_a_suite_says_where_its_featcal_parameters_come_from_only_when_they_are_the_defaults(lm_run) -> None:
+    from featcal.release.lm_run_card import run_context
+
+    run = read_run(lm_run[0])
+    assert run_context(run)["featcal_source"] is None  # no suite
+    record = replace(run.record, suite="mergebench", backbone="llama-3.2-3b")
+    assert "CLIP ViT-B/32 reference run" in run_context(replace(run, record=record))["featcal_source"]
+    assert record.featcal is not None
+    for name, value in (("lambda_ratio", 0.1), ("teacher_interp_alpha", 0.5)):
+        params = replace(record.featcal.params, **{name: value})
+        other = replace(record, featcal=replace(record.featcal, params=params))
+        assert run_context(replace(run, record=other))["featcal_source"] is None, name
 
 
 def test_a_second_run_skips_every_step(lm_run, capsys, caplog) -> None:

@@ -94,4 +94,5 @@ def test_the_evaluation_is_sane_and_the_card_quotes_the_paper_as_such(rehearsal)
     assert "not measured here" in card and "cannot be compared with the losses above" in card
     assert "- coding: humanevalplus and mbppplus" in card and "- safety: wildguardtest" in card
     assert "`mergebench` suite (`llama-3.2-3b`)" in card
+    assert "λ, ρ, α and ε are featcal's defaults, those of the CLIP ViT-B/32 reference run" in card
     assert loaded.split()[-1] == "</s>"  # the pushed release loads with its tokenizer over HTTP

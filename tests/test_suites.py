@@ -18,6 +18,7 @@ from featcal.suites import (
     SUITE_NAMES,
     backbone,
     describe_suite,
+    featcal_settings_source,
     merged_reference,
     suite_backbones,
     suite_names,
@@ -318,6 +319,10 @@ def test_a_suite_s_backbone_is_its_own_and_chooses_the_run_folder(capsys):
     assert main(["tasks", "--suite", "mergebench", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     assert listing["family"] == "causal_lm" and listing["reference_average"]["task_arithmetic_featcal"] == 0.621
+    # FeatCal's defaults are CLIP's reference values, and a language suite says so; a CLIP suite has its own
+    assert "CLIP ViT-B/32 reference run" in listing["featcal_settings"]
+    assert featcal_settings_source("mergebench") == listing["featcal_settings"]
+    assert featcal_settings_source("ta14") is None
 
 
 def test_a_suite_s_merge_settings_are_the_defaults_under_the_spec_s(monkeypatch):

@@ -73,6 +73,8 @@ def format_text_suite(listing: Mapping[str, Any]) -> str:
         "",
         "Merge: " + "; ".join(f"{m} {params}" for m, params in listing["merge_defaults"].items()),
     ]
+    if listing.get("featcal_settings"):
+        out.append(f"FeatCal: {listing['featcal_settings']}.")
     for t in listing["tasks"]:
         if t["not_run"]:
             out.append(f"Not run by featcal ({t['name']}): {t['not_run']}.")

@@ -31,6 +31,22 @@ def _measure(measure: Any) -> dict[str, Any] | None:
     return None if measure is None else {**{s: measure.values.get(s) for s in STAGES}, "closed": measure.closed}
 
 
+SOLVE_PARAMS = ("lambda_ratio", "anchor_blend_rho", "teacher_interp_alpha", "covariance_eps")
+
+
+def _featcal_source(run: RunFolder, suite: str | None) -> str | None:
+    """What a language suite says of a run's FeatCal parameters when its solve's (λ, ρ, α, ε) are the defaults."""
+    from featcal.calibration.params import FeatCalParams
+    from featcal.suites import featcal_settings_source
+
+    if suite is None or run.record.featcal is None:
+        return None
+    params, defaults = run.record.featcal.params.to_dict(), FeatCalParams().to_dict()
+    if any(params[name] != defaults[name] for name in SOLVE_PARAMS):
+        return None
+    return featcal_settings_source(suite)
+
+
 def run_context(run: RunFolder) -> dict[str, Any]:
     """The run's part of the card's variables: its results, harness results, what was not run, the held-out
     rows and the suite's reference numbers.
@@ -43,7 +59,9 @@ def run_context(run: RunFolder) -> dict[str, Any]:
         of the expert − merged gap closed; ``held_out``), ``stages`` (the stages measured), ``harness`` (rows of
         task, metric and values by stage), ``harness_tasks``, ``not_run`` (a language suite's benchmarks featcal
         does not run), ``evaluation`` (the recorded settings), ``reference`` (the suite's published averages on
-        the run's backbone, with their source; None when there are none), ``run_id`` and ``released_stage``.
+        the run's backbone, with their source; None when there are none), ``featcal_source`` (where a language
+        suite's FeatCal parameters come from when they are featcal's defaults; else None), ``run_id`` and
+        ``released_stage``.
     """
     from featcal.suites import merged_reference, reference_source, suite_family, suite_lm_eval
 
@@ -76,6 +94,7 @@ def run_context(run: RunFolder) -> dict[str, Any]:
         "evaluation": details,
         "max_eval_samples": run.max_eval_samples,
         "reference": reference,
+        "featcal_source": _featcal_source(run, suite) if text_suite else None,
         "run_id": run.recipe_sha256,
         "released_stage": run.released.name,
         "suite": suite if text_suite else None,
