@@ -117,7 +117,11 @@ class MetricsReport:
         return value
 
     def loss(self, task: str) -> float:
-        """The mean loss of ``task``, or the average's for :data:`AVERAGE`."""
+        """The mean loss of ``task``, or the average's for :data:`AVERAGE`.
+
+        Raises:
+            KeyError: for a task the report does not hold, or :data:`AVERAGE` when it has no average.
+        """
         if task == AVERAGE:
             if self.average is None:
                 raise KeyError(AVERAGE)

@@ -93,6 +93,10 @@ def default_backbone(suite: str) -> str:
 def check_backbone(suite: str, backbone_name: str) -> None:
     """Refuse a backbone ``suite`` does not run on.
 
+    Args:
+        suite: A built-in suite.
+        backbone_name: The backbone asked for.
+
     Raises:
         UnknownNameError: naming the backbone and the suite's backbones.
     """
@@ -103,7 +107,15 @@ def check_backbone(suite: str, backbone_name: str) -> None:
 
 
 def default_output_dir(suite: str, backbone_name: str) -> str:
-    """The run folder of ``suite`` on ``backbone_name`` when none is given (``outputs/clip-vit-b32-ta8``)."""
+    """The run folder of ``suite`` on ``backbone_name`` when none is given (``outputs/clip-vit-b32-ta8``).
+
+    Args:
+        suite: A built-in suite.
+        backbone_name: One of its backbones.
+
+    Returns:
+        The folder, relative to the working directory (``outputs/llama-3.2-3b-mergebench``).
+    """
     pattern = suites_data()["suites"][suite].get("output_dir", OUTPUT_DIR_PATTERN)
     return pattern.format(backbone=backbone_name, suite=suite)
 

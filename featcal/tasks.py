@@ -88,7 +88,16 @@ class TextFormat:
 
 
 def format_columns(fmt: TextFormat, columns: Sequence[str]) -> list[str]:
-    """The columns a text format reads: a part that is a column name reads that column, a template its fields."""
+    """The columns a text format reads: a part that is a column name reads that column, a template its fields.
+
+    Args:
+        fmt: The text format.
+        columns: The dataset's columns (a part equal to one of them is that column); empty: every part is
+            read as a template.
+
+    Returns:
+        The column names, in the order the parts read them (repeats kept).
+    """
     names: list[str] = []
     for part in (fmt.text, fmt.prompt, fmt.response):
         if part is None:

@@ -32,6 +32,7 @@ class Measure:
 
     @property
     def closed(self) -> float | None:
+        """The share of the expert − merged gap closed (:func:`featcal.metrics.gap_closed`); None without the three."""
         expert, merged, calibrated = (self.values.get(k) for k in ("expert", "merged", "calibrated"))
         if expert is None or merged is None or calibrated is None:
             return None

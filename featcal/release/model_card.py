@@ -177,7 +177,17 @@ def model_context(
 ) -> dict[str, Any]:
     """The template's variables: everything from the folder's recipe, inputs named as published (a run's
     language-model card adds its results to them: :mod:`featcal.release.lm_run_card`). The repository is
-    ``repo_id``, else named ``name``, else by the folder (:func:`default_model_name`)."""
+    ``repo_id``, else named ``name``, else by the folder (:func:`default_model_name`).
+
+    Args:
+        folder: The model folder, read.
+        repo_id: The Hub repository the card names, when known.
+        license: The license in the metadata (None: ``other``, and the card says none was given).
+        name: The model's name when ``repo_id`` is None.
+
+    Returns:
+        The variables by name.
+    """
     recipe = folder.recipe
     family = get_family(recipe.family)
     model_name = repo_id or name or default_model_name(folder)

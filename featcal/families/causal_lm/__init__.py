@@ -140,6 +140,11 @@ class CausalLMFamily:
     def evaluator(
         self, base_folder: Path, device: torch.device, *, world: World, settings: Mapping[str, Any] | None = None
     ) -> HeldOutEvaluator:
+        """The held-out evaluator of the run (:class:`~featcal.families.causal_lm.evaluation.HeldOutEvaluator`).
+
+        Raises:
+            TypeError: without ``settings`` (:meth:`evaluation_settings`'s).
+        """
         from featcal.families.causal_lm.evaluation import HeldOutEvaluator
 
         if settings is None:

@@ -85,6 +85,15 @@ def held_out_rows(
 ) -> HeldOutRows:
     """A task's held-out rows (the first ``max_samples`` of them when set), this process's share as texts.
 
+    Args:
+        task: A text task.
+        settings: The run's evaluation settings (the shuffle's seed, the calibration rows to skip).
+        max_samples: Evaluate the first this many held-out rows (None: all).
+        world: Under torchrun, the processes that share the rows.
+
+    Returns:
+        The rows: this process's texts, the number over all processes, and where they lie.
+
     Raises:
         DatasetInputError: when the split has no row after the calibration's, or fewer than the processes.
     """
@@ -250,6 +259,15 @@ class HeldOutEvaluator:
     ) -> HeldOutTexts:
         """Every task's held-out rows (the first ``max_samples`` when set), this process's share.
 
+        Args:
+            tasks: The run's tasks.
+            batch_size: Texts per forward (None: :func:`default_text_batch_size`); also the harness's.
+            num_workers: Unused: the texts are read once, in this process.
+            max_samples: Rows per task (None: all held-out rows); also the harness's ``limit``.
+
+        Returns:
+            The rows of every task and the batch size.
+
         Raises:
             DatasetInputError: for a task with too few rows after its calibration rows.
         """
@@ -261,7 +279,21 @@ class HeldOutEvaluator:
 
     def evaluate(self, model: nn.Module, tasks: Sequence[Task], *, data: HeldOutTexts, progress: bool) -> MetricsReport:
         """Held-out loss (and exact match) of ``model`` on each task, their average, the model's size, and the
-        harness's results when it runs."""
+        harness's results when it runs.
+
+        Args:
+            model: A ``*ForCausalLM``; moved to the evaluation's device.
+            tasks: The tasks.
+            data: :meth:`test_data`'s rows.
+            progress: Show a progress bar.
+
+        Returns:
+            The report (the harness's results under ``lm_eval``, on rank 0).
+
+        Raises:
+            ModelInputError: when a task's loss is not finite.
+            FeatcalError: when the harness fails.
+        """
         model = model.to(self.device).eval()
         results = {}
         for task in Progress(tasks, desc="Evaluating tasks", unit="tasks", enabled=progress):
@@ -274,7 +306,21 @@ class HeldOutEvaluator:
 
     def evaluate_task(self, model: nn.Module, task: Task, *, data: HeldOutTexts, progress: bool) -> TaskMetrics:
         """Held-out loss (and exact match) of ``model`` (an expert) on its task, and the harness's results on
-        the harness tasks of the task's benchmark."""
+        the harness tasks of the task's benchmark.
+
+        Args:
+            model: The task's expert; moved to the evaluation's device.
+            task: Its task.
+            data: :meth:`test_data`'s rows.
+            progress: Unused (one task).
+
+        Returns:
+            The task's result.
+
+        Raises:
+            ModelInputError: when the loss is not finite.
+            FeatcalError: when the harness fails.
+        """
         model = model.to(self.device).eval()
         result = self._measure(model, task, data)
         names = self.settings.lm_eval_by_task.get(task.name, ())
