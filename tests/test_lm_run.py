@@ -26,7 +26,7 @@ from featcal.data import calibration_indices, held_out_indices
 from featcal.data_file import read_data_file
 from featcal.distributed import World
 from featcal.families.causal_lm.evaluation import held_out_rows
-from featcal.families.causal_lm.settings import LMEvaluationSettings
+from featcal.families.causal_lm.settings import LMEvaluationSettings, evaluation_settings
 from featcal.families.causal_lm.texts import load_text_split, render_text
 from featcal.release.model_check import check_model_release
 from featcal.runfolder.lock import RunLock
@@ -237,6 +237,35 @@ def test_lm_evaluation_harness_runs_on_a_tiny_model_with_a_local_task(mergebench
     harness = Harness(["tiny_copy"], str(harness_tasks), limit=4)
     results = harness.run(AutoModelForCausalLM.from_pretrained(base).eval(), tokenizer())
     assert set(results) == {"tiny_copy"} and 0.0 <= results["tiny_copy"]["acc,none"] <= 1.0
+
+
+def test_mergebench_asks_the_harness_for_merge_bench_s_tasks_each_expert_for_its_own() -> None:
+    from featcal.spec import RunSpec
+
+    settings = evaluation_settings(RunSpec(suite="mergebench", lm_eval_tasks=["mergebench", "ifeval", "tiny"]))
+    multilingual = [f"{kind}_{lang}" for lang in ("fr", "es", "de", "ru") for kind in ("m_mmlu", "arc", "hellaswag")]
+    assert settings.lm_eval_tasks == ("ifeval", "gsm8k_cot", *multilingual, "tiny")  # each once, in order
+    by_task = {"instruction": ("ifeval",), "math": ("gsm8k_cot",), "multilingual": tuple(multilingual)}
+    assert settings.lm_eval_by_task == by_task  # coding and safety have none: their benchmarks are not run
+    only = evaluation_settings(RunSpec(suite="mergebench", lm_eval_tasks=["gsm8k_cot"]))
+    assert only.lm_eval_by_task == {"math": ("gsm8k_cot",)}
+    assert evaluation_settings(RunSpec(suite="mergebench")).to_json().keys() == {"held_out", "max_new_tokens"}
+
+
+@pytest.mark.slow
+def test_the_installed_harness_knows_every_task_of_merge_bench_s_list() -> None:
+    """lm-evaluation-harness indexes its own task definitions (about 10 s; nothing is downloaded): MergeBench's
+    names are all among them, and a name that is not is refused in one message naming it alone."""
+    pytest.importorskip("lm_eval")
+    from featcal.errors import InvalidParameterError
+    from featcal.families.causal_lm.harness import Harness
+    from featcal.suites import suite_lm_eval
+
+    names = [name for names in suite_lm_eval("mergebench")[0].values() for name in names]
+    assert len(names) == 14
+    with pytest.raises(InvalidParameterError) as refused:
+        Harness([*names, "no_such_task"])
+    assert "'no_such_task'" in str(refused.value) and not any(name in str(refused.value) for name in names)
 
 
 def test_a_run_with_harness_tasks_records_them_for_each_stage(mergebench_world, data_file, harness_tasks, tmp_path):
