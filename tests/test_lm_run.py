@@ -227,7 +227,6 @@ def harness_tasks(tmp_path_factory) -> Path:
 
 
 def test_lm_evaluation_harness_runs_on_a_tiny_model_with_a_local_task(mergebench_world, harness_tasks) -> None:
-    pytest.importorskip("lm_eval")
     from transformers import AutoModelForCausalLM
 
     from featcal.families.causal_lm.harness import Harness
@@ -256,7 +255,6 @@ def test_mergebench_asks_the_harness_for_merge_bench_s_tasks_each_expert_for_its
 def test_the_installed_harness_knows_every_task_of_merge_bench_s_list() -> None:
     """lm-evaluation-harness indexes its own task definitions (about 10 s; nothing is downloaded): MergeBench's
     names are all among them, and a name that is not is refused in one message naming it alone."""
-    pytest.importorskip("lm_eval")
     from featcal.errors import InvalidParameterError
     from featcal.families.causal_lm.harness import Harness
     from featcal.suites import suite_lm_eval
@@ -269,7 +267,6 @@ def test_the_installed_harness_knows_every_task_of_merge_bench_s_list() -> None:
 
 
 def test_a_run_with_harness_tasks_records_them_for_each_stage(mergebench_world, data_file, harness_tasks, tmp_path):
-    pytest.importorskip("lm_eval")
     out = tmp_path / "run"
     extra = ("--eval-zero-shot", "--lm-eval-tasks", "tiny_copy", "--lm-eval-include", str(harness_tasks))
     assert main(["-q", *run_args(mergebench_world, data_file, out, *extra)]) == 0
