@@ -353,6 +353,27 @@ def test_a_permission_error_is_one_line_with_status_2(world, tmp_path, capsys, m
     assert err[0] == f"featcal: error: {expected}"
 
 
+def test_a_file_refused_under_a_relative_name_is_named_with_its_whole_path(world, tmp_path, capsys, monkeypatch):
+    """`--output-dir run` from tmp_path: the system refuses the run's first file, which the run opens by its
+    relative name, run/.featcal.lock (as the issue's `Cannot write or read metrics.json` named a file alone)."""
+    import errno
+    import os
+
+    real_open = os.open
+
+    def refuse_the_lock(path, flags, *args, **kwargs):  # EPERM as the system raises it: the name as opened
+        if os.path.basename(path) == ".featcal.lock":
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), os.fsdecode(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "open", refuse_the_lock)
+    argv = ["run", "--tasks-file", str(world["tasks_file"]), "--output-dir", "run", *CPU]
+    code, err = run_error(capsys, [*argv, "--num-calibration-examples", "8"])
+    assert code == 2 and len(err) == 1
+    assert f"Cannot write or read {tmp_path / 'run' / '.featcal.lock'}: Operation not permitted." in err[0]
+
+
 @pytest.mark.parametrize(
     ("option", "said"),
     [
