@@ -13,6 +13,8 @@ from featcal.cli.errors import hide_secrets
 from featcal.errors import FeatcalError, OutputPathError
 from featcal.files.atomic import replace_dir
 from featcal.outputs import check_output_file, check_output_folder
+from tests.support.read_only import make_read_only
+from tests.support.release_runs import make_run
 from tests.support.runs import CPU
 
 
@@ -208,6 +210,22 @@ def test_an_unwritable_output_is_one_line_naming_the_whole_path(world, tmp_path,
     assert code == 2 and len(err) == 1
     expected = "longer than the system allows" if failure == "too-long" else "The file system is read-only"
     assert expected in err[0] and str(tmp_path) in err[0]
+
+
+@pytest.mark.parametrize("where", ["the mount point", "a new folder on it"])
+def test_a_card_on_a_read_only_file_system_is_one_line_naming_the_path(tmp_path, capsys, monkeypatch, where):
+    run = make_run(tmp_path)[0]
+    before = tree(run)
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    out = mount if where == "the mount point" else mount / "card"
+    make_read_only(monkeypatch, mount)
+    capsys.readouterr()  # the run's building
+    code, err = run_error(capsys, ["card", str(run), "--output", str(out)])
+    assert code == 2 and len(err) == 1
+    assert "The file system is read-only" in err[0] and f"Cannot write or read {out}" in err[0]
+    assert not any(mount.iterdir())  # nothing half-written: no plot, no card, no temporary
+    assert tree(run) == before and not (run / ".featcal.lock").exists()
 
 
 def test_sweep_refuses_a_file_where_its_folder_goes(tmp_path, capsys):
