@@ -13,6 +13,8 @@ from featcal.cli.errors import hide_secrets
 from featcal.errors import FeatcalError, OutputPathError
 from featcal.files.atomic import replace_dir
 from featcal.outputs import check_output_file, check_output_folder
+from tests.support.read_only import make_read_only
+from tests.support.release_runs import make_run
 from tests.support.runs import CPU
 
 
@@ -210,6 +212,22 @@ def test_an_unwritable_output_is_one_line_naming_the_whole_path(world, tmp_path,
     assert expected in err[0] and str(tmp_path) in err[0]
 
 
+@pytest.mark.parametrize("where", ["the mount point", "a new folder on it"])
+def test_a_card_on_a_read_only_file_system_is_one_line_naming_the_path(tmp_path, capsys, monkeypatch, where):
+    run = make_run(tmp_path)[0]
+    before = tree(run)
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    out = mount if where == "the mount point" else mount / "card"
+    make_read_only(monkeypatch, mount)
+    capsys.readouterr()  # the run's building
+    code, err = run_error(capsys, ["card", str(run), "--output", str(out)])
+    assert code == 2 and len(err) == 1
+    assert "The file system is read-only" in err[0] and f"Cannot write or read {out}" in err[0]
+    assert not any(mount.iterdir())  # nothing half-written: no plot, no card, no temporary
+    assert tree(run) == before and not (run / ".featcal.lock").exists()
+
+
 def test_sweep_refuses_a_file_where_its_folder_goes(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "sweep").write_text("mine")
@@ -351,6 +369,27 @@ def test_a_permission_error_is_one_line_with_status_2(world, tmp_path, capsys, m
     assert code == 2 and len(err) == 1
     expected = f"Cannot write or read {tmp_path / 'm'}: Permission denied. Check the path and its permissions."
     assert err[0] == f"featcal: error: {expected}"
+
+
+def test_a_file_refused_under_a_relative_name_is_named_with_its_whole_path(world, tmp_path, capsys, monkeypatch):
+    """`--output-dir run` from tmp_path: the system refuses the run's first file, which the run opens by its
+    relative name, run/.featcal.lock (as the issue's `Cannot write or read metrics.json` named a file alone)."""
+    import errno
+    import os
+
+    real_open = os.open
+
+    def refuse_the_lock(path, flags, *args, **kwargs):  # EPERM as the system raises it: the name as opened
+        if os.path.basename(path) == ".featcal.lock":
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), os.fsdecode(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "open", refuse_the_lock)
+    argv = ["run", "--tasks-file", str(world["tasks_file"]), "--output-dir", "run", *CPU]
+    code, err = run_error(capsys, [*argv, "--num-calibration-examples", "8"])
+    assert code == 2 and len(err) == 1
+    assert f"Cannot write or read {tmp_path / 'run' / '.featcal.lock'}: Operation not permitted." in err[0]
 
 
 @pytest.mark.parametrize(

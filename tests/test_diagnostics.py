@@ -23,6 +23,7 @@ from featcal.runfolder.layout import DIAGNOSTICS, DIAGNOSTICS_PLOT, RUN_CONFIG
 from featcal.runfolder.reader import read_run
 from featcal.tasks import load_task_file
 from tests.support.builders import FIXTURE
+from tests.support.release_runs import make_run
 from tests.support.runs import CPU, fast_run
 
 TASKS = ("t0", "t1", "t2")
@@ -238,6 +239,18 @@ def test_a_folder_without_models_is_refused_and_left_untouched(run_dir, tmp_path
     err = error_of(capsys, ["-q", "diagnose", str(run), *CPU])
     assert "has neither ta/ nor featcal-ta/" in err
     assert sorted(p.name for p in run.iterdir()) == [RUN_CONFIG]
+
+
+def test_a_run_without_its_merged_stage_is_refused_naming_it_and_left_untouched(tmp_path, capsys):
+    """With ta/ removed, the drift before FeatCal cannot be measured: refused, not the calibrated model alone."""
+    run = make_run(tmp_path)[0]  # ta/ and featcal-ta/ of the tiny fixture, its tasks and base
+    shutil.rmtree(run / "ta")
+    capsys.readouterr()  # the building's own output
+    before = {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    err = error_of(capsys, ["-q", "diagnose", str(run), "--num-images", "4", *CPU])
+    assert f"Run folder {run} holds no merged model (ta/ with config.json)" in err
+    assert not (run / DIAGNOSTICS).exists() and not (run / DIAGNOSTICS_PLOT).exists()
+    assert {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
 
 
 def test_bad_inputs_exit_2(tmp_path, capsys):

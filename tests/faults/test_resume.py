@@ -126,6 +126,29 @@ def test_damaged_weights_of_a_finished_stage_are_redone(world, tmp_path, device)
     assert comparable(snapshot(out)) == comparable(first)
 
 
+def test_a_stage_report_of_other_weights_is_redone_and_the_release_shows_the_stage_s_own(world, tmp_path, device):
+    """featcal-ta/metrics.json replaced by another model's report (an expert's, by `featcal evaluate`): the
+    resume measures the stage's weights again instead of keeping it, and the release publishes their results."""
+    out = tmp_path / "run"
+    argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--device", device]
+    assert main([*argv, "--no-export"]) == 0
+    first = snapshot(out)
+    stage_report = out / "featcal-ta" / "metrics.json"
+    own = json.loads(stage_report.read_text())
+    foreign = tmp_path / "foreign.json"
+    expert = world["root"] / "experts" / world["tasks"][0]
+    evaluate = ["-q", "evaluate", "--model", str(expert), "--tasks-file", str(world["tasks_file"]), "--device", device]
+    assert main([*evaluate, "--max-eval-samples", "3", "--eval-num-workers", "0", "--output", str(foreign)]) == 0
+    results = {t: json.loads(foreign.read_text())[t] for t in world["tasks"]}
+    assert results != {t: own[t] for t in world["tasks"]}  # another model's results, told apart by their losses
+    stage_report.write_bytes(foreign.read_bytes())
+    assert main([*argv, "--no-export"]) == 0  # the evaluation is redone: every file as before the copy
+    assert comparable(snapshot(out)) == comparable(first)
+    assert main(["-q", "export", str(out)]) == 0
+    released = json.loads((out / "release" / "metrics.json").read_text())
+    assert {t: released[t] for t in world["tasks"]} == {t: own[t] for t in world["tasks"]}
+
+
 def test_force_redoes_everything(world, tmp_path, caplog, device) -> None:
     out = tmp_path / "run"
     argv = ["run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(out), *FAST, "--no-export"]
