@@ -191,14 +191,14 @@ def test_a_float16_base_is_loaded_in_float32(world, tmp_path, device) -> None:
 
 
 def test_test_images_start_their_workers_once_per_run(monkeypatch) -> None:
-    import featcal.data
+    import featcal.families.clip_vision.images as images_module
 
     processor = load_image_processor(FIXTURE / "base")
     tasks = list(load_task_file(FIXTURE / "tasks.json").tasks.values())
-    small = featcal.data.TestImages(tasks, processor, batch_size=4, num_workers=2)
+    small = images_module.TestImages(tasks, processor, batch_size=4, num_workers=2)
     assert small.loader.num_workers == 0  # 30 images: workers would cost more than they save
-    monkeypatch.setattr(featcal.data, "MIN_IMAGES_FOR_WORKERS", 0)
-    images = featcal.data.TestImages(tasks, processor, batch_size=4, num_workers=1)
+    monkeypatch.setattr(images_module, "MIN_IMAGES_FOR_WORKERS", 0)
+    images = images_module.TestImages(tasks, processor, batch_size=4, num_workers=1)
     seen, workers = {}, []
     for task in [*tasks, tasks[0]]:
         batches = list(images.batches(task))

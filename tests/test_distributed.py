@@ -25,8 +25,9 @@ from featcal.release.card import render_card
 from featcal.runfolder.layout import RUN_CONFIG
 from featcal.runfolder.ledger import StageLedger
 from featcal.runfolder.reader import read_run
-from featcal.runfolder.record import PROCESSES, recipe_sha256, write_run_config
+from featcal.runfolder.record import PROCESSES, RunRecord, recipe_sha256, write_run_config
 from tests.support.builders import FIXTURE
+from tests.support.release_runs import tiny_config
 from tests.support.runs import fast_run
 
 REPO = Path(__file__).parents[1]
@@ -143,7 +144,7 @@ def test_each_test_batch_is_evaluated_by_exactly_one_rank(size: int) -> None:
 
 
 def test_the_processes_record_is_outside_the_recipe_hash(tmp_path: Path) -> None:
-    record = {"base_model_id": "b", "tasks": [], "tasks_table": {}, "merge": {"method": "task_arithmetic"}}
+    record = RunRecord.from_json(tiny_config())
     run_id = write_run_config(tmp_path, record, processes={"world_size": 2, "backend": "gloo"})
     config = json.loads((tmp_path / RUN_CONFIG).read_text())
     assert config[PROCESSES] == {"world_size": 2, "backend": "gloo"}
@@ -212,7 +213,7 @@ def test_two_processes_give_one_process_results(one_process, tmp_path: Path) -> 
     assert config == reference and read_run(out).recipe_sha256 == reference["run_id"]
     assert "Computed by 2 processes under torchrun (gloo)." in str(render_card(read_run(out), plot=None))
     # rank 0 alone logs and prints: one log line per evaluation of t0, one results table
-    assert done.stderr.count("INFO featcal.evaluation: t0: accuracy") == 3, done.stderr[-3000:]
+    assert done.stderr.count("INFO featcal.families.clip_vision.evaluation: t0: accuracy") == 3, done.stderr[-3000:]
     assert done.stdout.count("Run folder: ") == 1 and done.stdout.count("featcal-ta") == 1
     # one process resumes the folder: the number of processes is no part of a stage's identity
     models = {path: path.stat().st_mtime_ns for path in out.rglob("model.safetensors")}
@@ -307,7 +308,7 @@ def test_tasks_need_a_calibration_image_per_process() -> None:
     tasks = list(load_task_file(FIXTURE / "tasks.json").tasks.values())
     check_calibration_shares(tasks, {}, 8, World(rank=0, size=8))
     with pytest.raises(DatasetInputError, match="'t1': its 2 calibration image.* over 3 processes"):
-        check_calibration_shares(tasks, {"t1": 2}, 8, World(rank=0, size=3))
+        check_calibration_shares(tasks, {"t1": 2}, 8, World(rank=0, size=3), "image")
 
 
 def test_other_commands_refuse_torchrun(monkeypatch, capsys) -> None:
