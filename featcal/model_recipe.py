@@ -51,6 +51,9 @@ class ModelRecipe:
         mergekit_config: For a calibration of a merge that only mergekit recorded (a folder with a
             ``mergekit_config.yml`` and no ``featcal_recipe.json``), that file's text as read, so the
             calibrated folder still says how its merge was made; None otherwise.
+        output_dtype: The ``--output-dtype`` the weights were written in when it was not ``base``
+            (``float32``); None, and absent from the file, for the base's dtype, so such a recipe reads
+            (and hashes) as before the option existed.
     """
 
     kind: str
@@ -64,6 +67,7 @@ class ModelRecipe:
     extra: Mapping[str, Any] = field(default_factory=dict)
     calibration_data: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     mergekit_config: str | None = None
+    output_dtype: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -82,6 +86,8 @@ class ModelRecipe:
             data["calibration_data"] = {name: dict(entry) for name, entry in self.calibration_data.items()}
         if self.mergekit_config is not None:
             data["mergekit_config"] = self.mergekit_config
+        if self.output_dtype is not None:
+            data["output_dtype"] = self.output_dtype
         return data
 
     @classmethod
@@ -107,6 +113,7 @@ class ModelRecipe:
                 featcal_version=str(data.get("featcal_version", "")),
                 calibration_data={str(k): dict(v) for k, v in (data.get("calibration_data") or {}).items()},
                 mergekit_config=None if data.get("mergekit_config") is None else str(data["mergekit_config"]),
+                output_dtype=None if data.get("output_dtype") is None else str(data["output_dtype"]),
             )
         except (KeyError, AttributeError, TypeError, ValueError) as exc:
             raise ModelInputError(str(where), f"{where} is a damaged featcal model recipe ({exc}).") from None

@@ -60,7 +60,15 @@ from featcal.runfolder.record import EvaluationRecord, FeatCalRecord, MergeRecor
 from featcal.runfolder.reports import restamp_report, write_stage_report
 from featcal.runfolder.timings import evaluation_step, write_timings
 from featcal.spec import RunSpec
-from featcal.stages import calibrate, check_calibration_shares, merge, merge_calibration, merge_data, save_merge
+from featcal.stages import (
+    calibrate,
+    check_calibration_shares,
+    merge,
+    merge_calibration,
+    merge_data,
+    recorded_dtype,
+    save_merge,
+)
 from featcal.steps import Step, StepExecutor
 from featcal.suites import DEFAULT_BACKBONE, DEFAULT_SUITE
 from featcal.threads import choose_threads, torch_threads
@@ -95,6 +103,7 @@ def run_record(spec: RunSpec, inputs: RunInputs, data: DatasetFacts | None = Non
         precision=spec.precision,
         family=inputs.family.name,
         hub_commits={kind: refs for kind, refs in commits.items() if refs},
+        output_dtype=recorded_dtype(spec.output_dtype),
         **suite_record(spec),
     )
 
@@ -142,6 +151,8 @@ def stage_identities(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> di
     settings = inputs.family.evaluation_settings(spec)  # none for CLIP: its identities stay as they were
     evaluation = digest("evaluation", __version__, base, table, tests, spec.max_eval_samples, *filter(None, [settings]))
     ids = {evaluate_step(ZERO_SHOT_DIR): digest(evaluation), evaluate_step(EXPERTS_DIR): digest(evaluation, experts)}
+    # A stored dtype other than the base's changes the written weights: part of the identities when set.
+    stored = [] if recorded_dtype(spec.output_dtype) is None else ["output_dtype", spec.output_dtype]
     if not spec.skip_ta:
         # A data-using merge depends on the draw too: the train splits, how many of their examples, the seed
         # that picks them and the batch (which moves its sums by float rounding), as FeatCal's step does.
@@ -150,7 +161,9 @@ def stage_identities(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> di
              data.calibration_counts]
             if merges_from_data(spec) else []
         )  # fmt: skip
-        merge_id = digest(MERGE_STEP, __version__, spec.merge_method, inputs.merge_params, base, experts, *drawn)
+        merge_id = digest(
+            MERGE_STEP, __version__, spec.merge_method, inputs.merge_params, base, experts, *drawn, *stored
+        )
         calibrate_from = ids[MERGE_STEP] = merge_id
         ids[evaluate_step(merged)] = digest(evaluation, merge_id)
     else:
@@ -161,7 +174,7 @@ def stage_identities(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> di
     forwards = ["forwards", spec.precision] if spec.precision == "bf16" else []
     calibrate_id = digest(
         CALIBRATE_STEP, __version__, calibrate_from, spec.featcal.to_dict(), spec.seed, base, experts, trains,
-        data.calibration_counts, *forwards,
+        data.calibration_counts, *forwards, *stored,
     )  # fmt: skip
     ids[CALIBRATE_STEP] = calibrate_id
     ids[evaluate_step(calibrated)] = digest(evaluation, calibrate_id)
@@ -457,9 +470,14 @@ class _Run:
             calibration = merge_calibration(
                 spec.featcal, spec.seed, self.data.calibration_counts, self.data.fingerprints, self.inputs.tasks
             )
-        state = merge(self.inputs, spec.merge_method, self.device, world=self.world, data=data)
+        state = merge(
+            self.inputs, spec.merge_method, self.device, world=self.world, data=data, output_dtype=spec.output_dtype
+        )
         if self.writes:
-            save_merge(self.inputs, spec.merge_method, state, self.out / self.merged_name, calibration)
+            save_merge(
+                self.inputs, spec.merge_method, state, self.out / self.merged_name, calibration,
+                output_dtype=spec.output_dtype,
+            )  # fmt: skip
         self.merged.value = self.family.build_model(self.inputs.config, state)  # its values checked by merge()
 
     def _calibrate(self) -> None:
@@ -474,7 +492,7 @@ class _Run:
             self.inputs, self.merged_folder, self.out / self.calibrated_name if self.writes else None,
             self.spec.featcal, seed=self.spec.seed, device=self.device, preprocessor=self.preprocessor,
             progress=self.spec.progress, world=self.world, precision=self.spec.precision,
-            counts=self.record.calibration_examples_used,
+            counts=self.record.calibration_examples_used, output_dtype=self.spec.output_dtype,
         )  # fmt: skip
         self.world.barrier("writing the calibrated model")
 

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     import torch
 
 PRECISIONS = ("float32", "tf32", "bf16")  # --precision; torch is imported only where one is applied
+# --output-dtype: the dtype a written model's weights are stored in, whatever the arithmetic's (float32).
+# ``base`` is each family's own choice (a language model's base dtype, float32 for CLIP); a family lists
+# the values it can write (``ModelFamily.output_dtypes``).
+BASE_DTYPE = "base"
+OUTPUT_DTYPES = (BASE_DTYPE, "float32")
 
 T = TypeVar("T")
 

@@ -143,6 +143,19 @@ def resolve_models(
     return base_folder, base, experts
 
 
+def check_output_dtype(family: ModelFamily, output_dtype: str) -> None:
+    """Refuse an ``--output-dtype`` the family does not write its models in (CLIP's are float32 always).
+
+    Raises:
+        InvalidParameterError: naming the option, the family and what it writes.
+    """
+    if output_dtype not in family.output_dtypes:
+        raise InvalidParameterError(
+            "output_dtype", output_dtype, f"{' or '.join(family.output_dtypes)} for a {family.title}, which featcal "
+            "always writes in float32 (the option is for language models)",
+        )  # fmt: skip
+
+
 def merge_description(folder: str | Path) -> tuple[str | None, list[str] | None]:
     """The base and the experts a merged model's folder records: featcal's own recipe, else mergekit's
     ``mergekit_config.yml``; ``(None, None)`` when it records neither.
@@ -205,6 +218,7 @@ def resolve_inputs(spec: RunSpec, *, need_experts: bool = True, merged: str | Pa
         names = spec.tasks or (list(task_table(spec.tasks_file, replace=True).tasks) if spec.tasks_file else None)
     tasks = table.select(names)
     family = tasks_family(tasks)
+    check_output_dtype(family, spec.output_dtype)
     described_base, described_experts = merge_description(merged) if merged is not None else (None, None)
     if spec.data is not None and described_experts is not None and need_experts:
         check_data_covers_merge([t.expert or "" for t in tasks], described_experts, spec.data, str(merged))

@@ -21,7 +21,7 @@ from featcal.calibration.params import GROUP as FEATCAL
 from featcal.calibration.params import FeatCalParams
 from featcal.errors import FeatcalError, InputError, InvalidParameterError, UnknownNameError
 from featcal.options import convert_field, flag_name, option, option_fields, validate
-from featcal.precision import PRECISIONS
+from featcal.precision import BASE_DTYPE, OUTPUT_DTYPES, PRECISIONS
 from featcal.suites import (
     BACKBONE_NAMES,
     DEFAULT_SUITE,
@@ -38,6 +38,7 @@ def default_eval_workers() -> int:
     return min(8, os.cpu_count() or 1)
 
 
+OUTPUT = "output"
 TASKS = "tasks and models"
 MERGING = "merging"
 EVALUATION = "evaluation"
@@ -61,11 +62,16 @@ class RunSpec:
     output_dir: str | None = option(
         None, help=f"run folder (default {OUTPUT_DIR_PATTERN.format(backbone='BACKBONE', suite='SUITE')}; "
         "outputs/BACKBONE-mergebench for mergebench)",
-        group="output", metavar="DIR",
+        group=OUTPUT, metavar="DIR",
     )  # fmt: skip
     force: bool = option(
-        False, help="redo every stage, and replace a run of other tasks or base model in output-dir", group="output"
+        False, help="redo every stage, and replace a run of other tasks or base model in output-dir", group=OUTPUT
     )
+    output_dtype: str = option(
+        BASE_DTYPE, help="dtype the written weights are stored in: base (a language model's base dtype, e.g. "
+        "bfloat16) or float32 (language models; CLIP vision models are always written in float32); the "
+        "arithmetic is float32 either way", group=OUTPUT, metavar="DTYPE", choices=OUTPUT_DTYPES,
+    )  # fmt: skip
     suite: str = option(
         DEFAULT_SUITE, help=f"built-in task suite, {' | '.join(SUITE_NAMES)}: FusionBench's 8, 14 or 20 CLIP tasks, "
         "or MergeBench's five language-model tasks (see `featcal tasks`)", group=TASKS, metavar="SUITE",

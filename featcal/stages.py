@@ -30,17 +30,28 @@ from featcal.model_recipe import (
     read_model_recipe,
     write_model_recipe,
 )
-from featcal.precision import forward_dtype
+from featcal.precision import BASE_DTYPE, forward_dtype
 from featcal.resolve import RunInputs
 from featcal.runfolder.record import FeatCalRecord, MergeRecord
 from featcal.tasks import Task
 
 
-def merge_recipe(inputs: RunInputs, method: str, calibration: Mapping[str, Any] | None = None) -> ModelRecipe:
-    """What a merge of ``inputs`` by ``method`` records beside its weights (``calibration``: the data a
-    data-using method merged from, :func:`merge_calibration`)."""
+def recorded_dtype(output_dtype: str) -> str | None:
+    """What a recipe records of ``--output-dtype``: None (nothing) for ``base``, so that a folder written
+    without the option records what it did before the option existed."""
+    return None if output_dtype == BASE_DTYPE else output_dtype
+
+
+def merge_recipe(
+    inputs: RunInputs, method: str, calibration: Mapping[str, Any] | None = None, output_dtype: str = BASE_DTYPE
+) -> ModelRecipe:
+    """What a merge of ``inputs`` by ``method``, written in ``output_dtype``, records beside its weights
+    (``calibration``: the data a data-using method merged from, :func:`merge_calibration`)."""
     record = MergeRecord(method, inputs.merge_params, calibration=calibration)
-    return ModelRecipe(MERGE, inputs.family.name, inputs.base_ref, inputs.expert_refs, record)
+    return ModelRecipe(
+        MERGE, inputs.family.name, inputs.base_ref, inputs.expert_refs, record,
+        output_dtype=recorded_dtype(output_dtype),
+    )  # fmt: skip
 
 
 def merge_calibration(
@@ -104,11 +115,17 @@ def merge_data(
 
 
 def calibration_recipe(
-    inputs: RunInputs, merged_folder: str | Path, params: FeatCalParams, seed: int, counts: Mapping[str, int]
+    inputs: RunInputs,
+    merged_folder: str | Path,
+    params: FeatCalParams,
+    seed: int,
+    counts: Mapping[str, int],
+    output_dtype: str = BASE_DTYPE,
 ) -> ModelRecipe:
     """What the calibration of the merge in ``merged_folder`` records beside its weights: the merge's own
     recipe when that folder records one (its method unknown, ``""``, when not, and then the text of its
-    ``mergekit_config.yml`` when mergekit made it), and each text task's calibration data."""
+    ``mergekit_config.yml`` when mergekit made it), each text task's calibration data, and
+    ``output_dtype`` unless it is ``base``."""
     merged = read_model_recipe(merged_folder)
     merge_record = MergeRecord("", {}, str(Path(merged_folder).resolve())) if merged is None else merged.merge
     mergekit = Path(merged_folder) / MERGEKIT_FILE
@@ -123,6 +140,7 @@ def calibration_recipe(
         CALIBRATION, inputs.family.name, inputs.base_ref, inputs.expert_refs, merge_record,
         FeatCalRecord(params, dict(counts)), seed, calibration_data=data,
         mergekit_config=mergekit.read_text(encoding="utf-8") if merged is None and mergekit.is_file() else None,
+        output_dtype=recorded_dtype(output_dtype),
     )  # fmt: skip
 
 
@@ -133,15 +151,30 @@ def merge(
     *,
     world: World = SINGLE,
     data: MergeData | None = None,
+    output_dtype: str = BASE_DTYPE,
 ) -> dict[str, torch.Tensor]:
     """The merged model's state dict (on the CPU), computed on ``device`` (shared by ``world``'s processes);
     ``data``: the calibration data of a method that uses it (:func:`merge_data`).
+
+    Args:
+        inputs: The run's family, tasks, base and experts.
+        method: The merging method's name.
+        device: Where the merge computes.
+        world: The processes that share the merge.
+        output_dtype: ``base``: the merged tensors in the base's dtypes; ``float32``: in float32, the
+            arithmetic's values unrounded (for a folder written in float32).
+
+    Returns:
+        The merged tensors by state-dict key.
 
     Raises:
         FeatcalError: when the merge gives a non-finite tensor from finite inputs.
     """
     experts = [inputs.experts[t.name] for t in inputs.tasks]
-    merged = get_method(method)(inputs.base, experts, device=device, world=world, data=data, **inputs.merge_params)
+    dtype = None if output_dtype == BASE_DTYPE else getattr(torch, output_dtype)
+    merged = get_method(method)(
+        inputs.base, experts, device=device, world=world, data=data, dtype=dtype, **inputs.merge_params
+    )
     check_finite_state(merged, f"The {method} merge")
     return merged
 
@@ -152,11 +185,14 @@ def save_merge(
     state: Mapping[str, torch.Tensor],
     folder: str | Path,
     calibration: Mapping[str, Any] | None = None,
+    *,
+    output_dtype: str = BASE_DTYPE,
 ) -> Path:
-    """Write a merge's folder: the model (atomically), then its recipe beside the weights (``calibration``:
-    the data a data-using method merged from, :func:`merge_calibration`)."""
-    folder = inputs.family.save_model(state, inputs.config, Path(folder))
-    write_model_recipe(folder, merge_recipe(inputs, method, calibration))
+    """Write a merge's folder: the model (atomically, its weights stored in ``output_dtype``, one of the
+    family's ``output_dtypes``), then its recipe beside the weights (``calibration``: the data a
+    data-using method merged from, :func:`merge_calibration`)."""
+    folder = inputs.family.save_model(state, inputs.config, Path(folder), output_dtype=output_dtype)
+    write_model_recipe(folder, merge_recipe(inputs, method, calibration, output_dtype))
     return folder
 
 
@@ -173,6 +209,7 @@ def calibrate(
     world: World = SINGLE,
     precision: str = "float32",
     counts: Mapping[str, int] | None = None,
+    output_dtype: str = BASE_DTYPE,
 ) -> None:
     """FeatCal of the merged model in ``merged_folder`` (checked by the caller), written to ``output``
     one layer at a time: the model is never whole in memory, and the folder appears only when the
@@ -191,6 +228,7 @@ def calibrate(
         world: Under torchrun, each process reads its part of every task's calibration examples.
         precision: ``bf16`` runs the layer forwards under bfloat16 autocast.
         counts: The calibration examples of each task that had fewer than asked for (for the recipe).
+        output_dtype: The dtype the weights are stored in (one of the family's ``output_dtypes``).
     """
     by_name = {t.name: t for t in inputs.tasks}
     family = inputs.family
@@ -209,9 +247,11 @@ def calibrate(
         progress=progress,
         world=world,
         forward_dtype=forward_dtype(precision),
+        output_dtype=output_dtype,
     )
     if output is not None:
-        write_model_recipe(Path(output), calibration_recipe(inputs, merged_folder, params, seed, counts or {}))
+        recipe = calibration_recipe(inputs, merged_folder, params, seed, counts or {}, output_dtype)
+        write_model_recipe(Path(output), recipe)
 
 
 def check_calibration_shares(

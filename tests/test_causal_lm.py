@@ -300,6 +300,53 @@ def test_a_tied_bfloat16_merge_is_calibrated_and_written_tied_in_bfloat16(tmp_pa
     assert not torch.equal(merged[key], calibrated[key])
 
 
+def _bf16_zoo(root: Path) -> Path:
+    """A bfloat16 tiny Llama base and two bfloat16 experts (as the MergeBench pool is stored), with their
+    texts and data file; returns the data file."""
+    base = save_model(root / "base", seed=0)
+    base.to(torch.bfloat16).save_pretrained(root / "base")
+    tokenizer().save_pretrained(root / "base")
+    data = {"experts": {}}
+    for i, name in enumerate(EXPERTS):
+        expert = save_model(root / name, seed=10 + i, base=base.float())
+        expert.to(torch.bfloat16).save_pretrained(root / name)
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in _rows(20 + i)))
+        data["experts"][str(root / name)] = {"dataset": f"{name}.jsonl", "text": "{query} {response}"}
+    (root / "data.yaml").write_text(json.dumps(data))
+    return root / "data.yaml"
+
+
+def test_output_dtype_float32_writes_float32_weights_that_the_base_dtype_rounds(tmp_path) -> None:
+    """A bf16 pool is merged and calibrated into bf16 by default; ``--output-dtype float32`` keeps the
+    float32 arithmetic's values: the same tensors before the storage cast (float32 rounded to bf16 is the
+    default's output, bit for bit), ``config.json`` saying float32, recorded in the recipe only when set."""
+    from transformers import AutoModelForCausalLM
+
+    data = _bf16_zoo(tmp_path)
+    common = ["--data", str(data), "--device", "cpu"]
+    merge = ["-q", "merge", *common, "--base-model-id", str(tmp_path / "base")]
+    assert main([*merge, "--output", str(tmp_path / "m16")]) == 0
+    assert main([*merge, "--output-dtype", "float32", "--output", str(tmp_path / "m32")]) == 0
+    calibrate = ["-q", "calibrate", "--merged", str(tmp_path / "m16"), *common, *CALIBRATE[:4]]
+    assert main([*calibrate, "--output", str(tmp_path / "c16")]) == 0
+    assert main([*calibrate, "--output-dtype", "float32", "--output", str(tmp_path / "c32")]) == 0
+    for low, high in (("m16", "m32"), ("c16", "c32")):
+        narrow, wide = (load_file(str(tmp_path / f / "model.safetensors")) for f in (low, high))
+        assert {t.dtype for t in narrow.values()} == {torch.bfloat16}
+        assert {t.dtype for t in wide.values()} == {torch.float32}
+        assert narrow.keys() == wide.keys() and all(torch.equal(wide[k].bfloat16(), narrow[k]) for k in narrow)
+        assert any(not torch.equal(wide[k], narrow[k].float()) for k in narrow)  # more than bf16's bits kept
+        configs = [json.loads((tmp_path / f / "config.json").read_text()) for f in (low, high)]
+        assert [c["dtype"] for c in configs] == ["bfloat16", "float32"]
+        recipes = [json.loads((tmp_path / f / "featcal_recipe.json").read_text()) for f in (low, high)]
+        assert "output_dtype" not in recipes[0] and recipes[1]["output_dtype"] == "float32"
+        assert {k: v for k, v in recipes[1].items() if k != "output_dtype"} == recipes[0]
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / high)
+        assert model.dtype == torch.float32
+        state = model.state_dict()
+        assert all(torch.equal(state[k], wide[k]) for k in wide)
+
+
 @pytest.mark.parametrize("method", ["simple_average", "ties", "tsv", "iso_c", "wudi", "regmean", "regmean_plusplus"])
 def test_every_merging_method_merges_language_models(zoo, tmp_path, method) -> None:
     """Task Arithmetic is checked against its formula above; the other methods write a folder that loads,

@@ -20,10 +20,11 @@ RECORDED = json.loads((Path(__file__).parent / "golden" / "cli_options.json").re
 CHANGES = {
     # the demo's zoo cache under its own name; --cache-dir, which means the Hub cache elsewhere, is kept hidden
     "demo": ({"--zoo-cache-dir"}, {"--cache-dir"}),
-    # a language-model merge's calibration texts per expert (docs/causal-lm.md), among the task options
-    **{command: ({"--data"}, set()) for command in ("merge", "calibrate")},
+    # a language-model merge's calibration texts per expert (docs/causal-lm.md), among the task options, and
+    # the dtype its weights are written in (the base's, or float32: docs/causal-lm.md)
+    **{command: ({"--data", "--output-dtype"}, set()) for command in ("merge", "calibrate")},
     # a language model's evaluation: generation length of exact match, lm-evaluation-harness tasks (docs/causal-lm.md)
-    "run": ({"--data", "--eval-max-new-tokens", "--lm-eval-tasks", "--lm-eval-include"}, set()),
+    "run": ({"--data", "--output-dtype", "--eval-max-new-tokens", "--lm-eval-tasks", "--lm-eval-include"}, set()),
     # the Space's model listed under one spelling; --model-id is kept as a hidden alias
     "space": (set(), {"--model-id"}),
 }

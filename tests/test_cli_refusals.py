@@ -312,6 +312,24 @@ def test_a_task_named_twice_is_refused(world, tmp_path, capsys):
     assert not (tmp_path / "m").exists()
 
 
+def test_a_float32_output_dtype_is_refused_for_clip_before_any_work(world, tmp_path, capsys):
+    """CLIP vision towers are written in float32 always: asking for it is a language-model option misused,
+    refused in one line by merge, calibrate and run, with nothing written; ``base`` is accepted."""
+    common = ["--tasks-file", str(world["tasks_file"]), *CPU]
+    assert main(["-q", "merge", "--output", str(tmp_path / "m"), *common, "--output-dtype", "base"]) == 0
+    recipe = json.loads((tmp_path / "m" / "featcal_recipe.json").read_text())
+    assert "output_dtype" not in recipe  # the default is not recorded: the recipe is as before the option
+    for argv in (
+        ["merge", "--output", str(tmp_path / "m2")],
+        ["calibrate", "--merged", str(tmp_path / "m"), "--output", str(tmp_path / "c")],
+        ["run", "--output-dir", str(tmp_path / "r")],
+    ):
+        code, err = run_error(capsys, [*argv, *common, "--output-dtype", "float32"])
+        assert code == 2 and len(err) == 1, (argv, err)
+        assert "--output-dtype 'float32' is invalid" in err[0] and "CLIP vision tower" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
 def test_ta_model_path_without_skip_ta_is_refused(world, tmp_path, capsys):
     argv = ["run", "--tasks-file", str(world["tasks_file"]), "--ta-model-path", str(tmp_path), *CPU]
     code, err = run_error(capsys, [*argv, "--output-dir", str(tmp_path / "o")])

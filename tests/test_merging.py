@@ -227,6 +227,23 @@ def test_half_precision_is_kept() -> None:
         assert merged["proj.weight"].dtype == torch.float16, method
 
 
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_a_bfloat16_base_merged_into_float32_keeps_the_arithmetic_s_values(method: str) -> None:
+    """``dtype=float32`` returns the float32 arithmetic's result unrounded: the default (bf16) merge is its
+    rounding, bit for bit, and it holds more than bf16's bits; integer buffers stay integers."""
+    base, experts = random_models()
+    base = {k: v.bfloat16() if v.is_floating_point() else v for k, v in base.items()}
+    experts = [{k: v.bfloat16() if v.is_floating_point() else v for k, v in e.items()} for e in experts]
+    params = {"iterations": 3} if method == "wudi" else {}
+    narrow = get_method(method)(base, experts, **params)
+    wide = get_method(method)(base, experts, dtype=torch.float32, **params)
+    assert {k: v.dtype for k, v in wide.items()} == {
+        k: torch.float32 if v.is_floating_point() else v.dtype for k, v in base.items()
+    }
+    assert all(torch.equal(wide[k].to(narrow[k].dtype), narrow[k]) for k in base)
+    assert not torch.equal(wide["proj.weight"], narrow["proj.weight"].float())
+
+
 # --- The kernel API ---------------------------------------------------------------------------------
 
 

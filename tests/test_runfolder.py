@@ -132,6 +132,14 @@ def test_hub_commits_are_recorded_when_there_are_some_and_leave_a_local_run_s_id
         RunRecord.from_json({**tiny_config(), "hub_commits": {"models": "a"}}, tmp_path / "run_config.json")
 
 
+def test_an_output_dtype_is_recorded_only_when_set_and_leaves_a_default_run_s_id_alone() -> None:
+    default = RunRecord.from_json(tiny_config())
+    assert "output_dtype" not in default.to_json() and default.output_dtype is None
+    wide = dataclasses.replace(default, output_dtype="float32")
+    assert wide.to_json()["output_dtype"] == "float32" and wide.run_id != default.run_id
+    assert RunRecord.from_json(wide.to_json()) == wide
+
+
 def test_missing_loss_reads_as_nan() -> None:
     report = MetricsReport.from_json({"t": {"accuracy": 1.0}})
     assert math.isnan(report.tasks["t"].loss)

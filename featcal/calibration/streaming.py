@@ -23,6 +23,7 @@ from featcal.calibration.params import FeatCalParams
 from featcal.checkpoint import Checkpoint, StateDict, load_params
 from featcal.errors import FeatcalError
 from featcal.files.safetensors_writer import TensorWriter
+from featcal.precision import BASE_DTYPE
 
 if TYPE_CHECKING:
     from featcal.families.base import ModelFamily
@@ -103,6 +104,7 @@ def featcal_calibrate_folder(
     *,
     config: Any,
     device: torch.device | str = "cpu",
+    output_dtype: str = BASE_DTYPE,
     **kwargs: Any,
 ) -> None:
     """FeatCal of the merged model in ``merged_folder``, written to ``output`` layer by layer.
@@ -122,6 +124,7 @@ def featcal_calibrate_folder(
         params: FeatCal's hyper-parameters.
         config: The configuration written with the calibrated model (the base's).
         device: Where the calibration computes.
+        output_dtype: The dtype the weights are stored in (one of the family's ``output_dtypes``).
         **kwargs: Passed to :class:`~featcal.calibration.FeatCalibrator`: ``progress``, ``world``,
             ``forward_dtype``, ``stats_dtype``.
 
@@ -137,7 +140,8 @@ def featcal_calibrate_folder(
     tower = adapter.tower(model)
     # The writer's keys are the model's state dict's: the tower's, under the prefix it has in the model.
     key_prefix = next((f"{name}." for name, module in model.named_modules() if module is tower and name), "")
-    with family.streamed_model(config, output) if output is not None else nullcontext() as writer:
+    writing = output is not None
+    with family.streamed_model(config, output, output_dtype=output_dtype) if writing else nullcontext() as writer:
         if writer is not None:
             for name, tensor in tower.state_dict().items():
                 if tensor.device.type != "meta":  # everything but the layers: the merged values

@@ -16,10 +16,10 @@ from typing import Any
 
 from featcal.calibration.params import GROUP as FEATCAL
 from featcal.options import base_type, flag_name, option_fields, option_of
-from featcal.spec import DIAGNOSTICS, EVALUATION, MERGING, RUNTIME, STAGES, TASKS, RunSpec
+from featcal.spec import DIAGNOSTICS, EVALUATION, MERGING, OUTPUT, RUNTIME, STAGES, TASKS, RunSpec
 
 GROUP_TITLES = {
-    "output": "output",
+    OUTPUT: "output",
     TASKS: "tasks and models",
     MERGING: "merging",
     FEATCAL: "FeatCal (defaults: the published reference run)",

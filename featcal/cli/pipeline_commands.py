@@ -137,10 +137,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
                 calibration = merge_calibration(params, spec.seed, counts, facts.fingerprints, inputs.tasks)
                 data = merge_data(inputs, preprocessor, params, spec.seed, world=world, progress=spec.progress)
         with compute_settings(spec, inputs):
-            state = merge(inputs, spec.merge_method, device, world=world, data=data)
+            state = merge(inputs, spec.merge_method, device, world=world, data=data, output_dtype=spec.output_dtype)
     if not world.is_main:
         return 0
-    folder = save_merge(inputs, spec.merge_method, state, output, calibration)
+    folder = save_merge(inputs, spec.merge_method, state, output, calibration, output_dtype=spec.output_dtype)
     print(path_line(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts)", folder))
     return 0
 
@@ -175,7 +175,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             calibrate(
                 inputs, args.merged, output if world.is_main else None, spec.featcal, seed=spec.seed,
                 device=device, preprocessor=preprocessor, progress=spec.progress, world=world,
-                precision=spec.precision, counts=data.calibration_counts,
+                precision=spec.precision, counts=data.calibration_counts, output_dtype=spec.output_dtype,
             )  # fmt: skip
     if not world.is_main:
         return 0
@@ -289,6 +289,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         helps={"num_calibration_examples": "train examples per task the merge reads",
                "calibration_batch_size": "examples per forward batch while reading them"},
     )  # fmt: skip
+    add_spec_options(p, only=("output_dtype",))
     command(p, cmd_merge)
 
     p = subparsers.add_parser("calibrate", help="calibrate a merged model folder with FeatCal")
@@ -301,6 +302,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
     add_spec_options(p, groups=(TASKS, FEATCAL, RUNTIME))
+    add_spec_options(p, only=("output_dtype",))
     command(p, cmd_calibrate)
 
     p = subparsers.add_parser("evaluate", help="zero-shot accuracy of a vision model folder per task")

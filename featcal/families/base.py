@@ -85,12 +85,15 @@ class ModelFamily(Protocol):
         title: The name for people (``CLIP vision tower``).
         model_types: The ``model_type`` values of the folders the family reads.
         noun: What one example is called in messages (``image``).
+        output_dtypes: The ``--output-dtype`` values it writes models in (:data:`featcal.precision.OUTPUT_DTYPES`;
+            ``base`` always); another is refused before any work.
     """
 
     name: str
     title: str
     model_types: tuple[str, ...]
     noun: str
+    output_dtypes: tuple[str, ...]
 
     # --- models -------------------------------------------------------------------------------
     def check_base_folder(self, folder: Path) -> None:
@@ -114,8 +117,11 @@ class ModelFamily(Protocol):
     def build_model(self, config: Any, state: Mapping[str, torch.Tensor]) -> nn.Module:
         """A model of ``config`` holding ``state``."""
 
-    def save_model(self, state: Mapping[str, torch.Tensor], config: Any, folder: Path) -> Path:
-        """Write ``state`` as a model folder of ``config``, atomically."""
+    def save_model(
+        self, state: Mapping[str, torch.Tensor], config: Any, folder: Path, *, output_dtype: str = "base"
+    ) -> Path:
+        """Write ``state`` as a model folder of ``config``, atomically, its weights stored in ``output_dtype``
+        (one of :attr:`output_dtypes`)."""
 
     # --- calibration --------------------------------------------------------------------------
     def adapter(self) -> LayerAdapter:
@@ -125,9 +131,11 @@ class ModelFamily(Protocol):
         """The model in ``folder`` with everything but its calibrated layers on ``device`` (read from
         ``merged``) and its layers on the meta device."""
 
-    def streamed_model(self, config: Any, folder: Path) -> AbstractContextManager[ShardedSafetensorsWriter]:
-        """A model folder of ``config`` written tensor by tensor (keyed as :meth:`checkpoint` keys them),
-        appearing whole when the block ends."""
+    def streamed_model(
+        self, config: Any, folder: Path, *, output_dtype: str = "base"
+    ) -> AbstractContextManager[ShardedSafetensorsWriter]:
+        """A model folder of ``config`` written tensor by tensor (keyed as :meth:`checkpoint` keys them), its
+        weights stored in ``output_dtype`` (one of :attr:`output_dtypes`), appearing whole when the block ends."""
 
     def preprocessor(self, base_folder: Path) -> Any:
         """What turns a task's raw examples into tensors (CLIP's image processor), read from the base."""

@@ -18,6 +18,32 @@ def is_mergeable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point()
 
 
+class FloatingAs(Mapping[str, torch.Tensor]):
+    """A state dict whose floating-point tensors read as ``dtype`` (integer buffers as they are).
+
+    Every method returns its merged tensors in the base's dtypes; a merge whose result is kept in another
+    (a bfloat16 base merged into float32 tensors) reads its base through this view. Widening is exact, so
+    the float32 arithmetic sees the same values.
+
+    Args:
+        state: The state dict read (a dict of tensors or a lazily-read Checkpoint).
+        dtype: The floating-point dtype its floating-point tensors read as.
+    """
+
+    def __init__(self, state: StateDict, dtype: torch.dtype) -> None:
+        self.state, self.dtype = state, dtype
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        tensor = self.state[key]
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+
 def read_task_vectors(
     base: StateDict, experts: Sequence[StateDict], key: str, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ import torch
 
 from featcal.distributed import SINGLE, World
 from featcal.errors import InvalidParameterError, UnknownNameError
-from featcal.merging.common import StateDict
+from featcal.merging.common import FloatingAs, StateDict
 from featcal.merging.driver import KERNEL_INPUTS, merge_tensorwise
 from featcal.options import Option, Range, convert, with_annotation_limits
 
@@ -205,6 +205,7 @@ class MergeMethod:
         device: torch.device | str | None = None,
         world: World = SINGLE,
         data: MergeData | None = None,
+        dtype: torch.dtype | None = None,
         **params: Any,
     ) -> dict[str, torch.Tensor]:
         """Merge ``experts`` into ``base``.
@@ -220,11 +221,13 @@ class MergeMethod:
                 sums its statistics over them, each process streaming its part of the examples.
             data: For a data-using method (:attr:`uses_data`), the model's structure and each task's
                 calibration examples, one task per expert; ignored by the others.
+            dtype: The floating-point dtype of the merged tensors (None: the base's, tensor by tensor).
+                The arithmetic is float32 either way; only the result's rounding differs.
             **params: Hyper-parameters; those not given take their defaults.
 
         Returns:
-            A new state dict with the base's keys, shapes and dtypes; integer buffers are copies of
-            the base's.
+            A new state dict with the base's keys, shapes and dtypes (``dtype`` for floating-point
+            tensors when given); integer buffers are copies of the base's.
 
         Raises:
             UnknownNameError: If a parameter name is not a hyper-parameter of this method.
@@ -237,6 +240,8 @@ class MergeMethod:
         if not experts:
             raise InvalidParameterError("experts", experts, "at least one expert state dict", owner=owner)
         device = None if device is None else torch.device(device)
+        if dtype is not None:
+            base = FloatingAs(base, dtype)
         if self.uses_data:
             if data is None or len(data.tasks) != len(experts):
                 raise InvalidParameterError(

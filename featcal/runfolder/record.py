@@ -165,6 +165,8 @@ class RunRecord:
         schema: The layout of the record (:data:`SCHEMA`).
         hub_commits: The commit each Hub input was read at: ``models`` by reference as given (base and
             experts), ``datasets`` by task. Empty when every input was a local folder.
+        output_dtype: The ``--output-dtype`` the stages' weights were written in when not ``base``; None
+            (and absent from the file, so the run id is as before the option existed) otherwise.
     """
 
     featcal_version: str
@@ -182,6 +184,7 @@ class RunRecord:
     family: str = DEFAULT_FAMILY
     schema: int = SCHEMA
     hub_commits: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    output_dtype: str | None = None
 
     @property
     def run_id(self) -> str:
@@ -214,6 +217,8 @@ class RunRecord:
                 "precision": self.precision,
             }
         )
+        if self.output_dtype is not None:
+            data["output_dtype"] = self.output_dtype
         commits = {kind: dict(refs) for kind, refs in self.hub_commits.items() if refs}
         if commits:  # absent when every input is local, so such a run's record (and id) has no such key
             data["hub_commits"] = commits
@@ -265,6 +270,7 @@ class RunRecord:
             family=str(data.get("family", DEFAULT_FAMILY)),
             schema=SCHEMA,
             hub_commits=_hub_commits(data.get("hub_commits"), where),
+            output_dtype=None if data.get("output_dtype") is None else str(data["output_dtype"]),
         )
 
 

@@ -101,6 +101,7 @@ class TinyDecoderFamily:
     title: str = "tiny Llama (tests)"
     model_types: tuple[str, ...] = ("llama",)
     noun: str = "text"
+    output_dtypes: tuple[str, ...] = ("base",)
     release = ReleaseParts(
         model_class="LlamaForCausalLM", pipeline_tag="text-generation", tags=("llama",), files=(),
         task_type="text-generation", task_name="Text Generation", card_template=("featcal", "missing.j2"),
@@ -144,7 +145,9 @@ class TinyDecoderFamily:
         model.load_state_dict(dict(state), strict=True)
         return model.eval()
 
-    def save_model(self, state: Mapping[str, torch.Tensor], config: Any, folder: Path) -> Path:
+    def save_model(
+        self, state: Mapping[str, torch.Tensor], config: Any, folder: Path, *, output_dtype: str = "base"
+    ) -> Path:
         return save_model_state(self._meta(config), state, folder)
 
     def adapter(self) -> DecoderAdapter:
@@ -165,7 +168,7 @@ class TinyDecoderFamily:
         model.model.layers.extend(layers)
         return model.eval()
 
-    def streamed_model(self, config: Any, folder: Path):
+    def streamed_model(self, config: Any, folder: Path, *, output_dtype: str = "base"):
         return streamed_model_folder(self._meta(config), folder)
 
     def preprocessor(self, base_folder: Path) -> Any:

@@ -36,6 +36,7 @@ class CausalLMFamily:
     title = "causal language model"
     model_types = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
     noun = "text"
+    output_dtypes = ("base", "float32")  # the base's dtype (bfloat16 for most LMs), or float32
     release = ReleaseParts(
         model_class="AutoModelForCausalLM",
         pipeline_tag="text-generation",
@@ -80,10 +81,12 @@ class CausalLMFamily:
 
         return build_lm(config, state)
 
-    def save_model(self, state: Mapping[str, torch.Tensor], config: Any, folder: Path) -> Path:
+    def save_model(
+        self, state: Mapping[str, torch.Tensor], config: Any, folder: Path, *, output_dtype: str = "base"
+    ) -> Path:
         from featcal.families.causal_lm.folders import save_lm
 
-        return save_lm(state, config, folder)
+        return save_lm(state, config, folder, output_dtype=output_dtype)
 
     # --- calibration --------------------------------------------------------------------------
     def adapter(self) -> LayerAdapter:
@@ -96,10 +99,10 @@ class CausalLMFamily:
 
         return lm_skeleton(self.model_config(folder), merged, device)
 
-    def streamed_model(self, config: Any, folder: Path):
+    def streamed_model(self, config: Any, folder: Path, *, output_dtype: str = "base"):
         from featcal.families.causal_lm.folders import streamed_lm
 
-        return streamed_lm(config, folder)
+        return streamed_lm(config, folder, output_dtype=output_dtype)
 
     def preprocessor(self, base_folder: Path) -> Any:
         from featcal.families.causal_lm.texts import base_tokenizer

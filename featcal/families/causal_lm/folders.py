@@ -26,6 +26,7 @@ from featcal.errors import ModelInputError
 from featcal.files.model_files import COMPANION_FILES, MODEL_CONFIG
 from featcal.files.model_folders import save_model_state, streamed_model_folder
 from featcal.files.safetensors_writer import TensorWriter
+from featcal.precision import BASE_DTYPE, OUTPUT_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -189,37 +190,53 @@ def build_lm(config: Any, state: Mapping[str, torch.Tensor]) -> nn.Module:
     return model.eval()
 
 
-def stored_dtype(config: Any) -> torch.dtype:
-    """The dtype a written model's weights are stored in: the base's (``config.json``'s ``dtype``, bfloat16
-    for most released LMs), float32 when it names none. The arithmetic is float32 whatever it is."""
+def stored_dtype(config: Any, output_dtype: str = BASE_DTYPE) -> torch.dtype:
+    """The dtype a written model's weights are stored in. The arithmetic is float32 whatever it is.
+
+    Args:
+        config: The base's configuration.
+        output_dtype: ``base``: the base's (``config.json``'s ``dtype``, bfloat16 for most released LMs;
+            float32 when it names none); ``float32``: float32.
+
+    Returns:
+        A floating-point torch dtype.
+
+    Raises:
+        ValueError: for an ``output_dtype`` not in :data:`~featcal.precision.OUTPUT_DTYPES`.
+    """
+    if output_dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}; got {output_dtype!r}")
+    if output_dtype != BASE_DTYPE:
+        return getattr(torch, output_dtype)
     value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(value, str):
         value = getattr(torch, value, None)
     return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.float32
 
 
-def save_lm(state: Mapping[str, torch.Tensor], config: Any, folder: Path) -> Path:
+def save_lm(state: Mapping[str, torch.Tensor], config: Any, folder: Path, *, output_dtype: str = BASE_DTYPE) -> Path:
     """Write ``state`` as a model folder of ``config`` (sharded as ``save_pretrained`` shards, in
-    :func:`stored_dtype`), with the tokenizer files and generation config of the folder ``config`` was read
-    from (the base's), atomically."""
+    :func:`stored_dtype`, which ``config.json``'s ``dtype`` names), with the tokenizer files and generation
+    config of the folder ``config`` was read from (the base's), atomically."""
     return save_model_state(
         meta_model(config),
         state,
         folder,
         max_shard_bytes=SHARD_BYTES,
-        dtype=stored_dtype(config),
+        dtype=stored_dtype(config, output_dtype),
         companions=companions(config),
     )
 
 
 @contextmanager
-def streamed_lm(config: Any, folder: Path) -> Iterator[TensorWriter]:
-    """A model folder of ``config`` written tensor by tensor (sharded, in :func:`stored_dtype`), with the
-    tokenizer files and generation config of the folder ``config`` was read from (the base's), appearing
-    whole when the block ends."""
+def streamed_lm(config: Any, folder: Path, *, output_dtype: str = BASE_DTYPE) -> Iterator[TensorWriter]:
+    """A model folder of ``config`` written tensor by tensor (sharded, in :func:`stored_dtype`, which
+    ``config.json``'s ``dtype`` names), with the tokenizer files and generation config of the folder
+    ``config`` was read from (the base's), appearing whole when the block ends."""
     model = meta_model(config)
+    dtype = stored_dtype(config, output_dtype)
     with streamed_model_folder(
-        model, folder, max_shard_bytes=SHARD_BYTES, dtype=stored_dtype(config), companions=companions(config)
+        model, folder, max_shard_bytes=SHARD_BYTES, dtype=dtype, companions=companions(config)
     ) as writer:
         yield writer
 

@@ -37,6 +37,7 @@ class ClipVisionFamily:
     title = "CLIP vision tower"
     model_types = ("clip", "clip_vision_model")
     noun = "image"
+    output_dtypes = ("base",)  # a CLIPVisionModel is written in float32, as featcal computes it
     release = ReleaseParts(
         model_class="CLIPVisionModel",
         pipeline_tag="image-feature-extraction",
@@ -81,7 +82,9 @@ class ClipVisionFamily:
 
         return build_vision_model(config, state)
 
-    def save_model(self, state: Mapping[str, torch.Tensor], config: Any, folder: Path) -> Path:
+    def save_model(
+        self, state: Mapping[str, torch.Tensor], config: Any, folder: Path, *, output_dtype: str = "base"
+    ) -> Path:
         from featcal.families.clip_vision.folders import save_vision_model
 
         return save_vision_model(state, config, folder)
@@ -99,7 +102,7 @@ class ClipVisionFamily:
         # would loaded from it.
         return vision_skeleton(self.model_config(folder), merged, device, self.adapter())
 
-    def streamed_model(self, config: Any, folder: Path):
+    def streamed_model(self, config: Any, folder: Path, *, output_dtype: str = "base"):
         from featcal.families.clip_vision.folders import streamed_vision_model
 
         return streamed_vision_model(config, folder)
