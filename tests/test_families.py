@@ -23,7 +23,7 @@ from featcal.families.causal_lm.adapter import DecoderAdapter
 from featcal.resolve import RunInputs
 from featcal.stages import calibrate
 from tests.support.builders import FIXTURE
-from tests.support.tiny_decoder import TinyDecoderFamily, encode, save_model, texts
+from tests.support.tiny_decoder import WORDS, TinyDecoderFamily, encode, save_model, texts
 
 PARAMS = FeatCalParams(num_calibration_examples=12, calibration_batch_size=4)
 
@@ -114,6 +114,25 @@ def test_the_driver_calibrates_every_submodule_and_padding_weighs_nothing(llama_
         state = other.state_dict()
         worst = max(float((state[k] - calibrated[k]).norm() / (calibrated[k] - merged[k]).norm()) for k in layer_keys)
         assert worst < 1e-4
+
+
+def test_a_task_of_longer_texts_after_a_shorter_one_fits_the_statistics_buffers(llama_zoo) -> None:
+    """Each task's texts are padded to its own longest (on each process, to that process's longest). A task
+    longer than the first, whose texts are one forward batch, once overflowed buffers sized for the first
+    task's length; now either order calibrates, to the same weights up to the float rounding of the folds."""
+    root, family, base, experts = llama_zoo
+    short = [" ".join(WORDS[i : i + 3]) for i in range(4)]
+    long = [" ".join(WORDS[i : i + 10]) for i in range(4)]
+    lengths = TinyDecoderFamily({"a": short, "b": long})
+    params = FeatCalParams(num_calibration_examples=4, calibration_batch_size=4)
+    merged = family.load_model(root / "merged").state_dict()
+    states = [
+        _calibrated(root, lengths, base, {name: experts[name] for name in order}, params).state_dict()
+        for order in (("a", "b"), ("b", "a"))
+    ]
+    layer_keys = [k for k in merged if ".layers." in k]
+    worst = max(float((states[1][k] - states[0][k]).norm() / (states[0][k] - merged[k]).norm()) for k in layer_keys)
+    assert worst < 1e-6
 
 
 def test_a_merge_equal_to_its_only_expert_is_a_fixed_point(llama_zoo) -> None:

@@ -219,11 +219,13 @@ class FeatCalibrator:
         workspace: Workspace | None = None,
     ) -> LayerState:
         """Working memory for a layer; joint buffers hold whole forward batches, about
-        STATISTICS_CHUNK_TOKENS rows, never more than the largest task's tokens. ``workspace``: the folds'
-        and solves' buffers, shared with other states that solve one after another (None: the state
-        lends its own joint buffers)."""
+        STATISTICS_CHUNK_TOKENS rows, never more than the largest task's tokens. Tasks may differ in length
+        (texts are padded to each task's longest, on each process): the buffers hold a forward batch of the
+        longest. ``workspace``: the folds' and solves' buffers, shared with other states that solve one
+        after another (None: the state lends its own joint buffers)."""
         student = next(iter(streams.values())).student
-        num_images, seq_len = max(s.student.shape[0] for s in streams.values()), student.shape[1]
+        num_images = max(s.student.shape[0] for s in streams.values())
+        seq_len = max(s.student.shape[1] for s in streams.values())
         bs = min(self.params.calibration_batch_size, num_images)
         batches = max(1, STATISTICS_CHUNK_TOKENS // (bs * seq_len))
         capacity = min(batches, -(-num_images // bs)) * bs * seq_len

@@ -143,7 +143,7 @@ class LayerState:
 
     plan: LayerPlan
     capacity: int
-    seq_len: int
+    seq_len: int  # tokens per example: the longest task's (every task's, where positions have weights)
     device: torch.device
     dtype: torch.dtype
     stats_dtype: torch.dtype
@@ -158,6 +158,7 @@ class LayerState:
     # products); several states that solve one after another (a sweep's settings) can share one instead.
     workspace: Workspace | None = None
     filled: int = 0
+    row_length: int = 0  # tokens per example of the rows buffered (one task's at a time)
     flushed: set[int] = field(default_factory=set)  # groups whose moments hold this task's first flush
     # Batches with token weights of their own (padding): each buffered row's root weight, and the
     # weights not yet multiplied, per linear group; allocated with the first such batch.
@@ -241,6 +242,12 @@ class LayerState:
         weighted = token_weights is not None
         if self.filled + rows > self.capacity or (self.filled and weighted != self.weighted_rows):
             self.multiply()
+        if rows > self.capacity:
+            raise FeatcalError(
+                f"A forward batch of {rows} tokens does not fit the statistics buffers ({self.capacity} rows)."
+            )
+        first = rec_s.inputs[self.plan.groups[0].names[0]]
+        self.row_length = first.shape[-2] if first.dim() > 2 else 1
         top = self.filled
         for i, g in enumerate(self.plan.groups):
             name = g.names[0]
@@ -288,9 +295,9 @@ class LayerState:
                 self.pending_weight[i] = 0.0
             else:
                 weights, root = self.plan.groups[i].weighting.weights, self.roots[i]  # the adapter's, on the host
-                weight_sum = rows if weights is None else rows // self.seq_len * float(weights.sum())
+                weight_sum = rows if weights is None else rows // self.row_length * float(weights.sum())
                 root = None if root is None else root[:rows]
-            gram.add(self.buffers[i][:rows], root, weight_sum, self.seq_len)
+            gram.add(self.buffers[i][:rows], root, weight_sum, self.row_length)
             if gram.rows >= FLUSH_TOKENS:
                 self._flush(i)
         self.filled = 0
