@@ -1,8 +1,8 @@
 """`featcal run` over several processes with torchrun (gloo, CPU): the same results as one process,
-rank 0 alone writing, and clean failures.
+rank 0 alone writing, and clean failures; `featcal calibrate` of a language model likewise.
 
 The torchrun tests launch ``python -m torch.distributed.run --standalone`` (a free port each) on the
-tiny published-code fixture, one thread per process.
+tiny published-code fixture, or a tiny Llama (``tests/support/tiny_decoder.py``), one thread per process.
 """
 
 import json
@@ -29,6 +29,7 @@ from featcal.runfolder.record import PROCESSES, RunRecord, recipe_sha256, write_
 from tests.support.builders import FIXTURE
 from tests.support.release_runs import tiny_config
 from tests.support.runs import fast_run
+from tests.support.tiny_decoder import save_model, texts, tokenizer
 
 REPO = Path(__file__).parents[1]
 RUN = [
@@ -298,6 +299,72 @@ def test_a_data_using_merge_over_two_processes_sums_their_statistics(method: str
     assert one.keys() == two.keys()
     for key in one:
         assert float((two[key].double() - one[key].double()).norm()) <= 1e-6 * float(one[key].double().norm()), key
+
+
+# --- a language model: featcal calibrate ------------------------------------------------------------
+
+LM_UPDATE_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def lm_merge(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Llama base, two experts with 16 texts each (3 to 10 words: padded lengths differ by task and
+    by process), their data file and Task Arithmetic merge."""
+    root = tmp_path_factory.mktemp("lm")
+    base = save_model(root / "base", seed=0)
+    tokenizer().save_pretrained(root / "base")
+    data = {"max_length": 16, "experts": {}}
+    for i, name in enumerate(("math", "coding")):
+        expert = root / f"Llama-tiny_{name}"
+        save_model(expert, seed=10 + i, base=base)
+        tokenizer().save_pretrained(expert)
+        words = texts(20 + i, 32)
+        rows = [{"query": words[2 * j], "response": words[2 * j + 1]} for j in range(16)]
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        data["experts"][str(expert)] = {"dataset": f"{name}.jsonl", "text": "{query} {response}"}
+    (root / "data.yaml").write_text(json.dumps(data))
+    argv = ["merge", "--data", str(root / "data.yaml"), "--base-model-id", str(root / "base"), "--device", "cpu"]
+    assert main(["-q", *argv, "--output", str(root / "merged")]) == 0
+    return {"root": root, "merged": root / "merged", "data": root / "data.yaml"}
+
+
+def lm_calibrate(lm_merge: dict[str, Path], output: Path, *extra: str) -> list[str]:
+    """`featcal calibrate`'s arguments: 12 texts per task (6 a process: a batch of 4 and one of 2)."""
+    return [
+        "calibrate", "--merged", str(lm_merge["merged"]), "--data", str(lm_merge["data"]), "--device", "cpu",
+        "--num-calibration-examples", "12", "--calibration-batch-size", "4", *extra, "--output", str(output),
+    ]  # fmt: skip
+
+
+def update_units(reference: Path, other: Path, merged: Path) -> float:
+    """‖W_other − W_reference‖ / ‖W_reference − W_merged‖ over every tensor of the model folders."""
+    ref, moved, start = (load_file(str(folder / "model.safetensors")) for folder in (reference, other, merged))
+    diff = sum(float((moved[k].double() - ref[k].double()).square().sum()) for k in ref)
+    update = sum(float((ref[k].double() - start[k].double()).square().sum()) for k in ref)
+    return (diff / update) ** 0.5
+
+
+def test_two_processes_calibrate_a_language_model_as_one_does(lm_merge, tmp_path: Path, monkeypatch) -> None:
+    """Each process tokenises its half of every task's texts, pads them to its own longest and sums its
+    tokens' statistics; the sums are added over the processes. The weights equal one process's up to the
+    float32 rounding of the statistics products, which are summed in another order: 9.3e-7 of FeatCal's
+    update on this model (3 processes: 9.5e-7), as for one process with its products cut into 16-token
+    chunks (9.4e-7). The tolerance, 1e-5, is ten times that; λ changed by 1 % (0.05 → 0.0505) moves the
+    weights by 3.6e-3, 360 times the tolerance."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["-q", *lm_calibrate(lm_merge, one)]) == 0  # one thread: the calibrate command's for width 64
+    done, _ = torchrun(2, lm_calibrate(lm_merge, two))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("Calibrated model: ") == 1  # rank 0 alone writes and prints
+    assert 0 < update_units(one, two, lm_merge["merged"]) <= LM_UPDATE_TOLERANCE
+    recipes = [json.loads((folder / "featcal_recipe.json").read_text()) for folder in (one, two)]
+    assert recipes[0] == recipes[1]  # the number of processes is not part of what the folder is
+    monkeypatch.setattr(driver, "STATISTICS_CHUNK_TOKENS", 16)
+    assert main(["-q", *lm_calibrate(lm_merge, tmp_path / "chunked")]) == 0
+    assert update_units(one, tmp_path / "chunked", lm_merge["merged"]) <= LM_UPDATE_TOLERANCE  # the rounding floor
+    monkeypatch.undo()
+    assert main(["-q", *lm_calibrate(lm_merge, tmp_path / "lambda", "--lambda-ratio", "0.0505")]) == 0
+    assert update_units(one, tmp_path / "lambda", lm_merge["merged"]) > 100 * LM_UPDATE_TOLERANCE
 
 
 def test_tasks_need_a_calibration_image_per_process() -> None:
