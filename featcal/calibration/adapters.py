@@ -4,6 +4,17 @@ The driver (:mod:`featcal.calibration.driver`), the sweep and the feature-drift 
 a model family gives them a :class:`LayerAdapter` (how to reach layer 0's input, run one layer with
 its per-batch context, which submodules to solve in firing order and how norms normalise, how tokens
 weigh) and :class:`CalibrationBatch` objects (the examples' tensors and the context every layer reads).
+
+Two extensions serve a model whose layers are not one uniform stack (an encoder-decoder):
+
+- a :class:`CarryingAdapter`'s streams each carry tensors from their stem and layers to their later
+  layers (a :data:`Carry`: T5's position biases, which its first block of each stack computes from its
+  own relative-attention table, and its encoder's final-norm scale), kept per stream, so that the
+  expert's stream reads the expert's and the merged model's stream the merged model's;
+- a submodule may read only some of a stream's positions (:attr:`TokenWeighting.positions`: an
+  encoder-decoder's stream holds the encoder's positions, then the decoder's).
+
+Adapters without them (CLIP, the causal LMs) are run exactly as before.
 """
 
 from __future__ import annotations
@@ -20,10 +31,29 @@ from torch import nn
 class TokenWeighting:
     """Per-position weights for one submodule: ``key`` identifies the profile, ``weights`` has one entry
     per sequence position (``None`` means every position weighs 1). They multiply the batch's own token
-    weights (:attr:`CalibrationBatch.token_weights`)."""
+    weights (:attr:`CalibrationBatch.token_weights`). ``positions`` (:data:`POSITIONS`) says which of the
+    stream's positions the submodule reads; per-position weights need ``all``.
+
+    Raises:
+        ValueError: for an unknown ``positions``, or per-position weights of a submodule that reads some.
+    """
 
     key: str
     weights: torch.Tensor | None
+    positions: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, not {self.positions!r}")
+        if self.positions != "all" and self.weights is not None:
+            raise ValueError("per-position weights apply to a submodule that reads every position of its stream")
+
+
+POSITIONS = ("all", "first", "last")
+"""Which of a stream's positions a submodule's input lines up with: all of them, or the first (last) as many
+as the input has: a T5 stream is ``[encoder positions | decoder positions]``, its encoder's submodules and
+its cross-attention keys and values read the first, its decoder's others the last. The batch's token
+weights of those positions weigh the input's tokens."""
 
 
 @dataclass(frozen=True)
@@ -141,3 +171,45 @@ class LayerAdapter(Protocol):
 
     def token_weighting(self, module_name: str, layer_index: int, num_layers: int, seq_len: int) -> TokenWeighting:
         """The per-position weights of a submodule's statistics in a layer."""
+
+
+Carry = dict[str, torch.Tensor]
+"""Tensors a stream hands from its stem and its layers to its later layers, by name, the same for every
+example of the stream (an encoder-decoder's position biases ``[1, heads, q, k]``, a norm's scale)."""
+
+
+class CarryingAdapter(LayerAdapter, Protocol):
+    """A :class:`LayerAdapter` whose streams carry tensors from layer to layer (a :data:`Carry`).
+
+    Each stream (the merged model's, and each expert's) starts with :meth:`stem_carry` of its own stem
+    (an expert's stem holds the expert's tensors), and each layer run by :meth:`run_layer_carried` returns
+    its output with the carry its stream's later layers read. Where a layer's output replaces a stream,
+    the carry returned with it replaces the stream's carry; where the output is dropped (the merged
+    layer's statistics pass), so is the carry.
+    """
+
+    def stem_carry(self, stem: nn.Module) -> Carry:
+        """What a stream with this stem carries into its first layer."""
+
+    def run_layer_carried(
+        self, layer: nn.Module, hidden: torch.Tensor, context: Any, carry: Carry
+    ) -> tuple[torch.Tensor, Carry]:
+        """One layer's output for ``hidden`` with the batch's ``context`` and its stream's ``carry``, and the
+        carry of the stream after it."""
+
+
+def stem_carry(adapter: LayerAdapter, stem: nn.Module) -> Carry | None:
+    """What a stream with ``stem`` carries (:class:`CarryingAdapter`), or None for an adapter whose streams
+    carry nothing."""
+    method = getattr(adapter, "stem_carry", None)
+    return None if method is None else dict(method(stem))
+
+
+def run_layer(
+    adapter: LayerAdapter, layer: nn.Module, hidden: torch.Tensor, context: Any, carry: Carry | None
+) -> tuple[torch.Tensor, Carry | None]:
+    """One layer's output, and its stream's carry after it (None, as given, for a stream that carries nothing:
+    the adapter's plain :meth:`LayerAdapter.run_layer`)."""
+    if carry is None:
+        return adapter.run_layer(layer, hidden, context), None
+    return adapter.run_layer_carried(layer, hidden, context, carry)

@@ -22,7 +22,15 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from featcal.calibration.adapters import CalibrationBatch, LayerAdapter, TokenWeighting, as_batch
+from featcal.calibration.adapters import (
+    CalibrationBatch,
+    Carry,
+    LayerAdapter,
+    TokenWeighting,
+    as_batch,
+    run_layer,
+    stem_carry,
+)
 from featcal.calibration.layer_state import Group, LayerPlan, LayerState, Recorder, StopForward, plan_layer
 from featcal.calibration.params import FeatCalParams
 from featcal.calibration.solves import anchor
@@ -44,11 +52,15 @@ STATISTICS_CHUNK_TOKENS = 4096  # rows per statistics product: large enough for 
 @dataclass
 class Stream:
     """One task's feature streams through the layers: the merged model's (``student``) and its expert's
-    (``expert``), ``[examples, seq, d]`` each, and the context its layers read (``batches``)."""
+    (``expert``), ``[examples, seq, d]`` each, and the context its layers read (``batches``); with a
+    :class:`~featcal.calibration.adapters.CarryingAdapter`, what each stream carries to its next layer
+    (None for an adapter whose streams carry nothing)."""
 
     student: torch.Tensor
     expert: torch.Tensor
     batches: CalibrationBatch
+    student_carry: Carry | None = None
+    expert_carry: Carry | None = None
 
 
 def _cat_params(modules: Mapping[str, nn.Module], names: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -135,7 +147,8 @@ class FeatCalibrator:
     @torch.no_grad()
     def _first_inputs(
         self, model: nn.Module, expert: StateDict, batch: CalibrationBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, Carry | None, Carry | None]:
+        """Layer 0's input of the student and of the expert stream, and what each carries into it."""
         stem = self.adapter.stem(model)
         expert_stem = copy.deepcopy(stem)
         for part, prefix in self.adapter.stem_parts().items():
@@ -156,7 +169,7 @@ class FeatCalibrator:
                 teacher = t.new_empty(size, *t.shape[1:], dtype=dtype)
             student[start : start + bs] = s
             teacher[start : start + bs] = t
-        return student, teacher
+        return student, teacher, stem_carry(self.adapter, stem), stem_carry(self.adapter, expert_stem)
 
     def _to_device(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A stem input on the device: floating-point ones (pixels) in the model's dtype, token ids as they are."""
@@ -175,19 +188,23 @@ class FeatCalibrator:
             batch = as_batch(load_inputs(task))
             if len(batch) == 0:
                 raise FeatcalError(f"Task {task!r} has no calibration examples (on process {self.world.rank}).")
-            student, teacher = self._first_inputs(model, experts[task], batch)
-            streams[task] = Stream(student, teacher, batch.for_layers(self.device))
+            student, teacher, carry_s, carry_e = self._first_inputs(model, experts[task], batch)
+            streams[task] = Stream(student, teacher, batch.for_layers(self.device), carry_s, carry_e)
         return streams
 
     @torch.no_grad()
-    def _advance(self, model: nn.Module, layer: nn.Module, stream: torch.Tensor, batches: CalibrationBatch) -> None:
-        """Replace ``stream`` in place by ``layer``'s output, batch by batch."""
-        bs = self.params.calibration_batch_size
-        for start in range(0, stream.shape[0], bs):
-            context = self.adapter.layer_context(model, batches.rows(start, start + bs), stream[start : start + bs])
+    def _advance(self, model: nn.Module, layer: nn.Module, stream: Stream) -> None:
+        """Replace ``stream``'s student in place by ``layer``'s output, batch by batch (and its carry by
+        the carry after the layer)."""
+        bs, student, carry = self.params.calibration_batch_size, stream.student, stream.student_carry
+        after = carry
+        for start in range(0, student.shape[0], bs):
+            rows = stream.batches.rows(start, start + bs)
+            context = self.adapter.layer_context(model, rows, student[start : start + bs])
             with self.forwards():
-                out = self.adapter.run_layer(layer, stream[start : start + bs], context)
-            stream[start : start + bs] = out
+                out, after = run_layer(self.adapter, layer, student[start : start + bs], context, carry)
+            student[start : start + bs] = out
+        stream.student_carry = after
 
     # -- statistics ------------------------------------------------------------------------
     @torch.no_grad()
@@ -205,8 +222,8 @@ class FeatCalibrator:
         context = self.adapter.layer_context(model, stream.batches.rows(0, 1), stream.student[:1])
         try:
             with self.forwards():
-                self.adapter.run_layer(layer, stream.student[:1], context)
-                self.adapter.run_layer(expert_layer, stream.expert[:1], context)
+                run_layer(self.adapter, layer, stream.student[:1], context, stream.student_carry)
+                run_layer(self.adapter, expert_layer, stream.expert[:1], context, stream.expert_carry)
         finally:
             rec_s.remove()
             rec_e.remove()
@@ -253,20 +270,24 @@ class FeatCalibrator:
         state.start_task()
         bs = p.calibration_batch_size
         student, expert = stream.student, stream.expert
+        carry_e = stream.expert_carry
         try:
             for start in range(0, student.shape[0], bs):
                 batch = stream.batches.rows(start, start + bs)
                 context = self.adapter.layer_context(model, batch, student[start : start + bs])
                 with self.forwards():
                     try:
-                        self.adapter.run_layer(layer, student[start : start + bs], context)
+                        run_layer(self.adapter, layer, student[start : start + bs], context, stream.student_carry)
                     except StopForward:
                         pass
-                    out_e = self.adapter.run_layer(expert_layer, expert[start : start + bs], context)
+                    out_e, carry_e = run_layer(
+                        self.adapter, expert_layer, expert[start : start + bs], context, stream.expert_carry
+                    )
                 state.add(out_e.shape[0] * student.shape[1], rec_s, rec_e, modules_e, batch.token_weights)
                 rec_s.clear()
                 rec_e.clear()
                 expert[start : start + bs] = out_e
+            stream.expert_carry = carry_e
             state.finish_task()
         finally:
             rec_s.remove()
@@ -336,7 +357,7 @@ class FeatCalibrator:
             self._solve_into(modules, state, base, prefix)
             if index < num_layers - 1:
                 for stream in streams.values():
-                    self._advance(model, layer, stream.student, stream.batches)
+                    self._advance(model, layer, stream)
             del expert_layer  # freed before the next layer's copy
             if layer_store is not None:
                 layer_store.store(index, layer)

@@ -88,7 +88,8 @@ class LayerPlan:
     def key(self) -> tuple:
         """Equal for layers whose statistics and systems have the same shapes and token weights."""
         return tuple(
-            (g.kind, tuple(g.names), g.dim, g.cross, g.out_features, g.has_bias, g.weighting.key) for g in self.groups
+            (g.kind, tuple(g.names), g.dim, g.cross, g.out_features, g.has_bias, g.weighting.key, g.weighting.positions)
+            for g in self.groups
         )
 
 
@@ -157,8 +158,11 @@ class LayerState:
     # The folds' and solves' temporaries: by default carved from this state's joint buffers (idle between
     # products); several states that solve one after another (a sweep's settings) can share one instead.
     workspace: Workspace | None = None
-    filled: int = 0
-    row_length: int = 0  # tokens per example of the rows buffered (one task's at a time)
+    filled: int = 0  # tokens buffered, of the stream's positions
+    # Rows buffered per linear group: ``filled``, but for a group that reads some of the stream's positions.
+    group_rows: dict[int, int] = field(default_factory=dict)
+    # Tokens per example of each group's buffered rows (one task's at a time: texts are padded per task).
+    group_seq: dict[int, int] = field(default_factory=dict)
     flushed: set[int] = field(default_factory=set)  # groups whose moments hold this task's first flush
     # Batches with token weights of their own (padding): each buffered row's root weight, and the
     # weights not yet multiplied, per linear group; allocated with the first such batch.
@@ -240,42 +244,61 @@ class LayerState:
         group's per-position weights; None when every token weighs 1.
         """
         weighted = token_weights is not None
-        if self.filled + rows > self.capacity or (self.filled and weighted != self.weighted_rows):
+        counts = {i: self._input_rows(i, rec_s, rows) for i in self.buffers}
+        full = any(self.group_rows.get(i, 0) + count > self.capacity for i, count in counts.items())
+        if full or (self.filled and weighted != self.weighted_rows):
             self.multiply()
-        if rows > self.capacity:
+        if any(count > self.capacity for count in counts.values()):
             raise FeatcalError(
-                f"A forward batch of {rows} tokens does not fit the statistics buffers ({self.capacity} rows)."
+                f"A forward batch of {max(counts.values())} tokens does not fit the statistics buffers "
+                f"({self.capacity} rows)."
             )
-        first = rec_s.inputs[self.plan.groups[0].names[0]]
-        self.row_length = first.shape[-2] if first.dim() > 2 else 1
-        top = self.filled
         for i, g in enumerate(self.plan.groups):
             name = g.names[0]
             xs = rec_s.inputs[name]
-            weights = self._batch_weights(i, token_weights)
+            weights = self._positions(g, self._batch_weights(i, token_weights), xs)
             if g.kind == "norm":
                 self.moments[i].add(xs, g.norm.normalize, weights)
                 continue
-            buf = self.buffers[i][top : top + rows]
-            buf[:, : g.dim].copy_(xs.reshape(rows, g.dim))
+            top, count = self.group_rows.get(i, 0), counts[i]
+            self.group_rows[i] = top + count
+            self.group_seq[i] = xs.shape[-2] if xs.dim() > 2 else 1
+            buf = self.buffers[i][top : top + count]
+            buf[:, : g.dim].copy_(xs.reshape(count, g.dim))
             if g.kind == "projected":  # y_e = W_t x_e, the expert's output without its bias
-                buf[:, g.dim :].copy_(rec_e.outputs[name].reshape(rows, g.cross))
+                buf[:, g.dim :].copy_(rec_e.outputs[name].reshape(count, g.cross))
                 bias = modules_e[name].bias
                 if bias is not None:
                     buf[:, g.dim :].sub_(bias)
             else:
-                buf[:, g.dim :].copy_(rec_e.inputs[name].reshape(rows, g.dim))
+                buf[:, g.dim :].copy_(rec_e.inputs[name].reshape(count, g.dim))
             if weighted:  # rows weigh by their batch: their roots are kept beside them
                 if i not in self.row_roots:
                     self.row_roots[i] = torch.empty(self.capacity, device=self.device, dtype=self.dtype)
-                root = self.row_roots[i][top : top + rows]
-                torch.sqrt(weights.reshape(rows), out=root)
+                root = self.row_roots[i][top : top + count]
+                torch.sqrt(weights.reshape(count), out=root)
                 buf.mul_(root.unsqueeze(1))
                 self.pending_weight[i] = self.pending_weight[i] + weights.sum()  # on the device: no sync
             elif self.roots[i] is not None:
-                buf.mul_(self.roots[i][:rows].unsqueeze(1))
+                buf.mul_(self.roots[i][:count].unsqueeze(1))
         self.filled += rows
         self.weighted_rows = weighted
+
+    def _input_rows(self, i: int, rec_s: Recorder, rows: int) -> int:
+        """The tokens of group ``i``'s input in this batch: ``rows`` (the stream's) unless it reads some of the
+        stream's positions."""
+        group = self.plan.groups[i]
+        if group.weighting.positions == "all":
+            return rows
+        return rec_s.inputs[group.names[0]].numel() // group.dim
+
+    @staticmethod
+    def _positions(group: Group, weights: torch.Tensor | None, xs: torch.Tensor) -> torch.Tensor | None:
+        """A batch's ``[batch, seq]`` weights at the positions of the stream ``group``'s input ``xs`` reads."""
+        if group.weighting.positions == "all" or weights is None:
+            return weights
+        length = xs.shape[-2]
+        return weights[:, :length] if group.weighting.positions == "first" else weights[:, weights.shape[1] - length :]
 
     def _batch_weights(self, i: int, token_weights: torch.Tensor | None) -> torch.Tensor | None:
         """Group ``i``'s weights for one batch: its per-position weights times the batch's token weights."""
@@ -286,21 +309,22 @@ class LayerState:
 
     def multiply(self) -> None:
         """The statistics products of everything buffered."""
-        rows = self.filled
-        if rows == 0:
+        if self.filled == 0:
             return
         for i, gram in self.grams.items():
+            rows = self.group_rows.get(i, 0)
             if self.weighted_rows:
                 root, weight_sum = self.row_roots[i][:rows], self.pending_weight[i]
                 self.pending_weight[i] = 0.0
             else:
                 weights, root = self.plan.groups[i].weighting.weights, self.roots[i]  # the adapter's, on the host
-                weight_sum = rows if weights is None else rows // self.row_length * float(weights.sum())
+                weight_sum = rows if weights is None else rows // self.group_seq[i] * float(weights.sum())
                 root = None if root is None else root[:rows]
-            gram.add(self.buffers[i][:rows], root, weight_sum, self.row_length)
+            gram.add(self.buffers[i][:rows], root, weight_sum, self.group_seq[i])
             if gram.rows >= FLUSH_TOKENS:
                 self._flush(i)
         self.filled = 0
+        self.group_rows.clear()
         self.weighted_rows = False
 
     def finish_task(self) -> None:

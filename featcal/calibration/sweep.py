@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from featcal.calibration.adapters import CalibrationBatch, LayerAdapter, TokenWeighting, as_batch
+from featcal.calibration.adapters import CalibrationBatch, LayerAdapter, TokenWeighting, as_batch, run_layer
 from featcal.calibration.driver import FeatCalibrator, Stream, fold_task
 from featcal.calibration.layer_state import LayerState, Recorder, StopForward
 from featcal.calibration.params import FeatCalParams
@@ -147,13 +147,16 @@ class SweepCalibrator:
         expert_streams: dict[str, Stream] = {}
         for task in Progress(tasks, desc="FeatCal sweep: first-layer inputs", unit="tasks", enabled=self.progress):
             batch = as_batch(load_inputs(task))
-            student, expert = shared._first_inputs(settings[0].model, experts[task], batch)
+            student, expert, carry_s, carry_e = shared._first_inputs(settings[0].model, experts[task], batch)
             batches = batch.for_layers(self.device)
             del batch  # the stem's inputs are not kept through the layers
-            expert_streams[task] = Stream(expert[:0], expert, batches)  # its students are the settings'
+            # its students are the settings'
+            expert_streams[task] = Stream(expert[:0], expert, batches, expert_carry=carry_e)
             for setting in settings:
                 rows = batches.rows(0, setting.size)
-                setting.students[task] = Stream(student[: setting.size].clone(), expert[: setting.size], rows)
+                setting.students[task] = Stream(
+                    student[: setting.size].clone(), expert[: setting.size], rows, student_carry=carry_s
+                )
             del student
         layers = [self.adapter.layers(s.model) for s in settings]
         num_layers = len(layers[0])
@@ -179,7 +182,7 @@ class SweepCalibrator:
                 if index < num_layers - 1:
                     layer = setting_layers[index]
                     for stream in setting.students.values():
-                        setting.calibrator._advance(setting.model, layer, stream.student, stream.batches)
+                        setting.calibrator._advance(setting.model, layer, stream)
             del expert_layer  # freed before the next layer's copy
             logger.debug("FeatCal sweep: layer %d calibrated for %d settings", index, len(settings))
         return [s.model for s in settings]
@@ -194,7 +197,7 @@ class SweepCalibrator:
     ) -> None:
         """The setting's layer plan and working memory, as its own driver would make them."""
         first = next(iter(setting.students.values()))
-        stream = Stream(first.student, expert.expert, first.batches)
+        stream = Stream(first.student, expert.expert, first.batches, first.student_carry, expert.expert_carry)
         plan = setting.calibrator._discover(setting.model, layer, expert_layer, stream, weighting)
         if setting.state is not None and setting.state.plan.key() == plan.key():
             setting.state.start_layer(plan)
@@ -225,13 +228,17 @@ class SweepCalibrator:
             bs = self.batch_size
             expert = stream.expert
             seq_len = expert.shape[1]
+            carry_e = stream.expert_carry
             for start in range(0, expert.shape[0], bs):
                 batch = stream.batches.rows(start, start + bs)
                 context = self.adapter.layer_context(settings[0].model, batch, expert[start : start + bs])
                 with autocast_forwards(self.device, self.forward_dtype):
-                    out_e = self.adapter.run_layer(expert_layer, expert[start : start + bs], context)
+                    out_e, carry_e = run_layer(
+                        self.adapter, expert_layer, expert[start : start + bs], context, stream.expert_carry
+                    )
                 for setting, layer, recorder in zip(settings, layers, recorders):
-                    student = setting.students[task].student
+                    own = setting.students[task]
+                    student = own.student
                     rows = min(bs, student.shape[0] - start)
                     if rows <= 0:
                         continue
@@ -243,7 +250,8 @@ class SweepCalibrator:
                     )
                     try:
                         with autocast_forwards(self.device, self.forward_dtype):
-                            self.adapter.run_layer(layer, student[start : start + rows], part_context)
+                            run_layer(self.adapter, layer, student[start : start + rows], part_context,
+                                      own.student_carry)  # fmt: skip
                     except StopForward:
                         pass
                     expert_rows = rec_e if rows == out_e.shape[0] else _FirstRows(rec_e, rows)
@@ -251,6 +259,7 @@ class SweepCalibrator:
                     recorder.clear()
                 rec_e.clear()
                 expert[start : start + bs] = out_e
+            stream.expert_carry = carry_e
             for setting in settings:
                 setting.state.finish_task()
         finally:

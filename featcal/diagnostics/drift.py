@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from featcal.calibration.adapters import CalibrationBatch, LayerAdapter, as_batch
+from featcal.calibration.adapters import CalibrationBatch, LayerAdapter, as_batch, run_layer, stem_carry
 from featcal.checkpoint import StateDict, load_params
 from featcal.errors import FeatcalError
 from featcal.progress import Progress
@@ -178,8 +178,11 @@ class DriftMeter:
         for part, prefix in self.adapter.stem_parts().items():
             load_params(expert_stem.get_submodule(part), expert, prefix)
         expert_stream = self._stem(expert_stem, batch, dtype)
+        expert_carry = stem_carry(self.adapter, expert_stem)
         del expert_stem
-        streams = {name: self._stem(self.adapter.stem(model), batch, dtype) for name, model in models.items()}
+        stems = {name: self.adapter.stem(model) for name, model in models.items()}
+        streams = {name: self._stem(stem, batch, dtype) for name, stem in stems.items()}
+        carries = {name: stem_carry(self.adapter, stem) for name, stem in stems.items()}
         layer_batches = batch.for_layers(self.device)
         layers = {name: self.adapter.layers(model) for name, model in models.items()}
         num_layers = len(layers[next(iter(models))])
@@ -189,15 +192,21 @@ class DriftMeter:
             # (the attention type of a sliding-window layer), and the adapter runs the copy as that layer
             expert_layer = copy.deepcopy(self.adapter.layers(first)[index])
             load_params(expert_layer, expert, self.adapter.layer_prefix(index))
+            expert_after, after = expert_carry, dict(carries)  # each stream's carry past this layer
             for start in range(0, expert_stream.shape[0], self.batch_size):
                 rows = slice(start, start + self.batch_size)
                 part = layer_batches.rows(start, start + self.batch_size)
                 context = self.adapter.layer_context(first, part, expert_stream[rows])
-                expert_stream[rows] = self.adapter.run_layer(expert_layer, expert_stream[rows], context)
+                expert_stream[rows], expert_after = run_layer(
+                    self.adapter, expert_layer, expert_stream[rows], context, expert_carry
+                )
                 for name in models:
-                    streams[name][rows] = self.adapter.run_layer(layers[name][index], streams[name][rows], context)
+                    streams[name][rows], after[name] = run_layer(
+                        self.adapter, layers[name][index], streams[name][rows], context, carries[name]
+                    )
                 outputs = {name: streams[name][rows] for name in models}
                 sums.add(index, expert_stream[rows], outputs, part.token_weights)
+            expert_carry, carries = expert_after, after
             del expert_layer  # freed before the next layer's copy
         heads = {name: self.adapter.head(model) for name, model in models.items()}
         expert_head = self._expert_copy(self.adapter.head(first), expert, self.adapter.head_prefix())
