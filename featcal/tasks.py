@@ -7,7 +7,8 @@ schema (JSON or YAML).
 
 A task belongs to one model family (``family``, default ``clip_vision``), which decides what else its
 entry says: a CLIP task its class names and zero-shot prompt templates; a causal-LM task how a row of
-its dataset becomes a text (:class:`TextFormat`).
+its dataset becomes a text (:class:`TextFormat`); a seq2seq task how it becomes an input and a target
+text, and how its generations are scored (:class:`TextPairFormat`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,15 @@ class DatasetSpec:
 
 
 DEFAULT_FAMILY = "clip_vision"  # the model family of a task whose entry names none
-TEXT_FAMILIES = ("causal_lm",)  # families whose tasks are texts (a TextFormat), not labelled images
+GLUE_IDS = ("nyu-mll/glue", "glue")  # GLUE's Hub id, and its legacy alias (FusionBench's)
+GLUE_CONFIGS = (
+    "ax", "cola", "mnli", "mnli_matched", "mnli_mismatched", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb", "wnli",
+)  # fmt: skip
+TEXT_FAMILIES = ("causal_lm", "seq2seq")  # families whose tasks are texts, not labelled images
+PAIR_FAMILY = "seq2seq"  # the family whose tasks are (input, target) pairs (a TextPairFormat)
+METRICS = ("exact_match", "spearman")  # how a seq2seq task scores its generations
+DEFAULT_INPUT_LENGTH = 512  # tokens of an input text (T5's model_max_length, FusionBench's GLUE inputs)
+DEFAULT_TARGET_LENGTH = 128  # tokens of a target text
 WEIGHTS = ("all", "response")  # which tokens of a text weigh in the calibration's statistics
 DEFAULT_MAX_LENGTH = 2048  # tokens of a calibration text (MergeBench's SFT length)
 
@@ -110,6 +119,39 @@ def format_columns(fmt: TextFormat, columns: Sequence[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
+class TextPairFormat:
+    """How a row of a seq2seq task's dataset becomes an input text and a target text, and how the model's
+    generations are scored.
+
+    Attributes:
+        input: The input, a template over the row's columns (``"{sentence1} {sentence2}"``).
+        target: The target, a template likewise (``"{label}"``, ``"{label:.1f}"``).
+        labels: The words of the label column's class ids, in id order (the target of class 0 is
+            ``labels[0]``); empty when the targets are the columns' own values.
+        metric: ``exact_match`` (the fraction of generations equal to the target) or ``spearman`` (Spearman's
+            ρ of the generations read as numbers against the targets, an unparsable one counting 0.0).
+        max_length: Inputs are cut after this many tokens.
+        target_max_length: Targets are cut after this many tokens.
+    """
+
+    input: str
+    target: str
+    labels: tuple[str, ...] = ()
+    metric: str = "exact_match"
+    max_length: int = DEFAULT_INPUT_LENGTH
+    target_max_length: int = DEFAULT_TARGET_LENGTH
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry's keys (``labels`` only when set)."""
+        data: dict[str, Any] = {"input": self.input, "target": self.target}
+        if self.labels:
+            data["labels"] = list(self.labels)
+        return {
+            **data, "metric": self.metric, "max_length": self.max_length, "target_max_length": self.target_max_length,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Task:
     """One task: its data, its family's description of it (for CLIP: class names and zero-shot
     prompts) and (optionally) its expert."""
@@ -122,7 +164,7 @@ class Task:
     reference_accuracy: Mapping[str, float] = field(default_factory=dict)
     reference_source: str | None = None
     family: str = DEFAULT_FAMILY
-    text: TextFormat | None = None
+    text: TextFormat | TextPairFormat | None = None
 
     def prompts(self, classname: str) -> list[str]:
         """The task's templates filled with one class name."""
@@ -205,6 +247,7 @@ def _resolve_ref(value: str | None, root: Path | None) -> str | None:
 COMMON_FIELDS = frozenset({"dataset", "expert", "reference_accuracy", "reference_source", "family"})
 IMAGE_FIELDS = frozenset({"classnames", "templates"})
 TEXT_FIELDS = frozenset({"text", "prompt", "response", "weigh", "max_length", "answer"})
+PAIR_FIELDS = frozenset({"input", "target", "labels", "metric", "max_length", "target_max_length"})
 
 
 def _parse_dataset(entry: Mapping[str, Any], root: Path | None, where: str) -> DatasetSpec:
@@ -223,6 +266,10 @@ def _parse_dataset(entry: Mapping[str, Any], root: Path | None, where: str) -> D
         raise FeatcalError(f"{where}: dataset field(s) {not_text} must be text.")
     path = _resolve_ref(dataset["path"], root)
     repo, pinned = split_revision(path) if local_path(path) is None else (path, None)
+    if repo in GLUE_IDS and dataset.get("name") not in GLUE_CONFIGS:
+        raise FeatcalError(
+            f"{where}: GLUE has no configuration {dataset.get('name')!r}; it has {', '.join(GLUE_CONFIGS)}."
+        )
     if pinned is not None and dataset.get("revision") is not None:
         raise FeatcalError(f"{where}: the dataset pins a revision twice ('@' in 'path' and 'revision'): keep one.")
     return DatasetSpec(**{**dataset, "path": repo, "revision": dataset.get("revision") or pinned})
@@ -282,6 +329,42 @@ def _parse_text_fields(entry: Mapping[str, Any], where: str) -> TextFormat:
     return TextFormat(text, prompt, response, weigh, max_length, answer)
 
 
+def _length(entry: Mapping[str, Any], key: str, default: int, where: str) -> int:
+    value = entry.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise FeatcalError(f"{where}: {key!r} must be a whole number of tokens, at least 2, not {value!r}.")
+    return value
+
+
+def _parse_pair_fields(entry: Mapping[str, Any], where: str) -> TextPairFormat:
+    for key in ("input", "target"):
+        value = entry.get(key)
+        if not isinstance(value, str) or not value.strip():
+            raise FeatcalError(
+                f'{where}: {key!r} must be a template over the dataset\'s columns (e.g. input: "{{sentence}}", '
+                'target: "{label}").'
+            )
+        try:
+            list(string.Formatter().parse(value))
+        except ValueError:
+            raise FeatcalError(
+                f"{where}: {key!r} is not a valid template: {value!r} (write '{{{{' for a literal brace)."
+            ) from None
+    labels = entry.get("labels", [])
+    if not isinstance(labels, list) or not all(isinstance(word, str) and word.strip() for word in labels):
+        raise FeatcalError(f"{where}: 'labels' must list the words of the class ids, in id order.")
+    if labels and (len(labels) < 2 or len(set(labels)) != len(labels)):
+        raise FeatcalError(f"{where}: 'labels' must name at least two classes, each with a word of its own.")
+    metric = entry.get("metric", METRICS[0])
+    if metric not in METRICS:
+        raise FeatcalError(f"{where}: 'metric' must be one of {', '.join(METRICS)}, not {metric!r}.")
+    return TextPairFormat(
+        entry["input"], entry["target"], tuple(labels), metric,
+        _length(entry, "max_length", DEFAULT_INPUT_LENGTH, where),
+        _length(entry, "target_max_length", DEFAULT_TARGET_LENGTH, where),
+    )  # fmt: skip
+
+
 def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     where = f"task {name!r} in {source}"
     if not isinstance(entry, Mapping):
@@ -290,12 +373,17 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     if not isinstance(family, str):
         raise FeatcalError(f"{where}: 'family' must name a model family (e.g. {DEFAULT_FAMILY}).")
     is_text = family in TEXT_FAMILIES
-    unknown = set(entry) - COMMON_FIELDS - (TEXT_FIELDS if is_text else IMAGE_FIELDS)
+    fields = PAIR_FIELDS if family == PAIR_FAMILY else TEXT_FIELDS if is_text else IMAGE_FIELDS
+    unknown = set(entry) - COMMON_FIELDS - fields
     if unknown:
         raise FeatcalError(f"{where}: unknown field(s) {sorted(unknown)}.")
     spec = _parse_dataset(entry, root, where)
     classnames, templates = ((), ()) if is_text else _parse_image_fields(entry, where)
-    text = _parse_text_fields(entry, where) if is_text else None
+    text: TextFormat | TextPairFormat | None = None
+    if family == PAIR_FAMILY:
+        text = _parse_pair_fields(entry, where)
+    elif is_text:
+        text = _parse_text_fields(entry, where)
     expert = entry.get("expert")
     if expert is not None and not isinstance(expert, str):
         raise FeatcalError(f"{where}: 'expert' must be a model id or folder.")

@@ -38,6 +38,26 @@ def load_text_split(task: Task, split: str = "train") -> Any:
     Raises:
         DatasetInputError: the dataset cannot be loaded, is empty, or lacks a column the format reads.
     """
+    rows = load_rows(task, split)
+    fmt = _text_format(task)
+    missing = sorted({c for c in format_columns(fmt, rows.column_names) if c not in rows.column_names})
+    if missing:
+        raise DatasetInputError(
+            task.name,
+            task.dataset.path,
+            f"Task {task.name!r}: the text format reads column(s) {missing}, which {task.dataset.path} lacks; it has "
+            f"{rows.column_names}.",
+        )
+    return rows
+
+
+def load_rows(task: Task, split: str = "train") -> Any:
+    """The rows of a text task's ``train`` (or ``test``) split: of a Hub dataset or a local folder, or of one
+    local ``.json``, ``.jsonl``, ``.parquet`` or ``.csv`` file (which is every split at once).
+
+    Raises:
+        DatasetInputError: the dataset cannot be loaded, or is empty.
+    """
     import datasets
 
     spec = task.dataset
@@ -63,15 +83,6 @@ def load_text_split(task: Task, split: str = "train") -> Any:
         rows = load_dataset_split(spec.path, split_name, name=spec.name, task=task.name, revision=spec.revision)
     if len(rows) == 0:
         raise DatasetInputError(task.name, spec.path, f"Task {task.name!r}: {spec.path} holds no rows.")
-    fmt = _text_format(task)
-    missing = sorted({c for c in format_columns(fmt, rows.column_names) if c not in rows.column_names})
-    if missing:
-        raise DatasetInputError(
-            task.name,
-            spec.path,
-            f"Task {task.name!r}: the text format reads column(s) {missing}, which {spec.path} lacks; it has "
-            f"{rows.column_names}.",
-        )
     return rows
 
 
