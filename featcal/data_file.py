@@ -18,6 +18,19 @@ table as ``--tasks-file`` (:mod:`featcal.tasks`), one task per expert::
 
 An entry may also name its task (``task: math``); by default it is the part of the expert's name
 that differs from the other experts' (``math`` above).
+
+An encoder-decoder's expert (T5) gives an input and a target template instead of a text, and for a
+classification dataset the words of its class ids (FusionBench's GLUE targets); such entries are tasks of
+the ``seq2seq`` family::
+
+    experts:
+      tanganke/flan-t5-base_glue-rte:
+        dataset: nyu-mll/glue
+        config: rte
+        split: train
+        input: "{sentence1} {sentence2}"
+        target: "{label}"
+        labels: [entailment, not_entailment]   # the word of class 0, of class 1
 """
 
 from __future__ import annotations
@@ -33,11 +46,14 @@ from featcal.files.reading import read_structured
 from featcal.hub.refs import local_path, split_revision
 from featcal.tasks import TaskTable, parse_task_table
 
-TOP_KEYS = frozenset({"experts", "max_length", "weigh", "family"})
+TOP_KEYS = frozenset({"experts", "max_length", "weigh", "family", "target_max_length"})
+TEXT_KEYS = ("text", "prompt", "response", "answer")  # how a causal LM's row becomes a text (and its answer)
+PAIR_KEYS = ("input", "target", "labels", "metric")  # how a seq2seq row becomes an input and a target
 ENTRY_KEYS = frozenset(
-    {"dataset", "split", "config", "text", "prompt", "response", "weigh", "max_length", "task", "answer"}
+    {"dataset", "split", "config", "weigh", "max_length", "target_max_length", "task", *TEXT_KEYS, *PAIR_KEYS}
 )
 DEFAULT_TEXT_FAMILY = "causal_lm"
+PAIR_FAMILY = "seq2seq"  # the family of an entry with an input and a target
 
 
 def expert_key(ref: str) -> str:
@@ -75,8 +91,8 @@ def read_data_file(path: str | Path) -> TaskTable:
         path: The YAML or JSON file.
 
     Returns:
-        The tasks (family ``causal_lm`` unless the file's ``family`` says otherwise), each with its
-        expert, dataset and text format.
+        The tasks (family ``causal_lm``, or ``seq2seq`` for an entry with ``input`` or ``target``, unless the
+        file's ``family`` says otherwise), each with its expert, dataset and text format.
 
     Raises:
         InputError: naming the file, the entry and the fix, for anything that is not a valid data file.
@@ -129,12 +145,15 @@ def _task_entry(ref: str, entry: Mapping[str, Any], top: Mapping[str, Any], wher
         dataset["train_split"] = entry["split"]
     if entry.get("config") is not None:
         dataset["name"] = entry["config"]
-    task: dict[str, Any] = {"family": str(top.get("family", DEFAULT_TEXT_FAMILY)), "dataset": dataset, "expert": ref}
-    for key in ("text", "prompt", "response", "answer"):
+    pair = any(entry.get(key) is not None for key in ("input", "target"))
+    family = str(top.get("family", PAIR_FAMILY if pair else DEFAULT_TEXT_FAMILY))
+    task: dict[str, Any] = {"family": family, "dataset": dataset, "expert": ref}
+    for key in (*TEXT_KEYS, *PAIR_KEYS):
         if entry.get(key) is not None:
             task[key] = entry[key]
-    for key in ("weigh", "max_length"):
-        value = entry.get(key, top.get(key))
+    for key in ("weigh", "max_length", "target_max_length"):  # the file's defaults where the family has them
+        own = ("max_length", "target_max_length") if family == PAIR_FAMILY else ("weigh", "max_length")
+        value = entry.get(key, top.get(key) if key in own else None)
         if value is not None:
             task[key] = value
     return task

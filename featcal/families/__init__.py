@@ -21,7 +21,11 @@ if TYPE_CHECKING:
     from featcal.families.base import ModelFamily
 
 # Built-in families: name -> the module whose ``FAMILY`` attribute is the family.
-BUILTIN = {"clip_vision": "featcal.families.clip_vision", "causal_lm": "featcal.families.causal_lm"}
+BUILTIN = {
+    "clip_vision": "featcal.families.clip_vision",
+    "causal_lm": "featcal.families.causal_lm",
+    "seq2seq": "featcal.families.seq2seq",
+}
 DEFAULT_FAMILY = "clip_vision"
 _registered: dict[str, ModelFamily] = {}
 

@@ -1,0 +1,163 @@
+"""The seq2seq family: T5 encoder-decoders (T5, FLAN-T5) on text-to-text tasks (GLUE as FusionBench defines it).
+
+Everything featcal knows of T5 lives in this package: model folders (:mod:`.folders`), the calibration's
+adapter (:mod:`.adapter`), the tasks' (input, target) pairs (:mod:`.texts`), the evaluation of greedy
+generations (:mod:`.evaluation`) and what a release says (:mod:`.release`). :data:`FAMILY` is the
+:class:`~featcal.families.base.ModelFamily` the rest of featcal uses; its parts are imported on first use,
+so looking the family up imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from featcal.families.base import ReleaseParts
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from featcal.calibration.adapters import CalibrationBatch, LayerAdapter
+    from featcal.checkpoint import Checkpoint
+    from featcal.distributed import World
+    from featcal.families.seq2seq.evaluation import GenerationEvaluator
+    from featcal.runfolder.reader import RunFolder
+    from featcal.spec import RunSpec
+    from featcal.tasks import Task
+
+
+class Seq2SeqFamily:
+    """T5 encoder-decoders of transformers 5, calibrated on each expert's (input, target) pairs."""
+
+    name = "seq2seq"
+    title = "T5 encoder-decoder"
+    model_types = ("t5",)
+    output_dtypes = ("base",)  # a T5 is written in float32, FLAN-T5's own dtype (its wo overflows in float16)
+    noun = "example"
+    release = ReleaseParts(
+        model_class="T5ForConditionalGeneration",
+        pipeline_tag="text2text-generation",
+        tags=("t5", "text2text-generation"),
+        files=(),
+        task_type="text2text-generation",
+        task_name="Text2Text Generation",
+        card_template=(__name__, "model_card.md.j2"),
+    )
+
+    # --- models -------------------------------------------------------------------------------
+    def check_base_folder(self, folder: Path) -> None:
+        from featcal.families.seq2seq.folders import check_t5_folder_kind
+
+        check_t5_folder_kind(folder)
+
+    def checkpoint(self, folder: Path, name: str | None = None) -> Checkpoint:
+        from featcal.families.seq2seq.folders import t5_checkpoint
+
+        return t5_checkpoint(folder, name)
+
+    def model_config(self, base_folder: Path) -> Any:
+        from featcal.families.seq2seq.folders import load_config
+
+        return load_config(base_folder)
+
+    def hidden_size(self, config: Any) -> int:
+        return int(config.d_model)
+
+    def check_model_folder(self, folder: Path, base: Checkpoint | None = None) -> Checkpoint:
+        from featcal.families.seq2seq.folders import check_t5_folder
+
+        return check_t5_folder(folder, base)
+
+    def load_model(self, folder: Path, base: Checkpoint | None = None) -> nn.Module:
+        from featcal.families.seq2seq.folders import load_t5_folder
+
+        return load_t5_folder(folder, base)
+
+    def build_model(self, config: Any, state: Mapping[str, torch.Tensor]) -> nn.Module:
+        from featcal.families.seq2seq.folders import build_t5
+
+        return build_t5(config, state)
+
+    def save_model(
+        self, state: Mapping[str, torch.Tensor], config: Any, folder: Path, *, output_dtype: str = "base"
+    ) -> Path:
+        from featcal.families.seq2seq.folders import save_t5
+
+        return save_t5(state, config, folder)
+
+    # --- calibration --------------------------------------------------------------------------
+    def adapter(self) -> LayerAdapter:
+        from featcal.families.seq2seq.adapter import T5Adapter
+
+        return T5Adapter()
+
+    def skeleton(self, folder: Path, merged: Checkpoint, device: torch.device) -> nn.Module:
+        from featcal.families.seq2seq.folders import t5_skeleton
+
+        return t5_skeleton(self.model_config(folder), merged, device)
+
+    def streamed_model(self, config: Any, folder: Path, *, output_dtype: str = "base"):
+        from featcal.families.seq2seq.folders import streamed_t5
+
+        return streamed_t5(config, folder)
+
+    def preprocessor(self, base_folder: Path) -> Any:
+        from featcal.families.seq2seq.texts import base_tokenizer
+
+        return base_tokenizer(base_folder)
+
+    def load_split(self, task: Task, split: str) -> Any:
+        from featcal.families.seq2seq.texts import load_pair_split
+
+        return load_pair_split(task, split)
+
+    def check_examples(
+        self, task: Task, dataset: Any, split: str, rows: Sequence[int], preprocessor: Any = None
+    ) -> Mapping[str, Any] | None:
+        from dataclasses import asdict
+
+        from featcal.families.seq2seq.texts import check_pairs
+
+        facts = check_pairs(task, dataset, rows, preprocessor)
+        return None if facts is None else asdict(facts)
+
+    def check_split(self, task: Task, dataset: Any, split: str) -> None:
+        """Nothing beyond what :meth:`load_split` checks (columns, and the classes ``labels`` names)."""
+
+    def calibration_inputs(self, task: Task, preprocessor: Any, n: int, seed: int, *, world: World) -> CalibrationBatch:
+        from featcal.families.seq2seq.texts import calibration_pairs
+
+        return calibration_pairs(task, preprocessor, n, seed, world=world)
+
+    def test_inputs(self, task: Task, preprocessor: Any, n: int) -> CalibrationBatch:
+        from featcal.families.seq2seq.texts import first_pairs
+
+        return first_pairs(task, preprocessor, n)
+
+    # --- evaluation and release ---------------------------------------------------------------
+    def evaluator(
+        self, base_folder: Path, device: torch.device, *, world: World, settings: Mapping[str, Any] | None = None
+    ) -> GenerationEvaluator:
+        from featcal.families.seq2seq.evaluation import GenerationEvaluator
+
+        return GenerationEvaluator(base_folder, device, world=world)
+
+    def evaluation_settings(self, spec: RunSpec) -> Mapping[str, Any]:
+        """None: a T5 evaluation depends on the test pairs and ``max_eval_samples`` alone (its generation settings
+        are FusionBench's, fixed, and recorded by :meth:`evaluation_record`)."""
+        return {}
+
+    def evaluation_record(self) -> Mapping[str, Any]:
+        from featcal.families.seq2seq.evaluation import GENERATION
+
+        return {"generation": dict(GENERATION)}
+
+    def card_context(self, run: RunFolder) -> Mapping[str, Any]:
+        from featcal.families.seq2seq.release import card_context
+
+        return card_context(run)
+
+
+FAMILY = Seq2SeqFamily()
