@@ -74,13 +74,13 @@ class RunSpec:
     )  # fmt: skip
     suite: str = option(
         DEFAULT_SUITE, help=f"built-in task suite, {' | '.join(SUITE_NAMES)}: FusionBench's 8, 14 or 20 CLIP tasks, "
-        "or MergeBench's five language-model tasks (see `featcal tasks`)", group=TASKS, metavar="SUITE",
-        choices=SUITE_NAMES,
+        "its 8 GLUE tasks for FLAN-T5, or MergeBench's five language-model tasks (see `featcal tasks`)", group=TASKS,
+        metavar="SUITE", choices=SUITE_NAMES,
     )  # fmt: skip
     backbone: str | None = option(
         None, help=f"the suite's backbone, {' | '.join(BACKBONE_NAMES)}: the base and expert ids of the built-in "
-        "suite (default: b32 for CLIP's suites, llama-3.2-3b for mergebench)", group=TASKS, metavar="BACKBONE",
-        choices=BACKBONE_NAMES,
+        "suite (default: b32 for CLIP's suites, flan-t5-base for glue8, llama-3.2-3b for mergebench)", group=TASKS,
+        metavar="BACKBONE", choices=BACKBONE_NAMES,
     )  # fmt: skip
     tasks: list[str] | None = option(
         None, help="tasks to use (default: every task of tasks-file, else every task of the suite)", group=TASKS,

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 SUITES_RESOURCE = "suites.json"
 TALL_TABLE = "tall_tasks.json"
+GLUE_TABLE = "glue8_tasks.json"  # the GLUE tasks of FusionBench's FLAN-T5 benchmark (the seq2seq family)
 SINGLE_MODEL_KINDS = ("zero_shot", "expert")
 IMAGE_FAMILY = "clip_vision"  # the family of a suite or backbone whose entry names none
 OUTPUT_DIR_PATTERN = "outputs/clip-vit-{backbone}-{suite}"  # a run folder's default, unless its suite names one
@@ -221,6 +222,9 @@ def reference_source(suite: str, backbone_name: str) -> str:
     table = _text_suite(suite)
     if table is not None:
         return str(table["reference_source"])
+    own = suites_data()["backbones"][backbone_name].get("reference_source")
+    if own:
+        return own
     title, count = backbone(backbone_name).title, len(suite_task_names(suite))
     return f"FusionBench (docs/modelpool/clip_vit.md, {title}, {count} tasks)"
 
@@ -286,7 +290,8 @@ def suite_table(suite: str | None = None, backbone_name: str | None = None) -> T
         backbone_name: One of the suite's backbones (:func:`suite_backbones`); None: its default.
 
     Raises:
-        UnknownNameError: for a suite or backbone that is not built in, or a backbone of another suite.
+        UnknownNameError: for a suite or backbone that is not built in, or a backbone of another suite
+            (``glue8`` runs on ``flan-t5-base``).
     """
     from featcal.tasks import builtin_tasks, parse_task_table
 
@@ -300,8 +305,10 @@ def suite_table(suite: str | None = None, backbone_name: str | None = None) -> T
     ta8 = builtin_tasks()
     if (suite, backbone_name) == (DEFAULT_SUITE, DEFAULT_BACKBONE):
         return ta8
-    tall = parse_task_table(_resource(TALL_TABLE), source="built-in TALL tasks")
-    known = {**ta8.tasks, **tall.tasks}
+    tables = [parse_task_table(_resource(TALL_TABLE), source="built-in TALL tasks")]
+    if any(name not in ta8.tasks for name in names):
+        tables.append(parse_task_table(_resource(GLUE_TABLE), source="built-in GLUE tasks"))
+    known = {**ta8.tasks, **{name: task for table in tables for name, task in table.tasks.items()}}
     published = merged_reference(suite, backbone_name)
     source = reference_source(suite, backbone_name)
     tasks = {}

@@ -43,7 +43,7 @@ ALL_PAIRS = [(s, b) for s in CLIP_SUITES for b in suite_backbones(s)]
 
 def test_suites_are_fusionbenchs_8_14_and_20_tasks_each_extending_the_last():
     assert CLIP_SUITES == ("ta8", "ta14", "ta20") and suite_backbones("ta8") == ["b32", "b16", "l14"]
-    assert SUITE_NAMES == (*CLIP_SUITES, "mergebench") and set(suite_backbones("ta8")) < set(BACKBONE_NAMES)
+    assert SUITE_NAMES == (*CLIP_SUITES, "mergebench", "glue8") and set(suite_backbones("ta8")) < set(BACKBONE_NAMES)
     ta8, ta14, ta20 = (suite_task_names(s) for s in CLIP_SUITES)
     assert ta8 == list(builtin_tasks().tasks)
     assert ta14 == [*ta8, "oxford_flowers102", "pcam", "fer2013", "oxford-iiit-pet", "stl10", "cifar100"]
@@ -66,6 +66,12 @@ def test_every_table_is_well_formed(suite, backbone_name):
         assert task.expert == model.expert(name)
         assert task.dataset.image_column and task.dataset.label_column
         assert all(0 < v <= 1 for v in task.reference_accuracy.values()), name
+
+
+@pytest.mark.parametrize("suite, backbone_name", [("ta8", "flan-t5-base"), ("ta20", "flan-t5-base"), ("glue8", "b32")])
+def test_a_suite_runs_on_its_own_backbones_only(suite, backbone_name):
+    with pytest.raises(UnknownNameError, match=f"Suite {suite}: unknown backbone '{backbone_name}'"):
+        suite_table(suite, backbone_name)
 
 
 def test_backbones_name_the_real_base_and_expert_ids():
@@ -117,9 +123,9 @@ def test_references_belong_to_the_suite_and_backbone_they_were_published_for():
     for name in suite_backbones("ta14"):
         assert not any(t.reference_accuracy for t in suite_table("ta14", name).tasks.values())
     single = suites_data()["reference_accuracy"]["single_model"]
-    assert set(single) == set(suite_backbones("ta8"))
-    for kinds in single.values():
-        assert all(set(values) == set(FUSIONBENCH_CLASSES) for values in kinds.values())
+    assert set(single) == {*suite_backbones("ta8"), "flan-t5-base"}  # FLAN-T5's: tests/test_seq2seq_run.py
+    for name in suite_backbones("ta8"):
+        assert all(set(values) == set(FUSIONBENCH_CLASSES) for values in single[name].values())
 
 
 def test_suite_and_backbone_are_run_options_with_checked_values(tmp_path):

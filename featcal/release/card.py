@@ -50,6 +50,8 @@ CARD_FILE = "README.md"
 TAGS = ["merge", "featcal", "model-merging"]  # the family's follow, then the merging method's
 # The recipe table's symbol and meaning of each FeatCal hyper-parameter, from the run spec.
 FEATCAL_PARAMS = {f.name: (option_of(f).symbol, option_of(f).card) for f, _, _ in option_fields(FeatCalParams)}
+# The model-index metric of a task whose metrics.json entry names what its "accuracy" holds (a seq2seq task).
+METRIC_TYPES = {"exact_match": "exact_match", "spearman": "spearmanr"}
 # What run_config.json's FeatCal section records beside the parameters, when it applies.
 FEATCAL_RECORDS = {
     "calibration_examples_used": ("", "train images of the tasks that had fewer than n; all of them were used"),
@@ -90,11 +92,12 @@ def card_data(run: RunFolder, *, model_name: str, license: str) -> ModelCardData
             dataset_name=t.name,
             dataset_config=t.dataset.name,
             dataset_split=evaluated_split(t, run.max_eval_samples),
-            metric_type="accuracy",
-            metric_name="accuracy",
+            metric_type=metric,
+            metric_name=metric,
             metric_value=float(released.metrics[t.name]["accuracy"]),
         )
         for t in run.tasks
+        for metric in [METRIC_TYPES.get(released.metrics[t.name].get("metric"), "accuracy")]
     ]
     return ModelCardData(
         model_name=model_name,

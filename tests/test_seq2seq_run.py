@@ -1,0 +1,114 @@
+"""`featcal run` on T5: merge → evaluate → FeatCal → evaluate → export, resumed, and the built-in glue8 suite.
+
+The models are tiny T5s (``tests/support/tiny_t5.py``) with two tasks from local JSON-lines files: a
+classification task (class ids made words) and a regression task scored by Spearman's ρ, as STS-B is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from featcal.cli import main
+from featcal.suites import describe_suite, suite_table
+from tests.support.tiny_t5 import pairs, save_model
+
+RUN = ["--num-calibration-examples", "8", "--calibration-batch-size", "4", "--device", "cpu", "--eval-num-workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def tasks_file(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("t5run")
+    base = save_model(root / "base", seed=0)
+    tasks = {}
+    for i, (name, entry) in enumerate(
+        {
+            "cls": {"target": "{label}", "labels": ["w1", "w2"]},
+            "reg": {"target": "{score:.1f}", "metric": "spearman"},
+        }.items()
+    ):
+        save_model(root / f"t5-tiny_glue-{name}", seed=10 + i, base=base)
+        rows = [{"sentence": t, "label": j % 2, "score": float(j % 5)} for j, (t, _) in enumerate(pairs(20 + i, 16))]
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tasks[name] = {"family": "seq2seq", "dataset": {"path": f"{name}.jsonl"}, "expert": f"t5-tiny_glue-{name}",
+                       "input": "rate: {sentence}", **entry}  # fmt: skip
+    (root / "tasks.yaml").write_text(yaml.safe_dump({"base_model": "base", "tasks": tasks}))
+    return root / "tasks.yaml"
+
+
+@pytest.fixture(scope="module")
+def run(tasks_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "t5"
+    assert main(["-q", "run", "--tasks-file", str(tasks_file), "--output-dir", str(out), *RUN]) == 0
+    return out
+
+
+def test_a_t5_run_writes_every_stage_and_its_scores(run) -> None:
+    for stage in ("ta", "featcal-ta"):
+        metrics = json.loads((run / stage / "metrics.json").read_text())
+        assert metrics["cls"]["metric"] == "exact_match" and metrics["reg"]["metric"] == "spearman"
+        assert metrics["cls"]["num_samples"] == 16
+        assert metrics["average"]["accuracy"] == pytest.approx(
+            (metrics["cls"]["accuracy"] + metrics["reg"]["accuracy"]) / 2
+        )
+    record = json.loads((run / "run_config.json").read_text())
+    assert record["family"] == "seq2seq"
+    assert record["evaluation"]["generation"] == {"max_length": 10, "do_sample": False, "num_beams": 1}
+    config = json.loads((run / "featcal-ta" / "config.json").read_text())
+    assert config["architectures"] == ["T5ForConditionalGeneration"]
+
+
+def test_a_rerun_skips_every_stage(run, tasks_file, capsys) -> None:
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*.safetensors")}
+    assert main(["run", "--tasks-file", str(tasks_file), "--output-dir", str(run), *RUN]) == 0
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*.safetensors")} == before
+
+
+def test_the_release_is_a_text2text_generation_model_with_its_card(run) -> None:
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForSeq2SeqLM
+
+    release = run / "release"
+    card = ModelCard.load(release / "README.md")
+    assert card.data.pipeline_tag == "text2text-generation"
+    assert {"t5", "featcal", "task-arithmetic"} <= set(card.data.tags)
+    metrics = {r.dataset_name: r.metric_type for r in card.data.eval_results}
+    assert metrics == {"cls": "exact_match", "reg": "spearmanr"}
+    assert "AutoModelForSeq2SeqLM" in card.text and "Spearman" in card.text
+    model = AutoModelForSeq2SeqLM.from_pretrained(release)
+    assert type(model).__name__ == "T5ForConditionalGeneration"
+    assert (release / "tokenizer.json").is_file()
+
+
+def test_the_glue8_suite_is_fusionbench_s_flan_t5_benchmark() -> None:
+    table = suite_table("glue8", "flan-t5-base")
+    assert table.base_model == "google/flan-t5-base"
+    assert list(table.tasks) == ["cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb"]
+    mnli, stsb, rte = table.tasks["mnli"], table.tasks["stsb"], table.tasks["rte"]
+    assert mnli.expert == "tanganke/flan-t5-base_glue-mnli" and mnli.dataset.test_split == "validation_matched"
+    assert (mnli.dataset.path, mnli.dataset.name, mnli.dataset.train_split) == ("nyu-mll/glue", "mnli", "train")
+    assert mnli.text.labels == ("entailment", "neutral", "contradiction")
+    assert rte.text.labels == ("yes", "no") and rte.text.input.startswith("Does the text: '{sentence1}'")
+    assert stsb.text.target == "{label:.1f}" and stsb.text.metric == "spearman" and not stsb.text.labels
+    assert table.tasks["cola"].reference_accuracy["task_arithmetic"] == 0.705
+    assert table.reference_average["task_arithmetic"] == 0.789
+    assert table.reference_average["task_arithmetic_featcal"] == 0.852
+    listing = describe_suite("glue8", "flan-t5-base")
+    assert listing["tasks"][7]["reference_accuracy"]["expert"] == pytest.approx(0.88695433)
+
+
+def test_the_glue8_suite_runs_on_flan_t5_base_and_refuses_another_backbone(tmp_path, capsys) -> None:
+    """Without --backbone glue8 takes flan-t5-base (its run folder outputs/flan-t5-base-glue8); a CLIP backbone is
+    one error line naming it, exit 2, before any work."""
+    from featcal.suites import default_backbone, default_output_dir
+
+    assert default_backbone("glue8") == "flan-t5-base" and suite_table("glue8").base_model == "google/flan-t5-base"
+    assert default_output_dir("glue8", "flan-t5-base") == "outputs/flan-t5-base-glue8"
+    argv = ["-q", "run", "--suite", "glue8", "--backbone", "b32", "--output-dir", str(tmp_path / "out")]
+    code = main([*argv, "--device", "cpu"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and "flan-t5-base" in err[0] and "'b32'" in err[0], err
+    assert not (tmp_path / "out").exists()
