@@ -112,3 +112,25 @@ def test_the_glue8_suite_runs_on_flan_t5_base_and_refuses_another_backbone(tmp_p
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and "flan-t5-base" in err[0] and "'b32'" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_two_processes_give_one_process_results(run, tasks_file, tmp_path) -> None:
+    """torchrun over 2 processes (gloo): the merge bit for bit, the merged model's scores exactly (each process
+    generates for its half of every task: counts summed, the STS-B-like numbers gathered), the calibrated weights
+    to float32 rounding (the statistics are summed over the processes in another order)."""
+    from safetensors.torch import load_file
+
+    from tests.test_distributed import torchrun
+
+    out = tmp_path / "two"
+    done, _ = torchrun(2, ["-q", "run", "--tasks-file", str(tasks_file), "--output-dir", str(out), *RUN, "--no-export"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (load_file(str(folder / "ta" / "model.safetensors")) for folder in (run, out))
+    assert all(one[k].equal(two[k]) for k in one)
+    one, two = (load_file(str(folder / "featcal-ta" / "model.safetensors")) for folder in (run, out))
+    for key in one:
+        assert float((one[key] - two[key]).norm() / one[key].norm()) < 1e-5, key
+    scores = [json.loads((folder / "ta" / "metrics.json").read_text()) for folder in (run, out)]
+    for task in ("cls", "reg"):
+        assert scores[0][task]["accuracy"] == scores[1][task]["accuracy"]
+        assert scores[0][task]["num_samples"] == scores[1][task]["num_samples"] == 16
