@@ -38,6 +38,8 @@ GLUE_TABLE = "glue8_tasks.json"  # the GLUE tasks of FusionBench's FLAN-T5 bench
 SINGLE_MODEL_KINDS = ("zero_shot", "expert")
 IMAGE_FAMILY = "clip_vision"  # the family of a suite or backbone whose entry names none
 OUTPUT_DIR_PATTERN = "outputs/clip-vit-{backbone}-{suite}"  # a run folder's default, unless its suite names one
+# Where the CLIP backbones' single-model numbers come from (a backbone may name its own source).
+CLIP_SINGLE_SOURCE = "FusionBench (docs/modelpool/clip_vit.md, 'The 20-Task Model Collections')"
 
 
 @cache
@@ -286,7 +288,7 @@ def suite_table(suite: str | None = None, backbone_name: str | None = None) -> T
     merge settings (``merge_defaults``) and its reference averages.
 
     Args:
-        suite: ``ta8``, ``ta14``, ``ta20`` or ``mergebench``; None: :data:`DEFAULT_SUITE`.
+        suite: ``ta8``, ``ta14``, ``ta20``, ``mergebench`` or ``glue8``; None: :data:`DEFAULT_SUITE`.
         backbone_name: One of the suite's backbones (:func:`suite_backbones`); None: its default.
 
     Raises:
@@ -338,14 +340,16 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
     """What `featcal tasks` lists: the suite's tasks on a backbone, with their data and reference numbers.
 
     Args:
-        suite: ``ta8``, ``ta14``, ``ta20`` or ``mergebench``; None: :data:`DEFAULT_SUITE`.
+        suite: ``ta8``, ``ta14``, ``ta20``, ``mergebench`` or ``glue8``; None: :data:`DEFAULT_SUITE`.
         backbone_name: One of the suite's backbones; None: its default (:func:`default_backbone`).
 
     Returns:
         A JSON-able mapping: the suite, its family, backbone, base and expert pattern; per task its
         dataset id, configuration, splits, expert id and reference numbers, and for a CLIP task its
         number of classes and templates (``zero_shot`` and ``expert`` accuracies from FusionBench, and
-        each merging method's where published), for a language task the columns its text format reads,
+        each merging method's where published; for a text-to-text task of glue8 the same, its number of
+        label words as classes, its one input template, its ``metric``, and FusionBench's FLAN-T5 scores),
+        for a language task the columns its text format reads,
         how its answer is found (exact match) or none, and its lm-evaluation-harness tasks; the published
         merge averages; a language suite's merge settings, where its FeatCal parameters come from and what
         it does not run; and where the numbers come from.
@@ -353,6 +357,8 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
     Raises:
         UnknownNameError: for a suite or backbone that is not built in, or a backbone of another suite.
     """
+    from featcal.tasks import TextPairFormat
+
     suite = suite or DEFAULT_SUITE
     backbone_name = backbone_name or default_backbone(suite)
     table = suite_table(suite, backbone_name)
@@ -369,12 +375,13 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
         "reference_average": dict(table.reference_average),
         "merged_reference_source": reference_source(suite, backbone_name) if table.reference_average else None,
     }
-    if family != IMAGE_FAMILY:
+    if _text_suite(suite) is not None:  # a language-model suite (mergebench); glue8 is listed as CLIP's are
         return {**listing, **_describe_text_suite(suite, table)}
     single = single_model_reference(backbone_name)
     tasks = []
     for task in table.tasks.values():
         reference = {kind: single[kind][task.name] for kind in SINGLE_MODEL_KINDS if task.name in single[kind]}
+        pair = isinstance(task.text, TextPairFormat)  # a text-to-text task: label words, one input template
         tasks.append(
             {
                 "name": task.name,
@@ -382,17 +389,19 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
                 "config": task.dataset.name,
                 "train_split": task.dataset.train_split,
                 "test_split": task.dataset.test_split,
-                "classes": len(task.classnames),
-                "templates": len(task.templates),
+                "classes": len(task.text.labels) if pair else len(task.classnames),
+                "templates": 1 if pair else len(task.templates),
+                **({"metric": task.text.metric} if pair else {}),
                 "expert": task.expert,
                 "reference_accuracy": {**reference, **task.reference_accuracy},
             }
         )
     data = suites_data()
+    single_source = data["backbones"][backbone_name].get("single_model_reference_source", CLIP_SINGLE_SOURCE)
     return {
         **listing,
         "tasks": tasks,
-        "single_model_reference_source": "FusionBench (docs/modelpool/clip_vit.md, 'The 20-Task Model Collections')",
+        "single_model_reference_source": single_source,
         "source": {"repository": data["source"]["repository"], "commit": data["source"]["commit"]},
     }
 

@@ -100,6 +100,22 @@ def test_the_glue8_suite_is_fusionbench_s_flan_t5_benchmark() -> None:
     assert listing["tasks"][7]["reference_accuracy"]["expert"] == pytest.approx(0.88695433)
 
 
+def test_featcal_tasks_lists_glue8_with_its_metrics_label_words_and_sources() -> None:
+    """The listing speaks of the suite's own facts: each task's metric and number of label words (not CLIP's
+    classes and templates), FusionBench's FLAN-T5 page as the source of the pre-trained and expert scores, and
+    the paper's 85.2, published as an average only."""
+    from featcal.cli.suites import format_suite
+
+    listing = describe_suite("glue8", "flan-t5-base")
+    mnli, stsb = listing["tasks"][1], listing["tasks"][7]
+    assert (mnli["metric"], mnli["classes"], stsb["metric"], stsb["classes"]) == ("exact_match", 3, "spearman", 0)
+    assert "flan-t5_generation.md" in listing["single_model_reference_source"]
+    text = format_suite(listing)
+    assert "clip_vit.md" not in text and "classes" not in text.splitlines()[3]
+    assert text.splitlines()[3].split()[4:7] == ["metric", "labels", "pre-trained"]
+    assert "task_arithmetic_featcal 85.20" in text
+
+
 def test_the_glue8_suite_runs_on_flan_t5_base_and_refuses_another_backbone(tmp_path, capsys) -> None:
     """Without --backbone glue8 takes flan-t5-base (its run folder outputs/flan-t5-base-glue8); a CLIP backbone is
     one error line naming it, exit 2, before any work."""

@@ -92,32 +92,40 @@ def format_text_suite(listing: Mapping[str, Any]) -> str:
 
 
 def format_suite(listing: Mapping[str, Any]) -> str:
-    """The listing of :func:`featcal.suites.describe_suite` as a plain-text table, accuracies in %."""
-    if listing.get("family", "clip_vision") != "clip_vision":
+    """The listing of :func:`featcal.suites.describe_suite` as a plain-text table, accuracies in %.
+
+    A language-model suite (mergebench) has a listing of its own (:func:`format_text_suite`). A suite of
+    text-to-text tasks (FLAN-T5 on GLUE) shows each task's metric and number of label words (``-`` for a score,
+    STS-B's) in place of classes and prompt templates, and its pre-trained model's scores as ``pre-trained``; its
+    scores are exact match in %, Spearman's ρ × 100 for a task whose metric says so.
+    """
+    if "merge_defaults" in listing:  # a language-model suite's listing
         return format_text_suite(listing)
     methods = sorted({m for t in listing["tasks"] for m in t["reference_accuracy"]} - set(REFERENCE_COLUMNS))
     columns = [*REFERENCE_COLUMNS, *methods]
-    headings = [REFERENCE_COLUMNS.get(c, c) for c in columns]
+    text = any("metric" in t for t in listing["tasks"])
+    names = {**REFERENCE_COLUMNS, **({"zero_shot": "pre-trained"} if text else {})}
+    headings = [names.get(c, c) for c in columns]
     rows = [
         [
             t["name"],
             t["dataset"] + (f" ({t['config']})" if t["config"] else ""),
             t["test_split"],
-            str(t["classes"]),
-            str(t["templates"]),
+            *([t["metric"], str(t["classes"] or "-")] if text else [str(t["classes"]), str(t["templates"])]),
             *(_pct(t["reference_accuracy"].get(c)) for c in columns),
         ]
         for t in listing["tasks"]
     ]
     if listing["reference_average"]:
         rows.append(["average", "", "", "", "", "", "", *(_pct(listing["reference_average"].get(m)) for m in methods)])
-    header = ["task", "dataset", "test split", "classes", "templates", *headings]
+    header = ["task", "dataset", "test split", *(["metric", "labels"] if text else ["classes", "templates"]), *headings]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    left = 3  # task, dataset and split are text; the rest numbers
+    left = 4 if text else 3  # task, dataset, split (and metric) are text; the rest numbers
 
     def line(cells: list[str]) -> str:
         return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
+    scores = "scores in % (exact match; Spearman's rho x 100 for a spearman task)" if text else "accuracies (%)"
     out = [
         f"Suite {listing['suite']}: {listing['title']}, {len(listing['tasks'])} tasks, on {listing['backbone_title']}",
         f"Base {listing['base_model']}; experts {listing['expert_model_pattern']}",
@@ -125,12 +133,16 @@ def format_suite(listing: Mapping[str, Any]) -> str:
         line(header),
         *(line(r) for r in rows),
         "",
-        f"zero-shot, expert: accuracies (%) published by {listing['single_model_reference_source']}.",
+        f"{headings[0]}, expert: {scores} published by {listing['single_model_reference_source']}.",
     ]
     if methods:
-        out.append(f"{', '.join(methods)}: merge accuracies (%) published by {listing['merged_reference_source']}.")
+        out.append(f"{', '.join(methods)}: merge {scores} published by {listing['merged_reference_source']}.")
     else:
         out.append("No per-task merge accuracy is published for this suite and backbone.")
+    only_average = {m: v for m, v in listing["reference_average"].items() if m not in methods}
+    if only_average:  # published as an average alone (the FeatCal paper's FLAN-T5 result)
+        averages = ", ".join(f"{m} {_pct(v)}" for m, v in only_average.items())
+        out.append(f"Published as an average only: {averages} (same source).")
     out.append(f"Source: {listing['source']['repository']} at {listing['source']['commit'][:12]}.")
     return "\n".join(out)
 
