@@ -81,6 +81,36 @@ def test_the_release_is_a_text2text_generation_model_with_its_card(run) -> None:
     model = AutoModelForSeq2SeqLM.from_pretrained(release)
     assert type(model).__name__ == "T5ForConditionalGeneration"
     assert (release / "tokenizer.json").is_file()
+    assert "training examples per task" in card.text and "images" not in card.text
+
+
+def test_the_release_config_reads_as_flan_t5_s_own_and_gives_the_stage_s_logits(run) -> None:
+    """transformers 5 writes ``tie_word_embeddings: true`` for every T5, which transformers 4 would read as a tied,
+    rescaled head: the release says ``false``, as FLAN-T5's own config does, and still loads (transformers 5)
+    with its own head, giving the calibrated stage's logits exactly."""
+    import torch
+    from transformers import AutoModelForSeq2SeqLM
+
+    config = json.loads((run / "release" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and config["scale_decoder_outputs"] is False
+    released, stage = (AutoModelForSeq2SeqLM.from_pretrained(run / f).eval() for f in ("release", "featcal-ta"))
+    assert released.lm_head.weight is not released.shared.weight
+    ids = torch.tensor([[5, 6, 7, 1]])
+    with torch.no_grad():
+        one, two = (m(input_ids=ids, decoder_input_ids=torch.tensor([[0, 9]])).logits for m in (released, stage))
+    assert torch.equal(one, two)
+
+
+def test_a_t5_release_is_exported_again_and_passes_push_s_checks(run) -> None:
+    """Exporting again replaces the release (its tokenizer and generation files are the release's own), and
+    ``featcal push``'s check of a release finds it complete: every file of its manifest, unchanged."""
+    from featcal.release.check import check_release
+
+    manifest = json.loads((run / "release" / "release_manifest.json").read_text())
+    assert main(["-q", "export", str(run)]) == 0
+    assert json.loads((run / "release" / "release_manifest.json").read_text()) == manifest
+    checked = check_release(run / "release")
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= {f.path_in_repo for f in checked.files}
 
 
 def test_the_glue8_suite_is_fusionbench_s_flan_t5_benchmark() -> None:
@@ -150,3 +180,4 @@ def test_two_processes_give_one_process_results(run, tasks_file, tmp_path) -> No
     for task in ("cls", "reg"):
         assert scores[0][task]["accuracy"] == scores[1][task]["accuracy"]
         assert scores[0][task]["num_samples"] == scores[1][task]["num_samples"] == 16
+

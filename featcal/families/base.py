@@ -8,7 +8,7 @@ batches, the evaluator, and what a release of it says.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +66,9 @@ class ReleaseParts:
         task_type: The ``model-index`` task type of its results (``image-classification``).
         task_name: That task's name for people.
         card_template: The package and file name of the family's model card template.
+        optional_files: Files a release may hold beside those (a tokenizer's optional files), which a new export
+            may replace.
+        edit_config: Rewrites the released ``config.json`` (as a dict) after transformers wrote it, or None.
     """
 
     model_class: str
@@ -75,6 +78,8 @@ class ReleaseParts:
     task_type: str
     task_name: str
     card_template: tuple[str, str]
+    optional_files: tuple[str, ...] = ()
+    edit_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 class ModelFamily(Protocol):

@@ -219,6 +219,7 @@ def _context(
     model_name = repo_id or default_model_name(run)
     featcal = run.record.featcal.to_json() if run.record.featcal else None
     family = get_family(run.record.family)
+    noun = family.noun  # the FeatCal rows speak of the family's examples (CLIP's: images)
     return {
         "card_data": card_data(run, model_name=model_name, license=license).to_yaml(),
         "title": model_name.split("/")[-1],
@@ -247,7 +248,7 @@ def _context(
                 "name": k,
                 "symbol": (FEATCAL_PARAMS | FEATCAL_RECORDS).get(k, ("", ""))[0],
                 "value": v,
-                "meaning": (FEATCAL_PARAMS | FEATCAL_RECORDS).get(k, ("", ""))[1],
+                "meaning": (FEATCAL_PARAMS | FEATCAL_RECORDS).get(k, ("", ""))[1].replace("images", f"{noun}s"),
             }
             for k, v in featcal.items()
         ]

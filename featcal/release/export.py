@@ -48,7 +48,8 @@ def required_files(family: ModelFamily) -> tuple[str, ...]:
 
 def release_names(family: ModelFamily) -> re.Pattern[str]:
     """The names a release folder of ``family``'s model may hold (what ``export`` may replace)."""
-    return re.compile("|".join(map(re.escape, sorted({*required_files(family), *OPTIONAL_FILES}))))
+    names = {*required_files(family), *OPTIONAL_FILES, *family.release.optional_files}
+    return re.compile("|".join(map(re.escape, sorted(names))))
 
 
 def load_released_model(family: ModelFamily, folder: Path, what: str):
@@ -103,6 +104,9 @@ def _write_weights(run: RunFolder, family: ModelFamily, out: Path, published: di
     """Write the released model; returns its ``tensors_sha256`` (also stamped in its metadata)."""
     model = load_released_model(family, run.released.path, f"Stage {run.released.name!r}")
     model.save_pretrained(str(out))
+    if family.release.edit_config is not None:
+        config = family.release.edit_config(json.loads((out / MODEL_CONFIG).read_text(encoding="utf-8")))
+        (out / MODEL_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tensors = tensors_sha256(out / WEIGHTS)
     stamp_safetensors(
         out / WEIGHTS,

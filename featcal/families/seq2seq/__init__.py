@@ -28,6 +28,35 @@ if TYPE_CHECKING:
     from featcal.tasks import Task
 
 
+# What a release holds from the base's tokenizer and the model's generation config (beside config.json and the
+# weights): the tokenizer's two files always; the others when transformers writes them (a sentencepiece T5's
+# spiece.model, a generation config).
+RELEASE_FILES = ("tokenizer.json", "tokenizer_config.json")
+OPTIONAL_RELEASE_FILES = (
+    "generation_config.json", "special_tokens_map.json", "spiece.model", "added_tokens.json", "chat_template.jinja",
+)  # fmt: skip
+
+
+def release_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A released ``config.json`` that transformers 4 reads as transformers 5 does.
+
+    transformers 5 writes every T5 configuration with ``tie_word_embeddings: true`` and records a FLAN-T5's (a T5
+    v1.1's: an LM head of its own, decoder outputs not rescaled) as ``scale_decoder_outputs: false``; transformers 4
+    knows only ``tie_word_embeddings``, and would tie the head to the embedding and rescale. Such a configuration
+    is written back with ``tie_word_embeddings: false``, as FLAN-T5's own configuration says, which transformers 5
+    reads as the same model. A T5 v1.0 configuration (tied, rescaled) is left as it is.
+
+    Args:
+        config: The configuration transformers 5 wrote.
+
+    Returns:
+        The configuration to release.
+    """
+    if config.get("model_type") == "t5" and config.get("scale_decoder_outputs") is False:
+        return {**config, "tie_word_embeddings": False}
+    return config
+
+
 class Seq2SeqFamily:
     """T5 encoder-decoders of transformers 5, calibrated on each expert's (input, target) pairs."""
 
@@ -40,10 +69,12 @@ class Seq2SeqFamily:
         model_class="T5ForConditionalGeneration",
         pipeline_tag="text2text-generation",
         tags=("t5", "text2text-generation"),
-        files=(),
+        files=RELEASE_FILES,
         task_type="text2text-generation",
         task_name="Text2Text Generation",
         card_template=(__name__, "model_card.md.j2"),
+        optional_files=OPTIONAL_RELEASE_FILES,
+        edit_config=release_config,
     )
 
     # --- models -------------------------------------------------------------------------------
