@@ -181,3 +181,18 @@ def test_two_processes_give_one_process_results(run, tasks_file, tmp_path) -> No
         assert scores[0][task]["accuracy"] == scores[1][task]["accuracy"]
         assert scores[0][task]["num_samples"] == scores[1][task]["num_samples"] == 16
 
+
+def test_featcal_diagnose_on_a_t5_run_speaks_of_examples_and_the_decoder_s_first_position(run, tmp_path) -> None:
+    """The drift report of a T5 run names what it measured: examples (not images) and, as its last point, the
+    decoder's final norm at its first position (not a pooled CLS output); its model card says the same."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    assert main(["-q", "diagnose", str(copy), "--device", "cpu", "--num-images", "4"]) == 0
+    report = json.loads((copy / "diagnostics.json").read_text())
+    assert report["noun"] == "example" and report["head_point"] == "decoder's final norm at its first position"
+    assert "4 test examples per task" in report["summary"] and "CLS" not in report["summary"] + report["definition"]
+    assert main(["-q", "export", str(copy)]) == 0
+    card = (copy / "release" / "README.md").read_text()
+    assert "test examples per task" in card and "decoder's final norm at its first position" in card

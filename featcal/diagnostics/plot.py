@@ -61,7 +61,7 @@ def save_drift_plot(report: DriftReport, path: str | Path) -> bool:
     lines.set_ylim(bottom=0)
     lines.grid(alpha=0.3)
     lines.legend(fontsize=7, frameon=False)
-    fig.suptitle(f"Relative feature drift from each task's expert ({report.split} images)", fontsize=10)
+    fig.suptitle(f"Relative feature drift from each task's expert ({report.split} {report.noun}s)", fontsize=10)
     fig.savefig(path, format="png", bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
     return True

@@ -30,6 +30,7 @@ DEFINITION = (
     "the CLS token); model and expert t run on the same images of task t"
 )
 SPLITS = ("test", "calibration")
+DEFAULT_NOUN, DEFAULT_HEAD_POINT = "image", "pooled (CLS) output"  # CLIP's words, which DEFINITION speaks
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class DriftReport:
         labels: A readable name of each measured model (``Task Arithmetic``, ``Task Arithmetic + FeatCal``).
         stages: The run folder's stage folder of each measured model (``ta``, ``featcal-ta``).
         run_id: The run's recipe hash.
+        noun: What one example is called (the family's: ``image``, ``example``).
+        head_point: What the last measuring point is called (the family's: ``pooled (CLS) output``).
     """
 
     drift: FeatureDrift
@@ -50,26 +53,38 @@ class DriftReport:
     labels: Mapping[str, str]
     stages: Mapping[str, str]
     run_id: str
+    noun: str = DEFAULT_NOUN
+    head_point: str = DEFAULT_HEAD_POINT
+
+    def definition(self) -> str:
+        """What the drift is, in the words of the measured models' family."""
+        if (self.noun, self.head_point) == (DEFAULT_NOUN, DEFAULT_HEAD_POINT):
+            return DEFINITION
+        return (
+            "relative drift = sqrt(sum ||f_model - f_expert||^2) / sqrt(sum ||f_expert||^2), sums over the task's "
+            f"{self.noun}s and every token that is not padding; f = the hidden states after each layer, then the "
+            f"{self.head_point}; model and expert t run on the same {self.noun}s of task t"
+        )
 
     def summary(self) -> str:
         """One line: the mean layer drift and the pooled drift of each model, and FeatCal's change."""
         d = self.drift
         where = (
             f"mean over {len(d.points) - 1} layers × {len(d.tasks)} tasks, "
-            f"{_count_words(d.num_images)} {'test' if self.split == 'test' else 'calibration'} images per task"
+            f"{_count_words(d.num_images)} {'test' if self.split == 'test' else 'calibration'} {self.noun}s per task"
         )
         if MERGED in d.drift and CALIBRATED in d.drift:
             before, after = d.mean_layer_drift(MERGED), d.mean_layer_drift(CALIBRATED)
             change = f" ({100 * (after - before) / before:+.0f} %)" if before > 0 else ""
             return (
                 f"Feature drift from the experts ({where}): {before:.3f} for {self.labels[MERGED]}, "
-                f"{after:.3f} with FeatCal{change}; pooled (CLS) output: "
+                f"{after:.3f} with FeatCal{change}; {self.head_point}: "
                 f"{d.mean_pooled_drift(MERGED):.3f} → {d.mean_pooled_drift(CALIBRATED):.3f}."
             )
         (name,) = d.models
         return (
             f"Feature drift of {self.labels[name]} from the experts ({where}): {d.mean_layer_drift(name):.3f}; "
-            f"pooled (CLS) output: {d.mean_pooled_drift(name):.3f}."
+            f"{self.head_point}: {d.mean_pooled_drift(name):.3f}."
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -77,7 +92,9 @@ class DriftReport:
         return {
             "format": FORMAT,
             "run_id": self.run_id,
-            "definition": DEFINITION,
+            "definition": self.definition(),
+            **({"noun": self.noun} if self.noun != DEFAULT_NOUN else {}),
+            **({"head_point": self.head_point} if self.head_point != DEFAULT_HEAD_POINT else {}),
             "split": self.split,
             "images_per_task": dict(d.num_images),
             "points": list(d.points),
@@ -120,6 +137,8 @@ class DriftReport:
                 labels={name: str(entry["label"]) for name, entry in models.items()},
                 stages={name: str(entry["stage"]) for name, entry in models.items()},
                 run_id=str(data["run_id"]),
+                noun=str(data.get("noun", DEFAULT_NOUN)),
+                head_point=str(data.get("head_point", DEFAULT_HEAD_POINT)),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise RunFolderError(

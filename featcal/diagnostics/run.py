@@ -20,7 +20,7 @@ from featcal.calibration.adapters import CalibrationBatch, LayerAdapter
 from featcal.checkpoint import StateDict
 from featcal.diagnostics.drift import measure_drift
 from featcal.diagnostics.plot import save_drift_plot
-from featcal.diagnostics.report import CALIBRATED, MERGED, DriftReport, write_report
+from featcal.diagnostics.report import CALIBRATED, DEFAULT_HEAD_POINT, DEFAULT_NOUN, MERGED, DriftReport, write_report
 from featcal.distributed import SINGLE
 from featcal.errors import FeatcalError, InvalidParameterError, ModelInputError
 from featcal.files.model_files import MODEL_CONFIG
@@ -92,6 +92,8 @@ def diagnose_models(
     device: torch.device | str = "cpu",
     batch_size: int = 64,
     progress: bool = True,
+    noun: str = DEFAULT_NOUN,
+    head_point: str = DEFAULT_HEAD_POINT,
 ) -> DriftReport:
     """Measure the drift of a run's merged and/or calibrated model from its experts.
 
@@ -107,6 +109,8 @@ def diagnose_models(
         device: Where the forward passes run.
         batch_size: Images per forward batch.
         progress: Show progress.
+        noun: What the family calls one example (the report's words).
+        head_point: What the family calls the last measuring point (the adapter's head).
 
     Returns:
         The report, not yet written.
@@ -123,6 +127,8 @@ def diagnose_models(
         labels={m: labels[m] for m in models},
         stages={m: stages[m] for m in models},
         run_id=run_id,
+        noun=noun,
+        head_point=head_point,
     )
 
 
@@ -235,6 +241,7 @@ def diagnose_run(run_dir: str | Path, spec: RunSpec) -> tuple[DriftReport, Path,
             models, inputs.experts, load, adapter=family.adapter(), method=run.method, split=split,
             run_id=run.recipe_sha256, device=device,
             batch_size=spec.eval_batch_size or default_eval_batch_size(device), progress=spec.progress,
+            noun=family.noun, head_point=family.head_point,
         )  # fmt: skip
         path, plot = write_diagnostics(run.path, report)
     return report, path, plot

@@ -92,6 +92,8 @@ class ModelFamily(Protocol):
         noun: What one example is called in messages (``image``).
         output_dtypes: The ``--output-dtype`` values it writes models in (:data:`featcal.precision.OUTPUT_DTYPES`;
             ``base`` always); another is refused before any work.
+        head_point: What the diagnostics call the adapter's head, their last measuring point
+            (``pooled (CLS) output``).
     """
 
     name: str
@@ -99,6 +101,7 @@ class ModelFamily(Protocol):
     model_types: tuple[str, ...]
     noun: str
     output_dtypes: tuple[str, ...]
+    head_point: str
 
     # --- models -------------------------------------------------------------------------------
     def check_base_folder(self, folder: Path) -> None:

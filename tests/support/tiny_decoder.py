@@ -102,6 +102,7 @@ class TinyDecoderFamily:
     model_types: tuple[str, ...] = ("llama",)
     noun: str = "text"
     output_dtypes: tuple[str, ...] = ("base",)
+    head_point: str = "last token's final norm"
     release = ReleaseParts(
         model_class="LlamaForCausalLM", pipeline_tag="text-generation", tags=("llama",), files=(),
         task_type="text-generation", task_name="Text Generation", card_template=("featcal", "missing.j2"),

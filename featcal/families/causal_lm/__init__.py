@@ -37,6 +37,7 @@ class CausalLMFamily:
     model_types = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
     noun = "text"
     output_dtypes = ("base", "float32")  # the base's dtype (bfloat16 for most LMs), or float32
+    head_point = "last token's final norm"
     release = ReleaseParts(
         model_class="AutoModelForCausalLM",
         pipeline_tag="text-generation",

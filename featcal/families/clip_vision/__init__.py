@@ -38,6 +38,7 @@ class ClipVisionFamily:
     model_types = ("clip", "clip_vision_model")
     noun = "image"
     output_dtypes = ("base",)  # a CLIPVisionModel is written in float32, as featcal computes it
+    head_point = "pooled (CLS) output"
     release = ReleaseParts(
         model_class="CLIPVisionModel",
         pipeline_tag="image-feature-extraction",

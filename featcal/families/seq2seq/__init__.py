@@ -65,6 +65,7 @@ class Seq2SeqFamily:
     model_types = ("t5",)
     output_dtypes = ("base",)  # a T5 is written in float32, FLAN-T5's own dtype (its wo overflows in float16)
     noun = "example"
+    head_point = "decoder's final norm at its first position"
     release = ReleaseParts(
         model_class="T5ForConditionalGeneration",
         pipeline_tag="text2text-generation",
