@@ -182,6 +182,24 @@ def test_two_processes_give_one_process_results(run, tasks_file, tmp_path) -> No
         assert scores[0][task]["num_samples"] == scores[1][task]["num_samples"] == 16
 
 
+@pytest.mark.parametrize("what", ["run", "release", "--suite glue8"])
+def test_the_space_refuses_a_t5_model_and_the_glue8_suite_in_one_line(run, capsys, monkeypatch, what) -> None:
+    """The Space classifies images with CLIP vision towers: a T5 run or release, and the glue8 suite, are refused
+    in one line, exit 2, before a base CLIP is looked for or a server started."""
+    from featcal.space.ui import Space
+
+    monkeypatch.setattr(Space, "launch", lambda self, **kwargs: pytest.fail("the Space was served"))
+    args = (
+        ["--suite", "glue8"]
+        if what == "--suite glue8"
+        else ["--model", str(run / ("release" if what == "release" else ""))]
+    )
+    code = main(["-q", "space", *args])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, lines
+    assert ("must be one of ta8, ta14, ta20" if what == "--suite glue8" else "is a 'seq2seq' model") in lines[0], lines
+
+
 def test_featcal_diagnose_on_a_t5_run_speaks_of_examples_and_the_decoder_s_first_position(run, tmp_path) -> None:
     """The drift report of a T5 run names what it measured: examples (not images) and, as its last point, the
     decoder's final norm at its first position (not a pooled CLS output); its model card says the same."""

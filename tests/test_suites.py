@@ -342,3 +342,13 @@ def test_a_suite_s_merge_settings_are_the_defaults_under_the_spec_s(monkeypatch)
     mine = resolve.resolve_inputs(RunSpec(suite="mergebench", ta_scaling_factor=0.3))
     assert mine.merge_params == {"scaling_factor": 0.3, "keep_embeddings": True}
     assert resolve.resolve_inputs(RunSpec()).merge_params == {"scaling_factor": 0.3}
+
+
+def test_the_space_names_the_clip_suites_for_a_suite_of_other_tasks():
+    from featcal.space.model import space_tasks
+    from featcal.space.settings import SpaceSettings
+
+    with pytest.raises(UnknownNameError, match="Unknown CLIP suite 'glue8'; known: ta8, ta14, ta20"):
+        space_tasks(SpaceSettings(suite="glue8"))
+    with pytest.raises(UnknownNameError, match="CLIP suite 'glue8'"):  # a Space whose model's run recorded glue8
+        space_tasks(SpaceSettings(), "glue8")

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from featcal.devices import resolve_device
-from featcal.errors import FeatcalError, ModelInputError
+from featcal.errors import FeatcalError, ModelInputError, UnknownNameError
 from featcal.families.clip_vision.evaluation import ZeroShotClassifier, load_base_clip
 from featcal.families.clip_vision.folders import load_vision_folder
 from featcal.families.clip_vision.images import pixel_values
@@ -28,7 +28,7 @@ from featcal.release.published import is_published_local
 from featcal.runfolder.layout import CALIBRATED_PREFIX, RELEASE_DIR, RUN_CONFIG
 from featcal.space.heads import default_cache_dir, task_heads
 from featcal.space.settings import DEFAULT_BASE_MODEL_ID, SpaceSettings
-from featcal.suites import suite_names, suite_table, task_table
+from featcal.suites import IMAGE_FAMILY, SUITE_NAMES, suite_family, suite_names, suite_table, task_table
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -137,15 +137,42 @@ def base_model_ref(settings: SpaceSettings, source: ModelSource) -> str:
     )
 
 
+def check_image_model(source: ModelSource) -> None:
+    """Refuse, before anything is loaded, a model whose run was not a CLIP run: the Space classifies images.
+
+    Raises:
+        ModelInputError: for a model whose ``run_config.json`` records another family (a T5's ``seq2seq``).
+    """
+    family = source.recipe().get("family", IMAGE_FAMILY)
+    if family != IMAGE_FAMILY:
+        raise ModelInputError(
+            source.ref,
+            f"The model {source.ref} is a {family!r} model: the Space classifies images with CLIP vision towers "
+            f"only ({IMAGE_FAMILY!r} runs); load a {family} release with transformers instead (its model card shows "
+            "how).",
+        )
+
+
 def space_tasks(settings: SpaceSettings, recorded_suite: str | None = None) -> list[Task]:
     """The tasks the Space offers: those of its tasks file, else those of the built-in suite.
 
     Args:
         settings: The Space's settings; their ``suite`` wins over ``recorded_suite``.
         recorded_suite: The suite the model's ``run_config.json`` records, if any (else ``ta8``).
+
+    Raises:
+        UnknownNameError: for a suite that is not built in, or not one of the CLIP suites (``glue8`` is FLAN-T5's).
     """
     if settings.tasks_file is None:
-        return list(suite_table(settings.suite or recorded_suite).tasks.values())
+        suite = settings.suite or recorded_suite
+        if suite in SUITE_NAMES and suite_family(suite) != IMAGE_FAMILY:
+            raise UnknownNameError(
+                "CLIP suite",
+                suite,
+                suite_names(IMAGE_FAMILY),
+                hint=f"The Space classifies images; {suite}'s tasks are not.",
+            )
+        return list(suite_table(suite).tasks.values())
     return list(task_table(settings.path(settings.tasks_file), replace=True).tasks.values())
 
 
@@ -156,6 +183,7 @@ class SpaceModel:
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.source = resolve_model_source(settings.model_id)
+        check_image_model(self.source)
         self.base_ref = base_model_ref(settings, self.source)
         recorded_suite = self.source.recipe().get("suite")
         self.tasks = {

@@ -17,7 +17,7 @@ from featcal.suites import suite_names
 IMAGE_SUITES = suite_names("clip_vision")  # the Space classifies images: CLIP's suites
 
 GROUP = "Space"
-SUITE_HELP = "built-in suite whose tasks to offer (default: the model's run_config.json's, else ta8)"
+SUITE_HELP = "built-in CLIP suite whose tasks to offer (default: the model's run_config.json's, else ta8)"
 
 
 @dataclass(frozen=True)
