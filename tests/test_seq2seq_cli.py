@@ -212,6 +212,7 @@ def test_an_expert_that_is_a_lora_adapter_is_refused(zoo, tmp_path, capsys) -> N
     (tmp_path / "d.yaml").write_text(json.dumps(data))
     code, err = _run_error(capsys, _merge_argv(zoo, tmp_path / "d.yaml", tmp_path / "m"))
     assert code == 2 and len(err) == 1 and "LoRA adapter" in err[0] and "merge_and_unload" in err[0], err
+    assert not (tmp_path / "m").exists()
 
 
 def test_labels_that_do_not_match_the_dataset_s_classes_are_refused(zoo, merged, tmp_path, capsys) -> None:

@@ -26,7 +26,7 @@ def tasks_file(tmp_path_factory) -> Path:
     tasks = {}
     for i, (name, entry) in enumerate(
         {
-            "cls": {"target": "{label}", "labels": ["w1", "w2"]},
+            "cls": {"target": "{label}", "labels": ["w1", "w2"], "reference_accuracy": {"task_arithmetic": 0.625}},
             "reg": {"target": "{score:.1f}", "metric": "spearman"},
         }.items()
     ):
@@ -82,6 +82,8 @@ def test_the_release_is_a_text2text_generation_model_with_its_card(run) -> None:
     assert type(model).__name__ == "T5ForConditionalGeneration"
     assert (release / "tokenizer.json").is_file()
     assert "training examples per task" in card.text and "images" not in card.text
+    cls_row = [line for line in card.text.splitlines() if line.startswith("| cls |")][-1]  # the results table's
+    assert "Published reference" in card.text and cls_row.endswith("| 62.50 |"), cls_row
 
 
 def test_the_release_config_reads_as_flan_t5_s_own_and_gives_the_stage_s_logits(run) -> None:
