@@ -2,9 +2,9 @@
 
 A folder is a ``save_pretrained`` folder of a ``T5ForConditionalGeneration`` (``model_type`` ``t5``: T5 and
 FLAN-T5; safetensors only). The base's tokenizer files and generation config travel with every merged and
-calibrated folder, so each loads with ``AutoModelForSeq2SeqLM``/``AutoTokenizer`` and runs in
-``pipeline("text2text-generation")``. Weights are written in float32: T5's feed-forward ``wo`` overflows in
-half precision (transformers keeps it in float32, ``_keep_in_fp32_modules``), and FLAN-T5 is released in
+calibrated folder, so each loads with ``AutoModelForSeq2SeqLM``/``AutoTokenizer`` and generates (transformers
+5 has no ``text2text-generation`` pipeline). Weights are written in float32: T5's feed-forward ``wo`` overflows in
+float16 (transformers keeps it in float32 there, ``_keep_in_fp32_modules``), and FLAN-T5 is released in
 float32.
 
 transformers 5 ties a freshly built T5's LM head to its embedding whatever its configuration says, and unties
