@@ -28,6 +28,7 @@ from featcal.files.reading import read_json
 from featcal.fingerprints import digest, folder_fingerprint
 from featcal.memory import MemoryMeter, release_free_memory
 from featcal.merging import get_method
+from featcal.merging.data import check_data_family
 from featcal.metrics import WEIGHTS_SHA256, MetricsReport, weights_sha256
 from featcal.model_recipe import read_model_recipe
 from featcal.outputs import check_run_output_folder
@@ -224,6 +225,8 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
         need_experts = not (spec.skip_ta and spec.skip_featcal and not spec.eval_experts)
         inputs = resolve_inputs(spec, need_experts=need_experts)
         family = inputs.family
+        if merges_from_data(spec):
+            check_data_family(spec.merge_method, family)
         preprocessor = family.preprocessor(inputs.base_folder)
         calibrates = not spec.skip_featcal or merges_from_data(spec)  # some step reads the calibration draw
         data = validate_datasets(

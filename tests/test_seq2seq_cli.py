@@ -275,3 +275,21 @@ def test_bad_data_entries_fail_in_one_line_before_any_work(zoo, merged, tmp_path
     code, err = _run_error(capsys, [*argv, "--output", str(tmp_path / "out")])
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
+@pytest.mark.parametrize("command", ["merge", "run"])
+def test_a_data_using_merge_of_t5s_is_refused_in_one_line(zoo, tmp_path, capsys, method, command) -> None:
+    """RegMean and RegMean++ stream examples through one plain stack of layers, which a T5 is not: refused before
+    any example is read or any folder written (they ran, then failed inside the first decoder block)."""
+    if command == "merge":
+        argv = [*_merge_argv(zoo, zoo / "data.yaml", tmp_path / "out"), "--method", method]
+    else:
+        tasks = {name: task.to_dict() for name, task in read_data_file(zoo / "data.yaml").tasks.items()}
+        (tmp_path / "tasks.json").write_text(json.dumps({"tasks": tasks, "base_model": str(zoo / "base")}))
+        argv = ["run", "--tasks-file", str(tmp_path / "tasks.json"), "--merge-method", method, "--device", "cpu",
+                "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    code, err = _run_error(capsys, argv)
+    assert code == 2 and len(err) == 1, err
+    assert f"'{method}' is invalid" in err[0] and "uses no calibration data for T5" in err[0], err
+    assert not (tmp_path / "out").exists()

@@ -112,6 +112,7 @@ def check_merge_data_options(args: argparse.Namespace, spec: RunSpec) -> bool:
 def cmd_merge(args: argparse.Namespace) -> int:
     from featcal.data import validate_datasets
     from featcal.distributed import session
+    from featcal.merging.data import check_data_family
     from featcal.outputs import check_output_folder
     from featcal.resolve import resolve_inputs
     from featcal.stages import check_calibration_shares, merge, merge_calibration, merge_data, save_merge
@@ -127,6 +128,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
             check_output_folder(output, kind="merged model", inputs=inputs.local_folders())
             if uses_data:  # each task's calibration examples, read before the merge starts
                 family, params = inputs.family, spec.featcal
+                check_data_family(spec.merge_method, family)
                 preprocessor = family.preprocessor(inputs.base_folder)
                 facts = validate_datasets(
                     family, inputs.tasks, splits=("train",), calibration_examples=params.num_calibration_examples,

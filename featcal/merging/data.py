@@ -10,11 +10,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from featcal.calibration.adapters import CalibrationBatch, LayerAdapter
+from featcal.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from featcal.families.base import ModelFamily
+
+
+def check_data_family(method: str, family: ModelFamily) -> None:
+    """Refuse, before any work, a data-using merge of a family whose layers are not one plain stack.
+
+    RegMean and RegMean++ stream each task's examples through the layers with the adapter's plain
+    ``run_layer``; a family whose streams carry tensors from layer to layer (a T5: its position biases and
+    encoder output; :class:`~featcal.calibration.adapters.CarryingAdapter`) is not merged that way.
+
+    Raises:
+        InvalidParameterError: naming the method and the family, for such a family.
+    """
+    if hasattr(family.adapter(), "run_layer_carried"):
+        raise InvalidParameterError(
+            "merge_method", method, f"a merging method that uses no calibration data for {family.title} models "
+            f"(family {family.name}; task_arithmetic, ties, ...): {method} merges from the inputs of one plain "
+            "stack of layers, which an encoder-decoder is not",
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
