@@ -293,3 +293,19 @@ def test_a_data_using_merge_of_t5s_is_refused_in_one_line(zoo, tmp_path, capsys,
     assert code == 2 and len(err) == 1, err
     assert f"'{method}' is invalid" in err[0] and "uses no calibration data for T5" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method", ["simple_average", "ties", "tsv", "iso_c"])
+def test_every_data_free_method_merges_t5s_into_a_folder_that_loads(zoo, tmp_path, method) -> None:
+    """Beside Task Arithmetic, each data-free method merges the tiny T5s into a T5 folder with its own LM head,
+    every tensor finite and of the base's shape."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    out = tmp_path / method
+    assert main(["-q", *_merge_argv(zoo, zoo / "data.yaml", out), "--method", method]) == 0
+    model = AutoModelForSeq2SeqLM.from_pretrained(out)
+    base = get_family("seq2seq").checkpoint(zoo / "base")
+    assert model.lm_head.weight is not model.shared.weight
+    state = model.state_dict()
+    for key in base:
+        assert state[key].shape == base.shape(key) and bool(torch.isfinite(state[key]).all()), key
