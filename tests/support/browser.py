@@ -55,8 +55,11 @@ def classify_on_page(page, url: str, image: Path, task: str | None = None, timeo
         page.get_by_role("option", name=task, exact=True).click()
     page.locator("#classify").click()
     status = page.locator("#status")
+    # Gradio draws the answer under its "processing | 0.1s" overlay a moment before it removes the overlay:
+    # wait for both, so the text returned is the status line alone.
     page.wait_for_function(
-        "() => /Top classes|Could not classify/.test(document.querySelector('#status')?.innerText || '')",
+        "() => { const text = document.querySelector('#status')?.innerText || '';"
+        " return /Top classes|Could not classify/.test(text) && !/processing/.test(text); }",
         timeout=timeout_ms,
     )
     return status.inner_text()
