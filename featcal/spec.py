@@ -117,18 +117,18 @@ class RunSpec:
     )  # fmt: skip
     featcal: FeatCalParams = field(default_factory=FeatCalParams)
     allow_fewer_calibration_examples: bool = option(
-        False, help="use every train image of a task whose train split is smaller than the number asked for "
+        False, help="use every train example of a task whose train split is smaller than the number asked for "
         "(recorded in run_config.json, metrics and card); else that is an error", group=FEATCAL,
     )  # fmt: skip
     eval_batch_size: int | None = option(
-        None, help="test images per batch (default 256 on CUDA, 16 on the CPU)", group=EVALUATION, metavar="B", ge=1
+        None, help="test examples per batch (default 256 on CUDA, 16 on the CPU)", group=EVALUATION, metavar="B", ge=1
     )
     eval_num_workers: int = option(
         default_factory=default_eval_workers, help="data-loading workers (default: min(8, CPUs))",
         group=EVALUATION, metavar="W", ge=0,
     )  # fmt: skip
     max_eval_samples: int | None = option(
-        None, help="evaluate only the first N test images per task (quick runs; language tasks: the first N "
+        None, help="evaluate only the first N test examples per task (quick runs; language tasks: the first N "
         "held-out texts, and N examples per lm-eval task)", group=EVALUATION, metavar="N", ge=1,
     )  # fmt: skip
     eval_max_new_tokens: int = option(

@@ -23,11 +23,11 @@ class FeatCalParams:
     """
 
     num_calibration_examples: int = option(
-        256, help="calibration images per task, from the train split", group=GROUP, metavar="N", ge=1,
-        symbol="n", card="training images per task used for calibration",
+        256, help="calibration examples (images or texts) per task, from the train split", group=GROUP, metavar="N",
+        ge=1, symbol="n", card="training images per task used for calibration",
     )  # fmt: skip
     calibration_batch_size: int = option(
-        16, help="images per forward batch while collecting statistics", group=GROUP, metavar="B", ge=1,
+        16, help="examples per forward batch while collecting statistics", group=GROUP, metavar="B", ge=1,
         card="images per forward batch while collecting statistics",
     )  # fmt: skip
     lambda_ratio: float = option(

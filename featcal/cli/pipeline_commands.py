@@ -299,7 +299,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--merged",
         required=True,
         metavar="DIR",
-        help="merged model folder: a CLIPVisionModel, or a causal LM (featcal's merge or mergekit's output, "
+        help="merged model folder: a CLIPVisionModel, a causal LM or a T5 model (featcal's merge or mergekit's output, "
         "whose records name the base and the experts)",
     )
     p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
