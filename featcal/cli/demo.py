@@ -1,4 +1,5 @@
-"""`featcal demo`: build (once) the offline mini8 benchmark, run merge → calibrate → evaluate → export on it."""
+"""`featcal demo`: build (once) an offline benchmark zoo (mini8 or lm5), run merge → calibrate → evaluate →
+export on it."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from featcal.demo.options import DemoOptions
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="run the whole pipeline on the offline mini8 benchmark (no downloads)",
-        description="Build the mini8 benchmark zoo the first time (eight procedural image tasks, a small CLIP "
-        "and one expert per task, cached), then merge with Task Arithmetic, calibrate with FeatCal, "
-        "evaluate zero-shot and export a release folder. Prints the results table.",
+        help="run the whole pipeline on an offline benchmark, mini8 or lm5 (no downloads)",
+        description="Build the benchmark zoo the first time (mini8: eight procedural image tasks, a small CLIP "
+        "and one expert per task; --zoo lm5: five synthetic text tasks, a tiny Llama and one expert per task; "
+        "cached), then merge with Task Arithmetic, calibrate with FeatCal, evaluate the base, the experts and "
+        "both models, and export a release folder. Prints the results table.",
     )
     add_options(parser, DemoOptions)
     command(parser, cmd_demo)
@@ -30,24 +32,52 @@ def _check_options(options: DemoOptions) -> None:
     Raises:
         FeatcalError: naming the option and what it must be.
     """
-    from featcal.demo import demo_run_spec
     from featcal.devices import resolve_device
     from featcal.merging import get_method
     from featcal.outputs import check_run_output_folder
 
     # Built to be checked, not kept: the zoo's folder does not exist yet, and no field here depends on it.
-    demo_run_spec(Path(options.output_dir), options.output_dir, device=options.device, progress=False).replace(
-        threads=options.threads
-    )
+    _run_spec(options, Path(options.run_folder), progress=False)
     resolve_device(options.device)
     get_method("task_arithmetic").resolved_params(scaling_factor=options.ta_scaling_factor)
-    check_run_output_folder(Path(options.output_dir))
+    check_run_output_folder(Path(options.run_folder))
+
+
+def _run_spec(options: DemoOptions, zoo: Path, *, progress: bool):
+    """The run on ``zoo`` that the options ask for."""
+    if options.zoo == "lm5":
+        from featcal.demo.lm_zoo import lm_run_spec
+
+        spec = lm_run_spec(
+            zoo, options.run_folder, device=options.device, progress=progress, scaling_factor=options.ta_scaling_factor
+        )
+    else:
+        from featcal.demo import demo_run_spec
+
+        spec = demo_run_spec(
+            zoo, options.run_folder, device=options.device, progress=progress, scaling_factor=options.ta_scaling_factor
+        )
+    return spec.replace(no_export=options.no_export, threads=options.threads)
+
+
+def _build(options: DemoOptions, *, progress: bool) -> Path:
+    """The zoo's folder, built when the cache has none (or ``--rebuild``)."""
+    if options.zoo == "lm5":
+        from featcal.demo.lm_zoo import LMZooConfig, build_lm_zoo
+
+        config = LMZooConfig.tiny(seed=options.zoo_seed) if options.tiny else LMZooConfig.lm5(seed=options.zoo_seed)
+        return build_lm_zoo(
+            config, cache_dir=options.zoo_cache_dir, force=options.rebuild, progress=progress, threads=options.threads
+        )
+    from featcal.demo import ZooConfig, build_zoo
+
+    config = ZooConfig.tiny(seed=options.zoo_seed) if options.tiny else ZooConfig.mini8(seed=options.zoo_seed)
+    return build_zoo(config, cache_dir=options.zoo_cache_dir, force=options.rebuild, progress=progress)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from featcal.demo import ZooConfig, build_zoo, demo_run_spec
     from featcal.pipeline import run_pipeline
     from featcal.runfolder.layout import (
         EXPERTS_DIR,
@@ -57,29 +87,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
         merged_stage_name,
     )
 
+    options = DemoOptions(**given_values(args, DemoOptions))
     labels = {
-        ZERO_SHOT_DIR: "zero-shot",
+        ZERO_SHOT_DIR: "base" if options.zoo == "lm5" else "zero-shot",
         EXPERTS_DIR: "expert",
         merged_stage_name("task_arithmetic"): "TA",
         calibrated_stage_name("task_arithmetic"): "TA+FeatCal",
     }
-
-    options = DemoOptions(**given_values(args, DemoOptions))
     _check_options(options)
     if options.threads:
         torch.set_num_threads(options.threads)
     progress = show_progress(args)
-    config = ZooConfig.tiny(seed=options.zoo_seed) if options.tiny else ZooConfig.mini8(seed=options.zoo_seed)
     start = time.perf_counter()
-    zoo = build_zoo(config, cache_dir=options.zoo_cache_dir, force=options.rebuild, progress=progress)
+    zoo = _build(options, progress=progress)
     built = time.perf_counter() - start
     print(path_line(f"Benchmark zoo ({built:.0f} s)", zoo))
-    spec = demo_run_spec(
-        zoo, options.output_dir, device=options.device, progress=progress, scaling_factor=options.ta_scaling_factor
-    ).replace(no_export=options.no_export, threads=options.threads)
-    results = run_pipeline(spec)
+    results = run_pipeline(_run_spec(options, zoo, progress=progress))
     print(format_results({s: r for s, r in results.items() if s in labels}, labels, column=10))
-    out = Path(options.output_dir)
+    out = Path(options.run_folder)
     print(path_line("Run folder", out))
     if not options.no_export:
         print(path_line("Release folder", out / RELEASE_DIR))

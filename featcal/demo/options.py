@@ -12,7 +12,9 @@ from featcal.options import field_option, option, validate
 from featcal.spec import RunSpec
 
 GROUP = "demo"
-DEFAULT_OUTPUT_DIR = "outputs/mini8"
+# the benchmark zoos `featcal demo --zoo` builds: mini8 (CLIP, image tasks), lm5 (a tiny Llama, text tasks)
+ZOOS = ("mini8", "lm5")
+DEFAULT_OUTPUT_DIR = "outputs/mini8"  # outputs/<zoo>: the default zoo's
 # Task Arithmetic's κ on mini8: the reference run's, measured on the zoo in benchmarks/mini8.md.
 MINI8_SCALING_FACTOR = 0.3
 
@@ -25,9 +27,13 @@ class DemoOptions:
         InvalidParameterError: naming the option whose value does not fit.
     """
 
-    output_dir: str = field_option(RunSpec, "output_dir", default=DEFAULT_OUTPUT_DIR, help="run folder")
+    output_dir: str | None = field_option(RunSpec, "output_dir", default=None, help="run folder (default outputs/ZOO)")
+    zoo: str = option(
+        "mini8", help="the benchmark: mini8 (a small CLIP, eight image tasks) or lm5 (a tiny Llama, five text "
+        "tasks with exact-match answers)", group=GROUP, metavar="ZOO", choices=ZOOS,
+    )  # fmt: skip
     zoo_seed: int = option(0, help="seed the zoo is generated from", group=GROUP, metavar="SEED", ge=0)
-    tiny: bool = option(False, help="the reduced zoo of the test suite (faster, weaker)", group=GROUP)
+    tiny: bool = option(False, help="the reduced version of the zoo, the test suite's (faster, weaker)", group=GROUP)
     rebuild: bool = option(False, help="rebuild the zoo even if it is cached", group=GROUP)
     zoo_cache_dir: str | None = option(
         None,
@@ -51,3 +57,8 @@ class DemoOptions:
 
     def __post_init__(self) -> None:
         validate(self)
+
+    @property
+    def run_folder(self) -> str:
+        """The run folder: ``output_dir``, else ``outputs/<zoo>``."""
+        return self.output_dir or f"outputs/{self.zoo}"
