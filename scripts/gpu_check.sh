@@ -10,8 +10,12 @@
 #   measurements  on random ViT-B/32-shaped models at TxN tasks x images (default 8x256, the TA8 shape):
 #                 calibration_speed_<TxN>_<device>.json (the published run: 53 s at 8 x 256),
 #                 forward_precision_<device>.json (tf32 and bf16 calibrations against float32: weight
-#                 differences), calibration_phases_<TxN>_<device>.json (each phase against its floor)
-# FEATCAL_CHECK_DEVICE=cpu runs the measurements on the CPU (a check that they run: use a small TxN, 1x4).
+#                 differences), calibration_phases_<TxN>_<device>.json (each phase against its floor),
+#                 lm_calibration_speed_<device>.json (a full-width Llama-3.2-3B stack of 2 layers, 2 x 16
+#                 sequences of 512 tokens: time and peak memory against the floor of its work; FEATCAL_CHECK_LM
+#                 = TxN sets tasks x sequences, e.g. 5x256 for MergeBench's count at 512 tokens)
+# FEATCAL_CHECK_DEVICE=cpu runs the measurements on the CPU (a check that they run: use a small TxN, 1x4,
+# and FEATCAL_CHECK_LM=1x2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=".venv/bin/python"
@@ -56,5 +60,8 @@ if wants measurements; then
     --out "$report_dir/forward_precision_${device}.json"
   "$python" benchmarks/calibration_phases.py --points "$point" --repeats 1 --device "$device" \
     --workdir "$work/models" --out "$report_dir/calibration_phases_${point}_${device}.json"
+  lm_point="${FEATCAL_CHECK_LM:-2x16}"
+  "$python" benchmarks/lm_calibration_speed.py --device "$device" --tasks "${lm_point%x*}" \
+    --examples "${lm_point#*x}" --workdir "$work/lm" --out "$report_dir/lm_calibration_speed_${device}.json"
 fi
 echo "gpu_check: report in $report_dir"
