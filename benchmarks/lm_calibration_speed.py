@@ -257,8 +257,9 @@ def main() -> None:
     keep_freed_memory_for_reuse()  # featcal's own allocator settings
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    if args.tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
+    if args.tf32:  # as featcal's --precision tf32 does
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
     shape = replace(STACK, tasks=args.tasks, examples=args.examples, length=args.length)
     load_before = os.getloadavg()
 
