@@ -89,7 +89,7 @@ def time_phases(workdir: Path, tasks: int, images: int, device: torch.device) ->
     timer.wrap(LinearSystem, "add_task", "task folds")
     timer.wrap(calibrator, "_solve_into", "solves")
     timer.wrap(calibrator, "_advance", "advance")
-    timer.wrap(driver_module, "_load_params", "reading expert layers", outside="first-layer inputs")
+    timer.wrap(driver_module, "load_params", "reading expert layers", outside="first-layer inputs")
     params = FeatCalParams(num_calibration_examples=images, calibration_batch_size=16)
     try:
         timer.sync()
