@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -302,14 +302,35 @@ def render_card(
     """
     if repo_id is not None:
         check_repo_id(repo_id, namespace=True)
-    family = get_family(run.record.family)
+    return render_template_card(
+        template,
+        get_family(run.record.family),
+        lambda: _context(
+            run, repo_id=repo_id, license=license, plot=plot, drift_plot=drift_plot, sweep_plot=sweep_plot
+        ),
+    )
+
+
+def render_template_card(
+    template: str | Path | None, family: ModelFamily, context: Callable[[], Mapping[str, Any]]
+) -> ModelCard:
+    """A model card rendered from ``template`` (None: ``family``'s own) with the values ``context`` gives.
+
+    Args:
+        template: A Jinja model card template of your own, or None for the family's.
+        family: The model family whose template and filters the card uses.
+        context: Gives the template's values; called inside the rendering's error handling.
+
+    Returns:
+        The card.
+
+    Raises:
+        FeatcalError: when the template is missing, fails to render or gives invalid metadata.
+    """
     env, source = _environment(template, family)
     shown = template or "/".join(family.release.card_template)
     try:
-        context = _context(
-            run, repo_id=repo_id, license=license, plot=plot, drift_plot=drift_plot, sweep_plot=sweep_plot
-        )
-        text = env.from_string(source).render(**context)
+        text = env.from_string(source).render(**context())
     except jinja2.TemplateError as exc:
         raise FeatcalError(f"Model card template {shown} failed to render: {exc}") from None
     try:

@@ -15,16 +15,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
-from featcal.errors import FeatcalError, OutputPathError, ReleaseError
+from featcal.errors import OutputPathError, ReleaseError
 from featcal.families import get_family
 from featcal.files.atomic import atomic_write_text
 from featcal.hub.refs import check_repo_id, is_hub_id, split_revision
 from featcal.model_recipe import ModelRecipe, mergekit_config
-from featcal.release.card import CARD_FILE, FEATCAL_PARAMS, TAGS, _environment, _method_info, check_card_folder
+from featcal.release.card import CARD_FILE, FEATCAL_PARAMS, TAGS, _method_info, check_card_folder, render_template_card
 from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
 from featcal.release.model_folder import ModelFolder, default_release_folder, is_model_release, read_model_folder
 from featcal.release.published import published_model_recipe, published_ref, published_text
@@ -234,17 +232,9 @@ def render_model_card(
     """
     if repo_id is not None:
         check_repo_id(repo_id, namespace=True)
-    family = get_family(folder.recipe.family)
-    env, source = _environment(template, family)
-    shown = template or "/".join(family.release.card_template)
-    try:
-        text = env.from_string(source).render(**model_context(folder, repo_id=repo_id, license=license))
-    except jinja2.TemplateError as exc:
-        raise FeatcalError(f"Model card template {shown} failed to render: {exc}") from None
-    try:
-        return ModelCard(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise FeatcalError(f"Model card template {shown} gives invalid metadata: {exc}") from None
+    return render_template_card(
+        template, get_family(folder.recipe.family), lambda: model_context(folder, repo_id=repo_id, license=license)
+    )
 
 
 def write_model_card(
