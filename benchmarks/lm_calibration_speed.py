@@ -40,7 +40,7 @@ import torch
 from allocator_speed import write_report
 from calibration_floor import environment
 from calibration_phases import PhaseTimer
-from lm_memory import LLAMA_3B, LLAMA_8B, Shape, build, predict
+from lm_memory import LLAMA_3B, LLAMA_8B, Shape, auto_resident, build, predict
 
 from featcal.allocator import keep_freed_memory_for_reuse
 from featcal.calibration import driver as driver_module
@@ -165,8 +165,9 @@ def _rss() -> int:
     raise OSError("no VmRSS")
 
 
-def calibrate(s: Shape, folder: Path, out: Path, device: torch.device) -> dict:
-    """One calibration of ``folder``'s merge through ``featcal_calibrate_folder``, its phases timed."""
+def calibrate(s: Shape, folder: Path, out: Path, device: torch.device, stream_storage: str = "device") -> dict:
+    """One calibration of ``folder``'s merge through ``featcal_calibrate_folder``, its phases timed
+    (``stream_storage``: where the feature streams wait between their uses)."""
     from featcal.calibration.adapters import CalibrationBatch
     from featcal.calibration.params import FeatCalParams
     from featcal.calibration.streaming import featcal_calibrate_folder
@@ -200,6 +201,7 @@ def calibrate(s: Shape, folder: Path, out: Path, device: torch.device) -> dict:
         featcal_calibrate_folder(
             family, folder / "merged", out, family.checkpoint(folder / "base"), experts, batches.__getitem__,
             params, config=family.model_config(folder / "base"), device=device, progress=False,
+            stream_storage=stream_storage,
         )  # fmt: skip
         timer.sync()
         total = time.perf_counter() - start
@@ -222,7 +224,8 @@ def calibrate(s: Shape, folder: Path, out: Path, device: torch.device) -> dict:
 def extrapolate(ratio: float | None) -> dict:
     """The counted work of the whole Llama-3.2-3B and Llama-3.1-8B at MergeBench's size, at ``GPU_RATES``:
     all float32, and forwards, products and folds at tf32 (solves float64 either way); with ``ratio`` (this
-    run's measured / floor), the float32 floor times it as well. Memory: ``lm_memory.predict``'s peak."""
+    run's measured / floor), the float32 floor times it as well. Memory: ``lm_memory.predict``'s peak, every
+    stream on the device and as ``--stream-storage auto`` places them on an 80 GiB card."""
     out = {}
     for name, shape in (("Llama-3.2-3B", LLAMA_3B), ("Llama-3.1-8B", LLAMA_8B)):
         work = count_work(shape)
@@ -236,6 +239,7 @@ def extrapolate(ratio: float | None) -> dict:
             "floor_s_tf32": round(sum(tf32.values()), 1),
             "per_layer_floor_s_float32": round(sum(f32.values()) / shape.layers, 2),
             "predicted_peak_gib": round(predict(shape)["peak"] / 2**30, 1),
+            "predicted_peak_gib_auto_80": round(predict(auto_resident(shape))["peak"] / 2**30, 1),
         }
         if ratio is not None:
             entry["float32_floor_times_cpu_ratio_s"] = round(sum(f32.values()) * ratio, 1)
@@ -251,6 +255,10 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=STACK.examples, help="sequences per task")
     parser.add_argument("--length", type=int, default=STACK.length, help="tokens per sequence")
     parser.add_argument("--tf32", action="store_true", help="CUDA: let float32 products use tf32")
+    parser.add_argument(
+        "--stream-storage", default="device", choices=("device", "host"),
+        help="host: the feature streams in host memory, visiting the device (measures the copies' cost on CUDA)",
+    )  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lm_calibration_speed"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -280,7 +288,7 @@ def main() -> None:
     floors = floor_seconds(work["flops"], f32, f64)
     floor = sum(floors.values())
     print(f"work {(work['float32_flops'] + work['float64_flops']) / 1e12:.2f} TFLOP, floor {floor:.1f} s", flush=True)
-    run = calibrate(shape, folder, args.workdir / "calibrated", device)
+    run = calibrate(shape, folder, args.workdir / "calibrated", device, args.stream_storage)
     seconds, memory = run["seconds"], run["memory_bytes"]
     ratio = seconds["total"] / floor
     print("| phase | time (s) | floor (s) | time / floor |\n|---|---:|---:|---:|")
@@ -296,10 +304,12 @@ def main() -> None:
     for name, entry in extrapolation.items():
         print(
             f"{name}: {entry['tflop_total']} TFLOP, on one GPU at the assumed rates {entry['floor_s_float32']} s "
-            f"(float32), {entry['floor_s_tf32']} s (tf32), peak {entry['predicted_peak_gib']} GiB (extrapolated)"
+            f"(float32), {entry['floor_s_tf32']} s (tf32), peak {entry['predicted_peak_gib']} GiB "
+            f"({entry['predicted_peak_gib_auto_80']} GiB with --stream-storage auto on 80 GiB; extrapolated)"
         )
     write_report(
         args.out, __doc__, device=args.device, threads=args.threads, tf32=args.tf32, shape=asdict(shape),
+        stream_storage=args.stream_storage,
         sequences=shape.tasks * shape.examples, work=work, rates_gflops=rates,
         floor_s={k: round(v, 2) for k, v in floors.items()} | {"total": round(floor, 2)},
         measured_s={k: round(v, 2) for k, v in seconds.items()}, measured_over_floor=round(ratio, 3),

@@ -57,6 +57,7 @@ class Shape:
     length: int
     batch: int = 16
     processes: int = 1
+    resident_tasks: int | None = None  # tasks whose streams stay on the device (None: all; 0: --stream-storage host)
 
     @property
     def head_dim(self) -> int:
@@ -66,6 +67,14 @@ class Shape:
     def per_process(self) -> int:
         return -(-self.examples // self.processes)
 
+    @property
+    def resident(self) -> int:
+        return self.tasks if self.resident_tasks is None else self.resident_tasks
+
+    @property
+    def stream_storage(self) -> str:
+        return "device" if self.resident == self.tasks else "host" if self.resident == 0 else "auto"
+
 
 # The measured shapes: one where the feature streams weigh most, one where a layer's statistics and solves
 # do (wide, few tokens), one where a forward batch's activations do (long texts in large batches).
@@ -73,6 +82,9 @@ MEASURED = {
     "streams": Shape(256, 704, 2, 4, 2, 4096, False, tasks=4, examples=96, length=256, batch=8),
     "layer": Shape(1024, 2816, 2, 8, 2, 4096, False, tasks=2, examples=8, length=64, batch=8),
     "activations": Shape(512, 1408, 2, 8, 2, 4096, True, tasks=2, examples=16, length=512, batch=16),
+    # the streams shape with --stream-storage host: on the CPU the host streams and their device copies are
+    # both in RAM, so the resident set is the formula's device peak plus its host streams
+    "streams-host": Shape(256, 704, 2, 4, 2, 4096, False, tasks=4, examples=96, length=256, batch=8, resident_tasks=0),
 }
 # Llama-3.2-3B and Llama-3.1-8B at the MergeBench calibration size: 5 tasks, n = 256 (featcal's default),
 # texts cut at 2048 tokens (featcal's default max_length; the padded length is the longest text's, at most
@@ -121,8 +133,10 @@ def predict(s: Shape) -> dict[str, float]:
     groups = linear + projected
     capacity = min(max(1, STATISTICS_CHUNK_TOKENS // tokens), -(-n // b)) * tokens
     params = d * (h + 2 * kv) + h * d + 3 * d * i + 2 * d  # one decoder layer
+    task_streams = 2 * n * L * d * F32  # one task's student and expert features, float32
+    visiting = s.resident < T  # some task's streams are in host memory and visit the device while used
     terms = {
-        "streams": 2 * T * n * L * d * F32,  # student and expert features of every task, float32
+        "streams": s.resident * task_streams,  # those of the tasks kept on the device
         "context": T * n * L * (8 + F32),  # attention masks (int64) and token weights
         "embedding": s.vocab * d * F32 * (1 if s.tied else 2) + d * F32,  # embedding (and untied head), final norm
         "layers": 2 * params * F32,  # the merged layer and the expert's copy, float32
@@ -158,12 +172,15 @@ def predict(s: Shape) -> dict[str, float]:
     advance = tokens * F32 * (4 * d + 4 * i) + b * L * L
     # Layer 0's inputs: the expert's copy of the embedding and one batch's stem outputs, before any layer.
     first = terms["embedding"] + s.vocab * d * F32 + terms["streams"] + terms["context"] + 2 * tokens * d * F32
+    # A task kept in host memory visits the device: both its streams while its statistics are gathered and
+    # folded, its merged-model stream while it is advanced.
+    visit_statistics, visit_advance = (task_streams, task_streams // 2) if visiting else (0, 0)
     phases = {
         "first_inputs": first,
-        "statistics": persistent + forwards,
-        "fold": persistent + fold,
+        "statistics": persistent + forwards + visit_statistics,
+        "fold": persistent + fold + visit_statistics,
         "solve": persistent + solve,
-        "advance": persistent + advance,
+        "advance": persistent + advance + visit_advance,
     }
     return {
         **{f"term_{k}": v for k, v in terms.items()},
@@ -171,6 +188,8 @@ def predict(s: Shape) -> dict[str, float]:
         "term_fold": fold,
         "term_solve": solve,
         "term_advance": advance,
+        "term_visiting_task": visit_statistics,
+        "host_streams": (T - s.resident) * task_streams,  # in host memory, not in the device's peak
         **{f"phase_{k}": v for k, v in phases.items()},
         "peak": max(phases.values()),
         "peak_phase": max(phases, key=phases.get),
@@ -288,9 +307,11 @@ def child(shape: Shape, folder: Path, out: Path) -> dict:
             batches[f"t{t}"] = CalibrationBatch({"input_ids": ids}, {"attention_mask": mask}, mask.float())
         experts = {f"t{t}": family.checkpoint(models / f"expert{t}") for t in range(s.tasks)}
         params = FeatCalParams(num_calibration_examples=s.per_process, calibration_batch_size=s.batch)
+        if s.stream_storage == "auto":
+            raise ValueError("a measured shape keeps every task's streams on the device or none")
         featcal_calibrate_folder(
             family, models / "merged", written, family.checkpoint(models / "base"), experts, batches.__getitem__,
-            params, config=family.model_config(models / "base"), progress=False,
+            params, config=family.model_config(models / "base"), progress=False, stream_storage=s.stream_storage,
         )  # fmt: skip
 
     if not (folder.parent / "warm-up" / "merged").is_dir():
@@ -346,11 +367,13 @@ PHASES = ("first_inputs", "statistics", "fold", "solve", "advance")
 
 
 def compare(predicted: dict, measured: dict) -> dict:
-    """Measured / predicted, for the whole calibration and each phase."""
-    out = {"peak": round(measured["measured_peak"] / predicted["peak"], 3)}
+    """Measured / predicted, for the whole calibration and each phase. On the CPU the host streams are in
+    the same memory as the device's terms: they are added to every prediction."""
+    host = predicted["host_streams"]
+    out = {"peak": round(measured["measured_peak"] / (predicted["peak"] + host), 3)}
     for phase in PHASES:
         if f"measured_{phase}" in measured:
-            out[phase] = round(measured[f"measured_{phase}"] / predicted[f"phase_{phase}"], 3)
+            out[phase] = round(measured[f"measured_{phase}"] / (predicted[f"phase_{phase}"] + host), 3)
     return out
 
 
@@ -369,7 +392,18 @@ SETTINGS = {
     "n 256, L 2048, batches of 4": {"batch": 4},
     "n 256, L 1024": {"length": 1024},
     "n 128, L 2048": {"examples": 128},
+    "n 256, L 2048, streams in host memory": {"resident_tasks": 0},
 }
+GPU_GIB = 80  # the card of the setting --stream-storage auto is shown on
+
+
+def auto_resident(s: Shape, device_gib: float = GPU_GIB) -> Shape:
+    """``s`` with the tasks ``--stream-storage auto`` keeps on a CUDA device of ``device_gib`` GiB: as many
+    as fit in ``AUTO_DEVICE_SHARE`` of its memory (:class:`featcal.calibration.stream_storage.StreamPlacement`)."""
+    from featcal.calibration.stream_storage import AUTO_DEVICE_SHARE
+
+    task_streams = 2 * s.per_process * s.length * s.hidden * F32
+    return replace(s, resident_tasks=min(s.tasks, int(AUTO_DEVICE_SHARE * device_gib * GIB // task_streams)))
 
 
 def main() -> None:
@@ -398,8 +432,9 @@ def main() -> None:
         print(name, json.dumps(measured[name]["measured_over_predicted"]), f"{result['calibration_s']} s", flush=True)
     llamas = {}
     for label, shape in (("Llama-3.2-3B", LLAMA_3B), ("Llama-3.1-8B", LLAMA_8B)):
-        for setting, changes in SETTINGS.items():
-            s = replace(shape, **changes)
+        settings = {name: replace(shape, **changes) for name, changes in SETTINGS.items()}
+        settings[f"n 256, L 2048, auto on an {GPU_GIB} GiB GPU"] = auto_resident(shape)
+        for setting, s in settings.items():
             llamas[f"{label}, {setting}"] = {"shape": asdict(s), "predicted_gib": gibibytes(predict(s))}
     write_report(
         args.out, __doc__, allocator="featcal's" if args.featcal_allocator else "glibc, mmap threshold 64 KiB",
@@ -407,7 +442,10 @@ def main() -> None:
     )  # fmt: skip
     for label, entry in llamas.items():
         p = entry["predicted_gib"]
-        print(f"{label}: peak {p['peak']} GiB ({p['peak_phase']}), streams {p['term_streams']} GiB")
+        print(
+            f"{label}: peak {p['peak']} GiB ({p['peak_phase']}), streams {p['term_streams']} GiB on the device, "
+            f"{p['host_streams']} GiB in host memory"
+        )
 
 
 if __name__ == "__main__":

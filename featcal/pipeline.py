@@ -496,6 +496,7 @@ class _Run:
             self.spec.featcal, seed=self.spec.seed, device=self.device, preprocessor=self.preprocessor,
             progress=self.spec.progress, world=self.world, precision=self.spec.precision,
             counts=self.record.calibration_examples_used, output_dtype=self.spec.output_dtype,
+            stream_storage=self.spec.stream_storage,
         )  # fmt: skip
         self.world.barrier("writing the calibrated model")
 

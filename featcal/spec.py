@@ -19,6 +19,7 @@ from typing import Any
 
 from featcal.calibration.params import GROUP as FEATCAL
 from featcal.calibration.params import FeatCalParams
+from featcal.calibration.stream_storage import AUTO, STREAM_STORAGES
 from featcal.errors import FeatcalError, InputError, InvalidParameterError, UnknownNameError
 from featcal.options import convert_field, flag_name, option, option_fields, validate
 from featcal.precision import BASE_DTYPE, OUTPUT_DTYPES, PRECISIONS
@@ -119,6 +120,12 @@ class RunSpec:
     allow_fewer_calibration_examples: bool = option(
         False, help="use every train example of a task whose train split is smaller than the number asked for "
         "(recorded in run_config.json, metrics and card); else that is an error", group=FEATCAL,
+    )  # fmt: skip
+    stream_storage: str = option(
+        AUTO, help="where each task's feature streams live between their uses: device, host (in host memory, "
+        "copied to the device while the task is used: the device holds one task's streams instead of all), or "
+        "auto (on CUDA: on the device while they take at most a third of its memory, the rest in host memory)",
+        group=FEATCAL, choices=STREAM_STORAGES,
     )  # fmt: skip
     eval_batch_size: int | None = option(
         None, help="test examples per batch (default 256 on CUDA, 16 on the CPU)", group=EVALUATION, metavar="B", ge=1

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from featcal.calibration.params import FeatCalParams
+from featcal.calibration.stream_storage import AUTO
 from featcal.calibration.streaming import featcal_calibrate_folder
 from featcal.checkpoint import check_finite_state
 from featcal.distributed import SINGLE, World
@@ -210,6 +211,7 @@ def calibrate(
     precision: str = "float32",
     counts: Mapping[str, int] | None = None,
     output_dtype: str = BASE_DTYPE,
+    stream_storage: str = AUTO,
 ) -> None:
     """FeatCal of the merged model in ``merged_folder`` (checked by the caller), written to ``output``
     one layer at a time: the model is never whole in memory, and the folder appears only when the
@@ -229,6 +231,8 @@ def calibrate(
         precision: ``bf16`` runs the layer forwards under bfloat16 autocast.
         counts: The calibration examples of each task that had fewer than asked for (for the recipe).
         output_dtype: The dtype the weights are stored in (one of the family's ``output_dtypes``).
+        stream_storage: Where each task's feature streams live between their uses
+            (:mod:`featcal.calibration.stream_storage`).
     """
     by_name = {t.name: t for t in inputs.tasks}
     family = inputs.family
@@ -248,6 +252,7 @@ def calibrate(
         world=world,
         forward_dtype=forward_dtype(precision),
         output_dtype=output_dtype,
+        stream_storage=stream_storage,
     )
     if output is not None:
         recipe = calibration_recipe(inputs, merged_folder, params, seed, counts or {}, output_dtype)

@@ -13,7 +13,8 @@
 #                 differences), calibration_phases_<TxN>_<device>.json (each phase against its floor),
 #                 lm_calibration_speed_<device>.json (a full-width Llama-3.2-3B stack of 2 layers, 2 x 16
 #                 sequences of 512 tokens: time and peak memory against the floor of its work; FEATCAL_CHECK_LM
-#                 = TxN sets tasks x sequences, e.g. 5x256 for MergeBench's count at 512 tokens)
+#                 = TxN sets tasks x sequences, e.g. 5x256 for MergeBench's count at 512 tokens), and
+#                 lm_calibration_speed_<device>_host.json (the same, the feature streams in host memory)
 # FEATCAL_CHECK_DEVICE=cpu runs the measurements on the CPU (a check that they run: use a small TxN, 1x4,
 # and FEATCAL_CHECK_LM=1x2).
 set -euo pipefail
@@ -63,5 +64,8 @@ if wants measurements; then
   lm_point="${FEATCAL_CHECK_LM:-2x16}"
   "$python" benchmarks/lm_calibration_speed.py --device "$device" --tasks "${lm_point%x*}" \
     --examples "${lm_point#*x}" --workdir "$work/lm" --out "$report_dir/lm_calibration_speed_${device}.json"
+  # the same with the feature streams in host memory: what the copies to and from the device cost
+  "$python" benchmarks/lm_calibration_speed.py --device "$device" --tasks "${lm_point%x*}" --stream-storage host \
+    --examples "${lm_point#*x}" --workdir "$work/lm" --out "$report_dir/lm_calibration_speed_${device}_host.json"
 fi
 echo "gpu_check: report in $report_dir"

@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 from transformers import CLIPImageProcessor, CLIPVisionModel
 
 from featcal.calibration import FeatCalParams, featcal_calibrate
+from featcal.calibration.driver import FeatCalibrator
 from featcal.families.clip_vision.folders import vision_checkpoint
 from featcal.families.clip_vision.images import calibration_pixels
 from featcal.merging import get_method
@@ -137,6 +138,30 @@ def test_in_place_calibration_gives_the_copy_s_weights_in_the_model_itself(fixtu
             assert torch.equal(result.state_dict()[key], value), key
         else:  # a GPU's library may pick other kernels from one call to the next
             torch.testing.assert_close(result.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_streams_kept_in_host_memory_give_the_device_streams_weights(fixture_run, device, monkeypatch):
+    """``stream_storage="host"`` keeps every task's streams on the CPU, copied to the device while used
+    and copied back once advanced (even when the device is the CPU): the weights are those of streams
+    kept on the device. A stream not copied back would stay at layer 0's input and change layer 1's."""
+    placed = {}
+    first_inputs = FeatCalibrator._all_first_inputs
+
+    def spy(self, *args, **kwargs):
+        streams = first_inputs(self, *args, **kwargs)
+        placed.update({task: (s.resident, s.student.device.type, s.expert.device.type) for task, s in streams.items()})
+        return streams
+
+    monkeypatch.setattr(FeatCalibrator, "_all_first_inputs", spy)
+    on_device = calibrated_state(fixture_run, device, stream_storage="device")
+    assert set(placed.values()) == {(True, torch.device(device).type, torch.device(device).type)}
+    in_host = calibrated_state(fixture_run, device, stream_storage="host")
+    assert set(placed.values()) == {(False, "cpu", "cpu")}
+    for key, value in on_device.items():
+        if device == "cpu":
+            assert torch.equal(in_host[key], value), key
+        else:  # a GPU's library may pick other kernels from one call to the next
+            torch.testing.assert_close(in_host[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_bf16_forwards_autocast_the_layers_alone(fixture_run, device, monkeypatch):

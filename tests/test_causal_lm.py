@@ -163,6 +163,17 @@ def test_a_mergekit_output_folder_calibrates_as_featcal_s_own_merge(zoo, merged,
     assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
 
 
+def test_calibrate_with_streams_in_host_memory_writes_the_same_weights(zoo, merged, calibrated, tmp_path) -> None:
+    """``--stream-storage host`` changes where the feature streams wait between their uses, not the weights."""
+    argv = ["-q", "calibrate", "--merged", str(merged), "--data", str(zoo / "data.yaml"), *CALIBRATE]
+    assert main([*argv, "--stream-storage", "host", "--output", str(tmp_path / "out")]) == 0
+    ours, theirs = (
+        load_file(str(calibrated / "model.safetensors")),
+        load_file(str(tmp_path / "out" / "model.safetensors")),
+    )
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+
+
 def test_a_mergekit_merge_with_a_union_tokenizer_is_refused(zoo, merged, tmp_path, capsys) -> None:
     mergekit = tmp_path / "union"
     shutil.copytree(merged, mergekit)

@@ -435,6 +435,16 @@ def test_batch_size_and_extra_padding_change_nothing(zoos: Zoos, arch: Arch) -> 
 # -- 7. tied embeddings stay tied, untied heads keep the merged values ---------------------------------------
 
 
+@pytest.mark.parametrize("arch", ARCHS, ids=str)
+def test_streams_kept_in_host_memory_give_the_same_weights(zoos: Zoos, arch: Arch) -> None:
+    """Every task's streams in host memory, copied to the device while used and back once advanced: the
+    reference calibration's weights, bit for bit on the CPU."""
+    reference, in_host = zoos.calibrated(arch), state_of(calibrate(zoos.zoo(arch), stream_storage="host"))
+    assert in_host.keys() == reference.keys()
+    for key, value in reference.items():
+        assert torch.equal(in_host[key], value), key
+
+
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("arch", ARCHS, ids=str)
 def test_tied_embeddings_stay_tied_and_untied_heads_keep_the_merge(zoos: Zoos, arch: Arch, tied: bool) -> None:

@@ -35,6 +35,9 @@ CHANGES["merge"] = (
     | {"--num-calibration-examples", "--calibration-batch-size", "--allow-fewer-calibration-examples", "--seed"},
     CHANGES["merge"][1],
 )
+# where the calibration's feature streams wait between their uses: device or host memory (docs/causal-lm.md)
+for command in ("run", "calibrate"):
+    CHANGES[command] = (CHANGES[command][0] | {"--stream-storage"}, CHANGES[command][1])
 
 
 def listed_options(parser: argparse.ArgumentParser) -> list[str]:

@@ -342,6 +342,16 @@ def test_batch_size_and_extra_padding_change_nothing(zoos: Zoos) -> None:
             assert error < 1e-5, f"{what}: {key}: relative error {error:.2e}"
 
 
+def test_streams_kept_in_host_memory_give_the_same_weights(zoos: Zoos) -> None:
+    """Every task's streams in host memory, copied to the device while used and back once advanced (the
+    carries staying on the device): the reference calibration's weights, bit for bit on the CPU."""
+    zoo = zoos.zoo()
+    reference, in_host = zoos.calibrated(), state_of(calibrate(zoo, stream_storage="host"))
+    assert in_host.keys() == reference.keys()
+    for key, value in reference.items():
+        assert torch.equal(in_host[key], value), key
+
+
 # -- 6. tied embeddings stay tied, an untied head keeps the merged values ------------------------------------
 
 

@@ -1,9 +1,10 @@
 """The FeatCal driver: layer by layer, in forward order, statistics then closed-form solves.
 
 Architecture-agnostic: everything model-specific comes from an adapter
-(:mod:`featcal.calibration.adapters`). Feature streams stay on the compute device and are advanced in
-place; experts are read one layer at a time from (memory-mapped) state dicts, and tasks are folded
-into the normal equations one at a time, so memory does not grow with the number of tasks.
+(:mod:`featcal.calibration.adapters`). Feature streams are advanced in place, on the compute device
+or in host memory, visiting the device while used (:mod:`featcal.calibration.stream_storage`);
+experts are read one layer at a time from (memory-mapped) state dicts, and tasks are folded into the
+normal equations one at a time, so memory does not grow with the number of tasks.
 
 Per layer and task, the submodules' recorded inputs are copied into large joint buffers
 (``[x_s | x_e]`` per distinct input) and multiplied in chunks of about ``STATISTICS_CHUNK_TOKENS``
@@ -35,6 +36,7 @@ from featcal.calibration.layer_state import Group, LayerPlan, LayerState, Record
 from featcal.calibration.params import FeatCalParams
 from featcal.calibration.solves import anchor
 from featcal.calibration.statistics import product_dtype
+from featcal.calibration.stream_storage import AUTO, StreamPlacement
 from featcal.calibration.workspace import Workspace
 from featcal.checkpoint import StateDict, load_params, reading_state
 from featcal.distributed import SINGLE, World
@@ -54,13 +56,15 @@ class Stream:
     """One task's feature streams through the layers: the merged model's (``student``) and its expert's
     (``expert``), ``[examples, seq, d]`` each, and the context its layers read (``batches``); with a
     :class:`~featcal.calibration.adapters.CarryingAdapter`, what each stream carries to its next layer
-    (None for an adapter whose streams carry nothing)."""
+    (None for an adapter whose streams carry nothing). ``resident``: the two streams live on the compute
+    device; else in host memory, copied to the device while used (the carries stay on the device)."""
 
     student: torch.Tensor
     expert: torch.Tensor
     batches: CalibrationBatch
     student_carry: Carry | None = None
     expert_carry: Carry | None = None
+    resident: bool = True
 
 
 def _cat_params(modules: Mapping[str, nn.Module], names: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -129,6 +133,7 @@ class FeatCalibrator:
         progress: bool = True,
         world: World = SINGLE,
         forward_dtype: torch.dtype | None = None,
+        stream_storage: str = AUTO,
     ) -> None:
         self.params = params
         self.adapter = adapter
@@ -137,6 +142,8 @@ class FeatCalibrator:
         self.progress = progress
         self.world = world
         self.forward_dtype = forward_dtype
+        self.stream_storage = stream_storage
+        StreamPlacement(stream_storage, self.device)  # a bad value fails here, before any work
 
     def forwards(self) -> AbstractContextManager:
         """The context of every forward pass: autocast to ``forward_dtype`` when one is set. The
@@ -146,9 +153,10 @@ class FeatCalibrator:
     # -- streams ---------------------------------------------------------------------------
     @torch.no_grad()
     def _first_inputs(
-        self, model: nn.Module, expert: StateDict, batch: CalibrationBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, Carry | None, Carry | None]:
-        """Layer 0's input of the student and of the expert stream, and what each carries into it."""
+        self, model: nn.Module, expert: StateDict, batch: CalibrationBatch, task: str, placement: StreamPlacement
+    ) -> Stream:
+        """``task``'s streams at layer 0 (the student's and the expert's input, and what each carries into
+        it), where ``placement`` puts them."""
         stem = self.adapter.stem(model)
         expert_stem = copy.deepcopy(stem)
         for part, prefix in self.adapter.stem_parts().items():
@@ -156,7 +164,7 @@ class FeatCalibrator:
         bs = self.params.calibration_batch_size
         dtype = next(model.parameters()).dtype
         student = teacher = None
-        size = len(batch)
+        size, resident, context = len(batch), True, batch.for_layers(self.device)
         if self.device.type == "cuda":  # page-locked, so each batch's copy to the GPU does not block
             batch = CalibrationBatch({k: v.pin_memory() for k, v in batch.inputs.items()})
         for start in range(0, size, bs):
@@ -165,11 +173,14 @@ class FeatCalibrator:
             with self.forwards():
                 s, t = self.adapter.run_stem(stem, part), self.adapter.run_stem(expert_stem, part)
             if student is None:  # in the model's dtype, whatever the forwards' autocast gave
-                student = s.new_empty(size, *s.shape[1:], dtype=dtype)
-                teacher = t.new_empty(size, *t.shape[1:], dtype=dtype)
+                resident = placement.on_device(task, (s[0].numel() + t[0].numel()) * size * dtype.itemsize)
+                home = self.device if resident else torch.device("cpu")
+                student = s.new_empty(size, *s.shape[1:], dtype=dtype, device=home)
+                teacher = t.new_empty(size, *t.shape[1:], dtype=dtype, device=home)
             student[start : start + bs] = s
             teacher[start : start + bs] = t
-        return student, teacher, stem_carry(self.adapter, stem), stem_carry(self.adapter, expert_stem)
+        carries = stem_carry(self.adapter, stem), stem_carry(self.adapter, expert_stem)
+        return Stream(student, teacher, context, *carries, resident=resident)
 
     def _to_device(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A stem input on the device: floating-point ones (pixels) in the model's dtype, token ids as they are."""
@@ -184,26 +195,33 @@ class FeatCalibrator:
         inputs are read here and dropped on return: the layers need only the streams and the context (at 256
         images, 154 MB a task of pixels not kept)."""
         streams: dict[str, Stream] = {}
+        placement = StreamPlacement(self.stream_storage, self.device)
         for task in Progress(list(experts), desc="FeatCal: first-layer inputs", unit="tasks", enabled=self.progress):
             batch = as_batch(load_inputs(task))
             if len(batch) == 0:
                 raise FeatcalError(f"Task {task!r} has no calibration examples (on process {self.world.rank}).")
-            student, teacher, carry_s, carry_e = self._first_inputs(model, experts[task], batch)
-            streams[task] = Stream(student, teacher, batch.for_layers(self.device), carry_s, carry_e)
+            streams[task] = self._first_inputs(model, experts[task], batch, task, placement)
         return streams
+
+    def _visiting(self, stream: Stream, tensor: torch.Tensor) -> torch.Tensor:
+        """One of ``stream``'s tensors where the layers compute: itself when the stream is resident, else
+        a copy on the compute device (a separate copy even when that device is the CPU)."""
+        return tensor if stream.resident else tensor.to(self.device, copy=True)
 
     @torch.no_grad()
     def _advance(self, model: nn.Module, layer: nn.Module, stream: Stream) -> None:
         """Replace ``stream``'s student in place by ``layer``'s output, batch by batch (and its carry by
         the carry after the layer)."""
-        bs, student, carry = self.params.calibration_batch_size, stream.student, stream.student_carry
-        after = carry
+        bs, carry = self.params.calibration_batch_size, stream.student_carry
+        student, after = self._visiting(stream, stream.student), carry
         for start in range(0, student.shape[0], bs):
             rows = stream.batches.rows(start, start + bs)
             context = self.adapter.layer_context(model, rows, student[start : start + bs])
             with self.forwards():
                 out, after = run_layer(self.adapter, layer, student[start : start + bs], context, carry)
             student[start : start + bs] = out
+        if not stream.resident:
+            stream.student.copy_(student)
         stream.student_carry = after
 
     # -- statistics ------------------------------------------------------------------------
@@ -219,11 +237,12 @@ class FeatCalibrator:
         """The layer's plan, from one full forward of one example (the streams are left as they are)."""
         rec_s = Recorder(self.adapter.calibrated_modules(layer))
         rec_e = Recorder(self.adapter.calibrated_modules(expert_layer), outputs=True)
-        context = self.adapter.layer_context(model, stream.batches.rows(0, 1), stream.student[:1])
+        student, expert = self._visiting(stream, stream.student[:1]), self._visiting(stream, stream.expert[:1])
+        context = self.adapter.layer_context(model, stream.batches.rows(0, 1), student)
         try:
             with self.forwards():
-                run_layer(self.adapter, layer, stream.student[:1], context, stream.student_carry)
-                run_layer(self.adapter, expert_layer, stream.expert[:1], context, stream.expert_carry)
+                run_layer(self.adapter, layer, student, context, stream.student_carry)
+                run_layer(self.adapter, expert_layer, expert, context, stream.expert_carry)
         finally:
             rec_s.remove()
             rec_e.remove()
@@ -269,7 +288,7 @@ class FeatCalibrator:
         rec_s.stop_at = state.plan.stop_at
         state.start_task()
         bs = p.calibration_batch_size
-        student, expert = stream.student, stream.expert
+        student, expert = self._visiting(stream, stream.student), self._visiting(stream, stream.expert)
         carry_e = stream.expert_carry
         try:
             for start in range(0, student.shape[0], bs):
@@ -287,6 +306,8 @@ class FeatCalibrator:
                 rec_s.clear()
                 rec_e.clear()
                 expert[start : start + bs] = out_e
+            if not stream.resident:
+                stream.expert.copy_(expert)
             stream.expert_carry = carry_e
             state.finish_task()
         finally:

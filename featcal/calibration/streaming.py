@@ -126,7 +126,7 @@ def featcal_calibrate_folder(
         device: Where the calibration computes.
         output_dtype: The dtype the weights are stored in (one of the family's ``output_dtypes``).
         **kwargs: Passed to :class:`~featcal.calibration.FeatCalibrator`: ``progress``, ``world``,
-            ``forward_dtype``, ``stats_dtype``.
+            ``forward_dtype``, ``stats_dtype``, ``stream_storage``.
 
     Raises:
         FeatcalError: when a checkpoint lacks a tensor the calibration needs, or a solve gives

@@ -37,6 +37,7 @@ from featcal.calibration.adapters import CalibrationBatch, LayerAdapter, TokenWe
 from featcal.calibration.driver import FeatCalibrator, Stream, fold_task
 from featcal.calibration.layer_state import LayerState, Recorder, StopForward
 from featcal.calibration.params import FeatCalParams
+from featcal.calibration.stream_storage import DEVICE, StreamPlacement
 from featcal.calibration.workspace import Workspace
 from featcal.checkpoint import StateDict, load_params
 from featcal.errors import FeatcalError
@@ -145,11 +146,12 @@ class SweepCalibrator:
         settings = [_Setting(self._driver(p), copy.deepcopy(merged).to(self.device).eval(), {}) for p in self.settings]
         tasks = list(experts)
         expert_streams: dict[str, Stream] = {}
+        on_device = StreamPlacement(DEVICE, self.device)  # the sweep's streams stay on the device
         for task in Progress(tasks, desc="FeatCal sweep: first-layer inputs", unit="tasks", enabled=self.progress):
-            batch = as_batch(load_inputs(task))
-            student, expert, carry_s, carry_e = shared._first_inputs(settings[0].model, experts[task], batch)
-            batches = batch.for_layers(self.device)
-            del batch  # the stem's inputs are not kept through the layers
+            first = shared._first_inputs(settings[0].model, experts[task], as_batch(load_inputs(task)), task, on_device)
+            student, expert, batches = first.student, first.expert, first.batches
+            carry_s, carry_e = first.student_carry, first.expert_carry
+            del first  # the stem's inputs were not kept through the layers
             # its students are the settings'
             expert_streams[task] = Stream(expert[:0], expert, batches, expert_carry=carry_e)
             for setting in settings:

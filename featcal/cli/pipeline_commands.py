@@ -178,6 +178,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 inputs, args.merged, output if world.is_main else None, spec.featcal, seed=spec.seed,
                 device=device, preprocessor=preprocessor, progress=spec.progress, world=world,
                 precision=spec.precision, counts=data.calibration_counts, output_dtype=spec.output_dtype,
+                stream_storage=spec.stream_storage,
             )  # fmt: skip
     if not world.is_main:
         return 0
