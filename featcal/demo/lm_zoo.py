@@ -1,6 +1,6 @@
 """The offline language-model benchmark ``lm5``: a tiny Llama pretrained on generic text, five task experts.
 
-Built and cached like the mini8 zoo (:mod:`featcal.demo.zoo`), as ordinary input folders of a language-model
+Built and cached like the mini8 zoo (:mod:`featcal.demo.cache`), as ordinary input folders of a language-model
 run::
 
     <zoo>/base/                  LlamaForCausalLM + its word-level tokenizer (save_pretrained)
