@@ -19,6 +19,7 @@ import platform
 import random
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from featcal.demo.lm_training import TextBatches, greedy_exact_match, train_lm
 from featcal.demo.lm_zoo import LM_CALIBRATION_EXAMPLES, LM_MAX_NEW_TOKENS, LMZooConfig, build_lm_zoo, lm_run_spec
 from featcal.pipeline import run_pipeline
 from featcal.runfolder.layout import calibrated_stage_name, merged_stage_name
+from featcal.spec import RunSpec
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -63,6 +65,70 @@ def _multitask(zoo: Path, config: LMZooConfig, seed: int) -> dict[str, float]:
     return {**scores, "average": sum(scores.values()) / len(scores)}
 
 
+def compare_methods(
+    zoo: Path,
+    tasks: tuple[str, ...],
+    make_spec: Callable[..., RunSpec],
+    score: Callable[[dict, tuple[str, ...]], dict[str, float]],
+    *,
+    methods: Sequence[str],
+    ta_grid: Sequence[float],
+) -> dict:
+    """Each method alone and + FeatCal, then Task Arithmetic alone at each κ of ``ta_grid``, on a zoo.
+
+    Args:
+        zoo: The zoo's folder.
+        tasks: Its tasks.
+        make_spec: The zoo's run spec (``lm_run_spec``'s signature).
+        score: A stage's scores per task and their average, in %, from its ``metrics.json`` entries.
+        methods: The merging methods; the first run also evaluates the zero-shot base and the experts.
+        ta_grid: Task Arithmetic's κ values.
+
+    Returns:
+        ``zero_shot``, ``experts``, ``run_seconds`` (the first run's), ``methods`` and ``ta_grid``.
+    """
+    out: dict = {"methods": {}, "ta_grid": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, method in enumerate(methods):
+            spec = make_spec(zoo, Path(tmp) / method, progress=False, merge_method=method).replace(
+                no_export=True, threads=1, eval_zero_shot=i == 0, eval_experts=i == 0
+            )
+            began = time.perf_counter()
+            results = {stage: report.to_json() for stage, report in run_pipeline(spec).items()}
+            if i == 0:
+                out["zero_shot"] = score(results["zero-shot"], tasks)
+                out["experts"] = score(results["experts"], tasks)
+                out["run_seconds"] = time.perf_counter() - began
+            out["methods"][method] = {
+                "merged": score(results[merged_stage_name(method)], tasks),
+                "featcal": score(results[calibrated_stage_name(method)], tasks),
+                "params": spec.method_params(),
+            }
+            row = out["methods"][method]
+            print(f"{method}: {row['merged']['average']:.2f} -> {row['featcal']['average']:.2f}", flush=True)
+        for kappa in ta_grid:
+            spec = make_spec(zoo, Path(tmp) / f"ta-{kappa}", progress=False, scaling_factor=kappa).replace(
+                no_export=True, threads=1, skip_featcal=True
+            )
+            results = {stage: report.to_json() for stage, report in run_pipeline(spec).items()}
+            out["ta_grid"][str(kappa)] = score(results[merged_stage_name("task_arithmetic")], tasks)
+            print(f"TA κ {kappa}: {out['ta_grid'][str(kappa)]['average']:.2f}", flush=True)
+    return out
+
+
+def print_table(out: dict, tasks: tuple[str, ...]) -> None:
+    """The results of :func:`compare_methods` (and the multi-task model's, when there) as a markdown table."""
+    rows = [("base (zero-shot)", out["zero_shot"]), ("experts", out["experts"])]
+    for method, row in out["methods"].items():
+        rows += [(method, row["merged"]), (f"{method} + FeatCal", row["featcal"])]
+    rows += [(f"TA κ {k}", v) for k, v in out["ta_grid"].items()]
+    if "multitask" in out:
+        rows.append(("multi-task model", out["multitask"]))
+    print("| model | " + " | ".join(tasks) + " | average |\n|---|" + "---|" * (len(tasks) + 1))
+    for name, values in rows:
+        print(f"| {name} | " + " | ".join(f"{values[t]:.2f}" for t in (*tasks, "average")) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="*", default=["task_arithmetic", "simple_average", "ties"])
@@ -83,46 +149,14 @@ def main() -> None:
     info = json.loads((zoo / "zoo.json").read_text())
     print(f"zoo {zoo} (built in {info['build_seconds']} s; this call {time.perf_counter() - start:.0f} s)")
     tasks = config.tasks
-    out: dict = {"zoo": info, "platform": platform.platform(), "methods": {}, "ta_grid": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, method in enumerate(args.methods):
-            spec = lm_run_spec(zoo, Path(tmp) / method, progress=False, merge_method=method).replace(
-                no_export=True, threads=1, eval_zero_shot=i == 0, eval_experts=i == 0
-            )
-            began = time.perf_counter()
-            results = {stage: report.to_json() for stage, report in run_pipeline(spec).items()}
-            if i == 0:
-                out["zero_shot"] = _exact_match(results["zero-shot"], tasks)
-                out["experts"] = _exact_match(results["experts"], tasks)
-                out["run_seconds"] = time.perf_counter() - began
-            out["methods"][method] = {
-                "merged": _exact_match(results[merged_stage_name(method)], tasks),
-                "featcal": _exact_match(results[calibrated_stage_name(method)], tasks),
-                "params": spec.method_params(),
-            }
-            row = out["methods"][method]
-            print(f"{method}: {row['merged']['average']:.2f} -> {row['featcal']['average']:.2f}", flush=True)
-        for kappa in args.ta_grid:
-            spec = lm_run_spec(zoo, Path(tmp) / f"ta-{kappa}", progress=False, scaling_factor=kappa).replace(
-                no_export=True, threads=1, skip_featcal=True
-            )
-            results = {stage: report.to_json() for stage, report in run_pipeline(spec).items()}
-            out["ta_grid"][str(kappa)] = _exact_match(results[merged_stage_name("task_arithmetic")], tasks)
-            print(f"TA κ {kappa}: {out['ta_grid'][str(kappa)]['average']:.2f}", flush=True)
+    out: dict = {"zoo": info, "platform": platform.platform()}
+    out.update(compare_methods(zoo, tasks, lm_run_spec, _exact_match, methods=args.methods, ta_grid=args.ta_grid))
     if args.multitask:
         out["multitask"] = _multitask(zoo, config, seed=42)
         print(f"multi-task: {out['multitask']['average']:.2f}", flush=True)
     path = Path(args.output or RESULTS / f"{config.name}_seed{config.seed}.json")
     path.write_text(json.dumps(out, indent=1) + "\n")
-    rows = [("base (zero-shot)", out["zero_shot"]), ("experts", out["experts"])]
-    for method, row in out["methods"].items():
-        rows += [(method, row["merged"]), (f"{method} + FeatCal", row["featcal"])]
-    rows += [(f"TA κ {k}", v) for k, v in out["ta_grid"].items()]
-    if "multitask" in out:
-        rows.append(("multi-task model", out["multitask"]))
-    print("| model | " + " | ".join(tasks) + " | average |\n|---|" + "---|" * (len(tasks) + 1))
-    for name, values in rows:
-        print(f"| {name} | " + " | ".join(f"{values[t]:.2f}" for t in (*tasks, "average")) + " |")
+    print_table(out, tasks)
     print(f"wrote {path}")
 
 

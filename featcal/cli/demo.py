@@ -1,5 +1,5 @@
-"""`featcal demo`: build (once) an offline benchmark zoo (mini8 or lm5), run merge → calibrate → evaluate →
-export on it."""
+"""`featcal demo`: build (once) an offline benchmark zoo (mini8, lm5 or t5x4), run merge → calibrate → evaluate
+→ export on it."""
 
 from __future__ import annotations
 
@@ -9,17 +9,18 @@ from pathlib import Path
 
 from featcal.cli.common import format_results, path_line, show_progress
 from featcal.cli.options import add_options, command, given_values
-from featcal.demo.options import DemoOptions
+from featcal.demo.options import TEXT_ZOOS, DemoOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="run the whole pipeline on an offline benchmark, mini8 or lm5 (no downloads)",
+        help="run the whole pipeline on an offline benchmark, mini8, lm5 or t5x4 (no downloads)",
         description="Build the benchmark zoo the first time (mini8: eight procedural image tasks, a small CLIP "
         "and one expert per task; --zoo lm5: five synthetic text tasks, a tiny Llama and one expert per task; "
-        "cached), then merge with Task Arithmetic, calibrate with FeatCal, evaluate the base, the experts and "
-        "both models, and export a release folder. Prints the results table.",
+        "--zoo t5x4: four synthetic text-to-text tasks, a tiny T5 and one expert per task; cached), then merge "
+        "with Task Arithmetic, calibrate with FeatCal, evaluate the base, the experts and both models, and export "
+        "a release folder. Prints the results table.",
     )
     add_options(parser, DemoOptions)
     command(parser, cmd_demo)
@@ -46,33 +47,34 @@ def _check_options(options: DemoOptions) -> None:
 def _run_spec(options: DemoOptions, zoo: Path, *, progress: bool):
     """The run on ``zoo`` that the options ask for."""
     if options.zoo == "lm5":
-        from featcal.demo.lm_zoo import lm_run_spec
-
-        spec = lm_run_spec(
-            zoo, options.run_folder, device=options.device, progress=progress, scaling_factor=options.ta_scaling_factor
-        )
+        from featcal.demo.lm_zoo import lm_run_spec as run_spec
+    elif options.zoo == "t5x4":
+        from featcal.demo.t5_zoo import t5_run_spec as run_spec
     else:
-        from featcal.demo import demo_run_spec
-
-        spec = demo_run_spec(
-            zoo, options.run_folder, device=options.device, progress=progress, scaling_factor=options.ta_scaling_factor
-        )
+        from featcal.demo import demo_run_spec as run_spec
+    spec = run_spec(
+        zoo, options.run_folder, device=options.device, progress=progress, scaling_factor=options.ta_scaling_factor
+    )
     return spec.replace(no_export=options.no_export, threads=options.threads)
 
 
 def _build(options: DemoOptions, *, progress: bool) -> Path:
     """The zoo's folder, built when the cache has none (or ``--rebuild``)."""
+    seed, cache, force = options.zoo_seed, options.zoo_cache_dir, options.rebuild
     if options.zoo == "lm5":
         from featcal.demo.lm_zoo import LMZooConfig, build_lm_zoo
 
-        config = LMZooConfig.tiny(seed=options.zoo_seed) if options.tiny else LMZooConfig.lm5(seed=options.zoo_seed)
-        return build_lm_zoo(
-            config, cache_dir=options.zoo_cache_dir, force=options.rebuild, progress=progress, threads=options.threads
-        )
+        config = LMZooConfig.tiny(seed=seed) if options.tiny else LMZooConfig.lm5(seed=seed)
+        return build_lm_zoo(config, cache_dir=cache, force=force, progress=progress, threads=options.threads)
+    if options.zoo == "t5x4":
+        from featcal.demo.t5_zoo import T5ZooConfig, build_t5_zoo
+
+        t5_config = T5ZooConfig.tiny(seed=seed) if options.tiny else T5ZooConfig.t5x4(seed=seed)
+        return build_t5_zoo(t5_config, cache_dir=cache, force=force, progress=progress, threads=options.threads)
     from featcal.demo import ZooConfig, build_zoo
 
-    config = ZooConfig.tiny(seed=options.zoo_seed) if options.tiny else ZooConfig.mini8(seed=options.zoo_seed)
-    return build_zoo(config, cache_dir=options.zoo_cache_dir, force=options.rebuild, progress=progress)
+    mini8 = ZooConfig.tiny(seed=seed) if options.tiny else ZooConfig.mini8(seed=seed)
+    return build_zoo(mini8, cache_dir=cache, force=force, progress=progress)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -89,7 +91,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     options = DemoOptions(**given_values(args, DemoOptions))
     labels = {
-        ZERO_SHOT_DIR: "base" if options.zoo == "lm5" else "zero-shot",
+        ZERO_SHOT_DIR: "base" if options.zoo in TEXT_ZOOS else "zero-shot",
         EXPERTS_DIR: "expert",
         merged_stage_name("task_arithmetic"): "TA",
         calibrated_stage_name("task_arithmetic"): "TA+FeatCal",
@@ -103,6 +105,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     built = time.perf_counter() - start
     print(path_line(f"Benchmark zoo ({built:.0f} s)", zoo))
     results = run_pipeline(_run_spec(options, zoo, progress=progress))
+    if options.zoo == "t5x4":
+        print("Exact match (%) of greedy generations, each task's test split:")
     print(format_results({s: r for s, r in results.items() if s in labels}, labels, column=10))
     out = Path(options.run_folder)
     print(path_line("Run folder", out))

@@ -16,9 +16,9 @@ _EXPORTS = {
     "ZOO_VERSION": "featcal.demo.config",
     "ZooConfig": "featcal.demo.config",
     "build_zoo": "featcal.demo.zoo",
-    "default_cache_dir": "featcal.demo.zoo",
+    "default_cache_dir": "featcal.demo.cache",
     "is_complete": "featcal.demo.zoo",
-    "zoo_path": "featcal.demo.zoo",
+    "zoo_path": "featcal.demo.cache",
 }
 
 __all__ = sorted(_EXPORTS)

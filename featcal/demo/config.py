@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from featcal.demo import zoo_fields
 from featcal.demo.images import MINI8_TASKS
 from featcal.demo.looks import TASK_LOOKS
 from featcal.demo.styles import PRETRAIN_STYLES
@@ -130,18 +129,7 @@ class ZooConfig:
         Raises:
             FeatcalError: An item is not ``name=value``, names no field, or its value does not parse.
         """
-        types = {f.name: type(getattr(self, f.name)) for f in fields(self)}
-        changes: dict[str, Any] = {}
-        for item in assignments:
-            name, sep, value = item.partition("=")
-            if not sep or name not in types:
-                raise FeatcalError(f"zoo field {item!r}: expected NAME=VALUE with NAME one of {sorted(types)}.")
-            kind = types[name]
-            try:
-                changes[name] = tuple(v for v in value.split(",") if v) if kind is tuple else kind(value)
-            except ValueError as exc:
-                raise FeatcalError(f"zoo field {item!r}: {value!r} is not a {kind.__name__}.") from exc
-        return replace(self, **changes)
+        return zoo_fields.with_assignments(self, assignments)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -151,12 +139,7 @@ class ZooConfig:
 
     def cache_key(self) -> str:
         """The zoo's folder name: ``<name>-v<version>-seed<seed>``, plus a digest for non-preset fields."""
-        key = f"{self.name}-v{ZOO_VERSION}-seed{self.seed}"
-        preset = _PRESETS.get(self.name)
-        if preset is not None and replace(preset(), seed=self.seed) == self:
-            return key
-        digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
-        return f"{key}-{digest}"
+        return zoo_fields.cache_key(self, ZOO_VERSION, _PRESETS)
 
 
 _PRESETS = {"mini8": ZooConfig.mini8, "tiny8": ZooConfig.tiny}

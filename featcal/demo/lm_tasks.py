@@ -169,17 +169,8 @@ def lm_tokenizer():
     Returns:
         A ``PreTrainedTokenizerFast`` (right padding).
     """
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from tokenizers.processors import TemplateProcessing
-    from transformers import PreTrainedTokenizerFast
+    from featcal.demo.word_tokenizer import word_level_tokenizer
 
-    vocab = {token: i for i, token in enumerate(vocabulary())}
-    core = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = WhitespaceSplit()
-    core.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        padding_side="right",
-    )  # fmt: skip
+    return word_level_tokenizer(
+        vocabulary(), template="<s> $A", pad_token="<pad>", unk_token="<unk>", eos_token="</s>", bos_token="<s>"
+    )

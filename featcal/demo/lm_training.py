@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.progress import Progress
+from featcal.demo.fit import fit
 
 
 def encode(vocab: dict[str, int], text: str) -> list[int]:
@@ -62,17 +62,6 @@ class TextBatches:
         return ids, (ids != self.pad).long(), labels
 
 
-def _schedule(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = max(steps // 10, 1)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + torch.cos(torch.tensor((step - warmup) / max(steps - warmup, 1) * torch.pi)).item())
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def train_lm(
     model: nn.Module,
     batches: TextBatches,
@@ -85,7 +74,7 @@ def train_lm(
     desc: str = "training",
     progress: bool = True,
 ) -> None:
-    """AdamW with warm-up and cosine decay on the batches' scored tokens, in place.
+    """Next-token cross-entropy on the batches' scored tokens, trained in place by :func:`~featcal.demo.fit.fit`.
 
     Args:
         model: A ``*ForCausalLM``.
@@ -98,23 +87,13 @@ def train_lm(
         desc: The progress bar's label.
         progress: Show a progress bar.
     """
-    generator = torch.Generator().manual_seed(seed)
-    trainable = [p for n, p in model.named_parameters() if not n.startswith(tuple(frozen))]
-    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    schedule = _schedule(optimizer, steps)
-    model.train()
-    bar = Progress(range(steps), desc=desc, unit="steps", leave=False, enabled=progress)
-    for _ in bar:
+
+    def batch_loss(generator: torch.Generator) -> torch.Tensor:
         ids, mask, labels = batches.draw(batch_size, generator)
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        schedule.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-    model.eval()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+
+    fit(model, batch_loss, steps=steps, lr=lr, seed=seed, frozen=frozen, desc=desc, progress=progress)
 
 
 @torch.no_grad()

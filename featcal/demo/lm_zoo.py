@@ -1,6 +1,6 @@
 """The offline language-model benchmark ``lm5``: a tiny Llama pretrained on generic text, five task experts.
 
-Built and cached like the mini8 zoo (:mod:`featcal.demo.zoo`), as ordinary input folders of a language-model
+Built and cached like the mini8 zoo (:mod:`featcal.demo.cache`), as ordinary input folders of a language-model
 run::
 
     <zoo>/base/                  LlamaForCausalLM + its word-level tokenizer (save_pretrained)
@@ -14,19 +14,17 @@ The tasks are :mod:`featcal.demo.lm_tasks`'; the training :mod:`featcal.demo.lm_
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from featcal.demo import zoo_fields
 from featcal.demo.lm_tasks import TASKS_BY_NAME, generic_text, lm_tokenizer, substitution, task_rows, vocabulary
 from featcal.errors import FeatcalError
 
@@ -120,18 +118,7 @@ class LMZooConfig:
         Raises:
             FeatcalError: An item is not ``name=value``, names no field, or its value does not parse.
         """
-        types = {f.name: type(getattr(self, f.name)) for f in fields(self)}
-        changes: dict[str, Any] = {}
-        for item in assignments:
-            name, sep, value = item.partition("=")
-            if not sep or name not in types:
-                raise FeatcalError(f"zoo field {item!r}: expected NAME=VALUE with NAME one of {sorted(types)}.")
-            kind = types[name]
-            try:
-                changes[name] = tuple(v for v in value.split(",") if v) if kind is tuple else kind(value)
-            except ValueError as exc:
-                raise FeatcalError(f"zoo field {item!r}: {value!r} is not a {kind.__name__}.") from exc
-        return replace(self, **changes)
+        return zoo_fields.with_assignments(self, assignments)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as JSON-ready values."""
@@ -141,12 +128,7 @@ class LMZooConfig:
 
     def cache_key(self) -> str:
         """The zoo's folder name: ``<name>-v<version>-seed<seed>``, plus a digest for non-preset fields."""
-        key = f"{self.name}-v{LM_ZOO_VERSION}-seed{self.seed}"
-        preset = _PRESETS.get(self.name)
-        if preset is not None and replace(preset(), seed=self.seed) == self:
-            return key
-        digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
-        return f"{key}-{digest}"
+        return zoo_fields.cache_key(self, LM_ZOO_VERSION, _PRESETS)
 
 
 _PRESETS = {"lm5": LMZooConfig.lm5, "tiny-lm": LMZooConfig.tiny}
@@ -173,7 +155,7 @@ def build_lm_zoo(
 
     Args:
         config: The zoo.
-        cache_dir: The cache folder (default :func:`featcal.demo.zoo.default_cache_dir`).
+        cache_dir: The cache folder (default :func:`featcal.demo.cache.default_cache_dir`).
         force: Rebuild even when the cache holds the zoo.
         progress: Show progress bars.
         threads: torch CPU threads for the training (default one: the models are tiny, and more threads
@@ -185,32 +167,16 @@ def build_lm_zoo(
     Raises:
         FeatcalError: when the cache folder cannot be created.
     """
-    import torch
-
-    from featcal.demo.zoo import _publish, _remove_stale_partials, zoo_path
+    from featcal.demo.cache import build_cached, library_bars_off, zoo_path
+    from featcal.threads import torch_threads
 
     config = config or LMZooConfig.lm5()
-    target = zoo_path(config, cache_dir)  # type: ignore[arg-type]  # any config with a cache_key
-    if is_complete_lm_zoo(target) and not force:
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise FeatcalError(
-            f"Cannot create the benchmark cache folder {target.parent}: {exc}. Set FEATCAL_CACHE to a writable folder."
-        ) from None
-    _remove_stale_partials(target)
-    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or 1)
-    try:
-        _build_into(partial, config, progress=progress)
-        _publish(partial, target)
-    finally:
-        torch.set_num_threads(previous)
-        if partial.exists():
-            shutil.rmtree(partial, ignore_errors=True)
-    return target
+
+    def build_into(folder: Path) -> None:
+        with torch_threads(threads or 1), library_bars_off():
+            _build_into(folder, config, progress=progress)
+
+    return build_cached(zoo_path(config, cache_dir), build_into, is_complete_lm_zoo, force=force)
 
 
 def _llama_config(config: LMZooConfig, vocab: dict[str, int]):

@@ -12,8 +12,10 @@ from featcal.options import field_option, option, validate
 from featcal.spec import RunSpec
 
 GROUP = "demo"
-# the benchmark zoos `featcal demo --zoo` builds: mini8 (CLIP, image tasks), lm5 (a tiny Llama, text tasks)
-ZOOS = ("mini8", "lm5")
+# the benchmark zoos `featcal demo --zoo` builds: mini8 (CLIP, image tasks), lm5 (a tiny Llama, text tasks),
+# t5x4 (a tiny T5, text-to-text tasks)
+ZOOS = ("mini8", "lm5", "t5x4")
+TEXT_ZOOS = ("lm5", "t5x4")  # zoos whose base is scored as it is, not through zero-shot heads: "base"
 DEFAULT_OUTPUT_DIR = "outputs/mini8"  # outputs/<zoo>: the default zoo's
 # Task Arithmetic's κ on mini8: the reference run's, measured on the zoo in benchmarks/mini8.md.
 MINI8_SCALING_FACTOR = 0.3
@@ -29,8 +31,9 @@ class DemoOptions:
 
     output_dir: str | None = field_option(RunSpec, "output_dir", default=None, help="run folder (default outputs/ZOO)")
     zoo: str = option(
-        "mini8", help="the benchmark: mini8 (a small CLIP, eight image tasks) or lm5 (a tiny Llama, five text "
-        "tasks with exact-match answers)", group=GROUP, metavar="ZOO", choices=ZOOS,
+        "mini8", help="the benchmark: mini8 (a small CLIP, eight image tasks), lm5 (a tiny Llama, five text "
+        "tasks with exact-match answers) or t5x4 (a tiny T5, four text-to-text tasks answered with label words)",
+        group=GROUP, metavar="ZOO", choices=ZOOS,
     )  # fmt: skip
     zoo_seed: int = option(0, help="seed the zoo is generated from", group=GROUP, metavar="SEED", ge=0)
     tiny: bool = option(False, help="the reduced version of the zoo, the test suite's (faster, weaker)", group=GROUP)

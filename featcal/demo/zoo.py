@@ -15,14 +15,9 @@ interrupted build never leaves a half zoo behind.
 from __future__ import annotations
 
 import json
-import logging
-import os
 import platform
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from featcal.demo.cache import build_cached, library_bars_off, zoo_path
 from featcal.demo.config import IMAGE_DRAW, ZOO_VERSION, ZooConfig
 from featcal.demo.images import MINI8_TASKS, ImageTask
 from featcal.demo.looks import in_task_look
@@ -37,27 +33,9 @@ from featcal.demo.styles import restyle
 from featcal.demo.tokenizer import build_tokenizer
 from featcal.demo.training import TaskTensors, accuracy, finetune_expert, pretrain_clip, zero_shot_head
 from featcal.demo.vocabulary import pretraining_classnames
-from featcal.errors import FeatcalError
 from featcal.progress import Progress
 
-logger = logging.getLogger(__name__)
-
 ZOO_MARKER = "zoo.json"  # written last: its presence means the zoo is complete
-STALE_PARTIAL_SECONDS = 24 * 3600
-
-
-def default_cache_dir() -> Path:
-    """``$FEATCAL_CACHE``, else ``$XDG_CACHE_HOME/featcal``, else ``~/.cache/featcal``."""
-    explicit = os.environ.get("FEATCAL_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "featcal"
-
-
-def zoo_path(config: ZooConfig, cache_dir: str | Path | None = None) -> Path:
-    """Where the zoo of ``config`` lives: ``<cache>/benchmark/<name>-v<version>-seed<seed>``."""
-    return Path(cache_dir or default_cache_dir()).expanduser() / "benchmark" / config.cache_key()
 
 
 def is_complete(folder: Path) -> bool:
@@ -80,67 +58,12 @@ def build_zoo(
     two CPU cores; it is deterministic for a given config and seed (and torch thread count).
     """
     config = config or ZooConfig.mini8()
-    target = zoo_path(config, cache_dir)
-    if is_complete(target) and not force:
-        logger.info("Using the cached %s zoo at %s", config.name, target)
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise FeatcalError(
-            f"Cannot create the benchmark cache folder {target.parent}: {exc}. Set FEATCAL_CACHE to a writable folder."
-        ) from None
-    _remove_stale_partials(target)
-    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    try:
-        with _library_bars_off():
-            _build_into(partial, config, progress=progress)
-        _publish(partial, target)
-    finally:
-        if partial.exists():
-            shutil.rmtree(partial, ignore_errors=True)
-    return target
 
+    def build_into(folder: Path) -> None:
+        with library_bars_off():
+            _build_into(folder, config, progress=progress)
 
-@contextmanager
-def _library_bars_off() -> Iterator[None]:
-    """Silence the per-file bars of datasets and transformers (the build shows its own)."""
-    import datasets
-    from transformers.utils import logging as hf_logging
-
-    datasets_on, transformers_on = datasets.is_progress_bar_enabled(), hf_logging.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if datasets_on:
-            datasets.enable_progress_bars()
-        if transformers_on:
-            hf_logging.enable_progress_bar()
-
-
-def _remove_stale_partials(target: Path) -> None:
-    """Delete partial builds of this zoo left by killed processes (older than a day)."""
-    now = time.time()
-    for path in target.parent.glob(f".{target.name}.*"):
-        if path.is_dir() and now - path.stat().st_mtime > STALE_PARTIAL_SECONDS:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _publish(partial: Path, target: Path) -> None:
-    """Move a finished build into place atomically, replacing an older or unfinished one."""
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.{os.getpid()}.old"
-        os.rename(target, old)
-    try:
-        os.rename(partial, target)
-    except OSError:
-        if not is_complete(target):  # not a concurrent build that finished first
-            raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    return build_cached(zoo_path(config, cache_dir), build_into, is_complete, force=force)
 
 
 # ---------------------------------------------------------------- the build
