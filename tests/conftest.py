@@ -46,6 +46,14 @@ def mergebench_world(tmp_path_factory):
     return build_lm_world(tmp_path_factory.mktemp("mergebench"))
 
 
+@pytest.fixture(scope="session")
+def glue8_world(tmp_path_factory):
+    """Tiny stand-ins of FLAN-T5-base, the eight GLUE experts and GLUE's twelve configurations (built once)."""
+    from tests.support.tiny_glue_world import build_glue_world
+
+    return build_glue_world(tmp_path_factory.mktemp("glue8"))
+
+
 def available_devices() -> list[str]:
     """The devices the model tests run on: the CPU always, CUDA when torch sees a GPU."""
     import torch

@@ -90,8 +90,11 @@ def encode(batch_pairs: Sequence[tuple[str, str]], extra_padding: int = 0):
     )
 
 
-def save_model(folder, seed: int, base: nn.Module | None = None, scale: float = 0.05, **config_kw: Any) -> nn.Module:
-    """A tiny T5 (random, or ``base`` plus small noise: an expert) saved as a folder with its tokenizer."""
+def save_model(
+    folder, seed: int, base: nn.Module | None = None, scale: float = 0.05, *, tok: Any = None, **config_kw: Any
+) -> nn.Module:
+    """A tiny T5 (random, or ``base`` plus small noise: an expert) saved as a folder with its tokenizer (``tok``,
+    by default :func:`tokenizer`; another vocabulary's needs ``vocab_size`` in ``config_kw``)."""
     model = build(seed=seed, **config_kw)
     if base is not None:
         generator = torch.Generator().manual_seed(seed)
@@ -99,5 +102,5 @@ def save_model(folder, seed: int, base: nn.Module | None = None, scale: float = 
             for p, q in zip(model.parameters(), base.parameters()):
                 p.copy_(q + scale * torch.randn(q.shape, generator=generator))
     model.save_pretrained(folder)
-    tokenizer().save_pretrained(folder)
+    (tokenizer() if tok is None else tok).save_pretrained(folder)
     return model
