@@ -86,6 +86,19 @@ def test_the_release_is_a_text2text_generation_model_with_its_card(run) -> None:
     assert "Published reference" in card.text and cls_row.endswith("| 62.50 |"), cls_row
 
 
+def test_a_t5_release_claims_no_license_of_its_own_unless_given(run, tmp_path) -> None:
+    """featcal's default license, MIT, is that of the CLIP weights; a T5 merge inherits the licenses of its base
+    and experts (FLAN-T5's is Apache-2.0), which featcal does not know: its card says ``other`` and that none was
+    given, as a language model's does, until ``--license`` names one."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(run / "release" / "README.md")
+    assert card.data.license == "other" and "License:** none was given" in card.text
+    assert main(["-q", "card", str(run), "--output", str(tmp_path / "card"), "--license", "apache-2.0"]) == 0
+    given = ModelCard.load(tmp_path / "card" / "README.md")
+    assert given.data.license == "apache-2.0" and "none was given" not in given.text
+
+
 def test_the_release_config_reads_as_flan_t5_s_own_and_gives_the_stage_s_logits(run) -> None:
     """transformers 5 writes ``tie_word_embeddings: true`` for every T5, which transformers 4 would read as a tied,
     rescaled head: the release says ``false``, as FLAN-T5's own config does, and still loads (transformers 5)

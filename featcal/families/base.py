@@ -69,6 +69,9 @@ class ReleaseParts:
         optional_files: Files a release may hold beside those (a tokenizer's optional files), which a new export
             may replace.
         edit_config: Rewrites the released ``config.json`` (as a dict) after transformers wrote it, or None.
+        default_license: The license a run's card claims when none is given (CLIP's: ``mit``, that of the CLIP
+            weights its suites' bases carry); None: ``other``, and the card says none was given (a T5 or a
+            language model inherits the licenses of a base and experts featcal knows nothing of).
     """
 
     model_class: str
@@ -80,6 +83,7 @@ class ReleaseParts:
     card_template: tuple[str, str]
     optional_files: tuple[str, ...] = ()
     edit_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    default_license: str | None = None
 
 
 class ModelFamily(Protocol):

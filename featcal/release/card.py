@@ -28,7 +28,7 @@ from featcal.hub.refs import check_repo_id, is_hub_id, split_revision
 from featcal.metrics import CALIBRATION_EXAMPLES_USED
 from featcal.options import option_fields, option_of
 from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
-from featcal.release.options import DEFAULT_LICENSE
+from featcal.release.options import NO_LICENSE
 from featcal.release.plot import PLOT_FILE, save_results_plot
 from featcal.release.published import LOCAL_MARK, is_published_local, local_name, published_config, published_ref
 from featcal.release.results import ResultRow, results_rows
@@ -205,14 +205,15 @@ def _context(
     run: RunFolder,
     *,
     repo_id: str | None,
-    license: str,
+    license: str | None,
     plot: str | None,
     drift_plot: str | None = None,
     sweep_plot: str | None = None,
 ) -> dict[str, Any]:
     """The template's variables. References to inputs are given as published (see
     :mod:`featcal.release.published`): Hub ids as they are, local folders as ``local:<folder name>``,
-    so that no template, featcal's or a user's, can put a local path in the card."""
+    so that no template, featcal's or a user's, can put a local path in the card. Without ``license``, the
+    family's default license (None: ``other``, and ``license_given`` is False)."""
     method, params = run.record.merge.described
     pretty_name, url = _method_info(method) if method else ("an existing merge", None)
     rows = results_rows(run)
@@ -220,8 +221,10 @@ def _context(
     featcal = run.record.featcal.to_json() if run.record.featcal else None
     family = get_family(run.record.family)
     noun = family.noun  # the FeatCal rows speak of the family's examples (CLIP's: images)
+    stated = license if license is not None else family.release.default_license
     return {
-        "card_data": card_data(run, model_name=model_name, license=license).to_yaml(),
+        "card_data": card_data(run, model_name=model_name, license=stated or NO_LICENSE).to_yaml(),
+        "license_given": stated is not None,
         "title": model_name.split("/")[-1],
         "repo_id": repo_id or f"<namespace>/{model_name}",
         "repo_id_known": repo_id is not None,
@@ -288,7 +291,7 @@ def render_card(
     run: RunFolder,
     *,
     repo_id: str | None = None,
-    license: str = DEFAULT_LICENSE,
+    license: str | None = None,
     template: str | Path | None = None,
     plot: str | None = PLOT_FILE,
     drift_plot: str | None = None,
@@ -296,6 +299,7 @@ def render_card(
 ) -> ModelCard:
     """The model card of ``run``; ``plot`` is the image file the card shows (None for no image).
 
+    ``license`` None gives the family's default (:attr:`~featcal.families.base.ReleaseParts.default_license`).
     When the run folder holds feature-drift diagnostics of this recipe (``featcal diagnose``), the
     card gives their one-line summary, and ``drift_plot`` names the image of them it shows; likewise
     for a sweep (``featcal sweep``): its table, and ``sweep_plot``.
@@ -360,7 +364,8 @@ def write_card(
         run_dir: The run folder written by ``featcal run``.
         out_dir: Where to write the card (default ``<run>/release``); created when missing.
         repo_id: The Hub repository the card names (its usage snippet and ``model-index``).
-        license: The license in the card's metadata (default: :data:`DEFAULT_LICENSE`).
+        license: The license in the card's metadata (default: the family's: ``mit`` for CLIP; ``other`` for T5,
+            and the card says none was given).
         template: A Jinja model card template of your own.
 
     Returns:
@@ -373,7 +378,6 @@ def write_card(
         RunLockedError: when another process is writing the run folder.
         FeatcalError: when the template is missing, fails to render or gives invalid metadata.
     """
-    license = DEFAULT_LICENSE if license is None else license
     run_path = Path(run_dir).expanduser()
     out = Path(out_dir).expanduser() if out_dir is not None else run_path / RELEASE_DIR
     inside = run_path.resolve() in out.resolve().parents
@@ -421,7 +425,7 @@ def _is_featcal_card(path: Path) -> bool:
 
 
 def write_card_files(
-    run: RunFolder, out: Path, *, repo_id: str | None, license: str, template: str | Path | None
+    run: RunFolder, out: Path, *, repo_id: str | None, license: str | None, template: str | Path | None
 ) -> Path:
     """Write the plot (when matplotlib is there) and ``README.md`` into the existing folder ``out``.
 

@@ -21,7 +21,6 @@ from featcal.outputs import check_output_folder
 from featcal.release.card import CARD_FILE, write_card_files
 from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, write_manifest
 from featcal.release.model_folder import LM_FAMILY, is_model_input
-from featcal.release.options import DEFAULT_LICENSE
 from featcal.release.plot import PLOT_FILE
 from featcal.release.published import published_config
 from featcal.runfolder.layout import DIAGNOSTICS_PLOT, METRICS, RELEASE_DIR, RUN_CONFIG, calibrated_stage_name
@@ -193,7 +192,8 @@ def export_release(
         out_dir: Where to write the release (default ``<run>/release``); an existing release there is
             replaced, a folder holding other files is refused.
         repo_id: The Hub repository the card names (its usage snippet and ``model-index``).
-        license: The license in the card's metadata (default: a run's :data:`DEFAULT_LICENSE`; for a model
+        license: The license in the card's metadata (default: the family's, see
+            :attr:`~featcal.families.base.ReleaseParts.default_license`; for a model
             folder, none: see :func:`~featcal.release.model_release.export_model_release`).
         template: A Jinja model card template of your own.
 
@@ -227,7 +227,6 @@ def export_release(
             from featcal.release.lm_run_release import export_lm_run_release
 
             return export_lm_run_release(run, out, source, repo_id=repo_id, license=license, template=template)
-        license = DEFAULT_LICENSE if license is None else license
         check_output_folder(out, kind="release", allowed=release_names(family))
         with atomic_folder(out) as tmp:
             published = published_config(run.raw_config)

@@ -25,12 +25,11 @@ from featcal.model_recipe import ModelRecipe, mergekit_config
 from featcal.release.card import CARD_FILE, FEATCAL_PARAMS, TAGS, _method_info, check_card_folder, render_template_card
 from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
 from featcal.release.model_folder import ModelFolder, default_release_folder, is_model_release, read_model_folder
+from featcal.release.options import NO_LICENSE
 from featcal.release.published import published_model_recipe, published_ref, published_text
 from featcal.version import __version__
 
 logger = logging.getLogger(__name__)
-
-NO_LICENSE = "other"  # the card's license when none was given at export
 
 
 def mergekit_refs(recipe: ModelRecipe) -> list[str]:

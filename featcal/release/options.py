@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from featcal.options import option, validate
 
-DEFAULT_LICENSE = "mit"  # the license of OpenAI's CLIP weights, which the TA8 base model carries
+DEFAULT_LICENSE = "mit"  # the license of OpenAI's CLIP weights, which the CLIP suites' base models carry
+NO_LICENSE = "other"  # the card's license when none was given and the family claims none by default
 GROUP = "model card"
 
 
@@ -22,7 +23,13 @@ class CardOptions:
     repo_id: str | None = option(
         None, help="Hub repository the card names (namespace/name)", group=GROUP, metavar="ID", flag="repo"
     )
-    license: str = option(DEFAULT_LICENSE, help="license in the card", group=GROUP, metavar="LICENSE")
+    license: str | None = option(
+        None,
+        help=f"license in the card (default: {DEFAULT_LICENSE} for a CLIP run, the CLIP weights' own; for T5 and "
+        f"language models {NO_LICENSE}, and the card says none was given)",
+        group=GROUP,
+        metavar="LICENSE",
+    )
     template: str | None = option(None, help="your own Jinja model card template", group=GROUP, metavar="FILE")
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcal.families.base import ReleaseParts
+from featcal.release.options import DEFAULT_LICENSE
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +48,7 @@ class ClipVisionFamily:
         task_type="image-classification",
         task_name="Image Classification",
         card_template=(__name__, "model_card.md.j2"),
+        default_license=DEFAULT_LICENSE,
     )
 
     # --- models -------------------------------------------------------------------------------
