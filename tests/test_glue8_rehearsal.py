@@ -7,7 +7,8 @@ declaring them), their splits (MNLI's ``validation_matched``), column names and 
 from an empty ``HF_HOME`` in a fresh process, as a user's would, and evaluates the base and the experts too;
 ``featcal push`` then publishes its release, and a fresh process loads it back over HTTP with
 ``T5ForConditionalGeneration.from_pretrained`` and ``AutoTokenizer`` and generates (transformers 5 has no
-``text2text-generation`` pipeline).
+``text2text-generation`` pipeline). Last, a second run into a new folder with ``HF_HUB_OFFLINE=1`` reads every
+configuration from the cache the first one filled.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 from featcal.suites import suite_table, suite_task_names
 from tests.support.hub_double import Account, HubDouble
-from tests.support.hub_world import featcal_cli, user_env
+from tests.support.hub_world import featcal_cli, same_tensors, user_env
 from tests.support.tiny_glue_world import CONFIGS, GLUE
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")]
@@ -55,6 +56,12 @@ def rehearsal(glue8_world, tmp_path_factory):
         assert loaded.returncode == 0, loaded.stderr[-4000:]
         glue_commit = hub.store("dataset")[GLUE].refs["main"]
         commits = [c for c in hub.commits if c.repo_id == RELEASE_REPO]
+        asked = len(hub.served)
+        args = ["run", "--suite", "glue8", "--backbone", "flan-t5-base", "--skip-eval-ta", "--no-export", *SMALL]
+        args += ["--output-dir", str(home / "offline")]
+        offline = featcal_cli(args, user_env(hub.url, home, offline=True))
+        assert offline.returncode == 0, offline.stderr[-4000:]
+        assert len(hub.served) == asked, hub.served[asked:]  # offline: nothing asked of the Hub
     return run, result, served, loaded.stdout, glue_commit, commits
 
 
@@ -143,3 +150,12 @@ def test_the_pushed_release_loads_back_over_http_as_the_calibrated_model(rehears
     assert "datasets:\n- nyu-mll/glue\n" in card
     assert "config: mnli\n      split: validation_matched[:8]" in card
     assert "type: spearmanr" in card
+    assert "license: other" in card and "none was given" in card  # not CLIP's MIT: FLAN-T5's is not featcal's to say
+
+
+def test_an_offline_run_reads_each_configuration_from_the_cache_and_calibrates_alike(rehearsal):
+    run, _, _, _, _, _ = rehearsal
+    offline = run.parent / "offline"
+    assert same_tensors(run / "featcal-ta" / "model.safetensors", offline / "featcal-ta" / "model.safetensors")
+    online, cached = (json.loads((r / "featcal-ta" / "metrics.json").read_text()) for r in (run, offline))
+    assert {t: online[t] for t in TEST_SPLITS} == {t: cached[t] for t in TEST_SPLITS}
