@@ -6,19 +6,20 @@ CPU and, where torch sees a GPU, on CUDA too; a comparison that is bit for bit o
 GPU's rounding on CUDA where its two sides need not round alike there (computed on different devices,
 or batched otherwise). (A command run without
 ``--device`` uses ``auto``, CUDA where torch sees a GPU; a library call without ``device`` the CPU.)
-These name the CPU on purpose: the golden run (``test_pipeline.py``: its recorded weights and losses
-are the CPU's); the multi-process runs (``test_distributed.py``: gloo, and CUDA would need a GPU per
+These name the CPU on purpose: the golden run (``test_pipeline.py``: its recorded weights and losses are
+the CPU's); the multi-process runs (``test_distributed.py``: gloo, and CUDA would need a GPU per
 process); the Hub rehearsals over HTTP (``test_hub_rehearsal.py``, ``test_suite_rehearsal.py``,
-``faults/test_hub_faults.py``), which run the command the rehearsal prescribes, ``featcal run
---device cpu …`` (``tests/support/hub_world.SMALL``), and serve its release with ``featcal space
---device cpu``; what is the CPU's by definition (``test_devices.py``'s reference run and its memory
-record, ``test_sweep.py``'s bit-identity on the CPU, ``test_memory.py``'s meter of host memory, the
-refusal of a GPU by a method that computes on the CPU only); the faults refused before any model runs
-(in ``faults/``, ``test_cli_pipeline_commands.py``, ``test_diagnostics.py`` and ``test_sweep.py``);
-and the closed-form solves and merging kernels checked against analytic answers on small synthetic
-tensors (``test_calibration_solves.py``, the solve checks of ``test_calibration_statistics.py``, the
-method properties of ``test_merging.py``), whose device paths the calibration and merging tests
-cover. Inputs a test only prepares (a merge feeding a calibration test) are made on the CPU.
+``test_mergebench_rehearsal.py``, ``test_glue8_rehearsal.py``, ``faults/test_hub_faults.py``), which run
+the command the rehearsal prescribes, ``featcal run --device cpu …`` (``tests/support/hub_world.SMALL``,
+or the module's own ``SMALL``), and serve its release with ``featcal space --device cpu``; what is the
+CPU's by definition (``test_devices.py``'s reference run and its memory record, ``test_sweep.py``'s
+bit-identity on the CPU, ``test_memory.py``'s meter of host memory, the refusal of a GPU by a method
+that computes on the CPU only); the faults refused before any model runs (in ``faults/``,
+``test_cli_pipeline_commands.py``, ``test_diagnostics.py`` and ``test_sweep.py``); and the closed-form
+solves and merging kernels checked against analytic answers on small synthetic tensors
+(``test_calibration_solves.py``, the solve checks of ``test_calibration_statistics.py``, the method
+properties of ``test_merging.py``), whose device paths the calibration and merging tests cover. Inputs a
+test only prepares (a merge feeding a calibration test) are made on the CPU.
 """
 
 import os
