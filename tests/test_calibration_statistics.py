@@ -189,9 +189,10 @@ def test_tasks_with_different_image_counts_match_the_plain_implementation(device
 
 
 def _system(lhs: torch.Tensor, rhs: torch.Tensor) -> LinearSystem:
+    """A system with normal equations lhs·Wᵀ = rhs ([in, out]); it keeps rhs in the weight's layout."""
     system = LinearSystem.empty(rhs.shape[1], lhs.shape[0], False, device="cpu")
     system.lhs.copy_(lhs)
-    system.rhs.copy_(rhs)
+    system.rhs.copy_(rhs.T)
     return system
 
 
@@ -207,10 +208,27 @@ def test_linear_solve_reuses_its_workspace_and_matches_a_plain_solve():
             x.T @ x + (0.05 + 1e-8) * torch.eye(9, dtype=torch.float64), rhs + 0.05 * anchor_w.T
         )
         torch.testing.assert_close(weight, expected.T, rtol=1e-10, atol=1e-12)
-        # The buffer holds this system's upper Cholesky factor (column-major): the solve used it.
+        # The buffer's column-major view holds this system's lower Cholesky factor: the solve used it.
         factor = workspace.get("factor", (9, 9), torch.float64, torch.device("cpu")).mT
         ridged = x.T @ x + (0.05 + 1e-8) * torch.eye(9, dtype=torch.float64)
-        torch.testing.assert_close(factor.triu(), torch.linalg.cholesky(ridged, upper=True))
+        torch.testing.assert_close(factor.tril(), torch.linalg.cholesky(ridged))
+
+
+def test_linear_solve_reads_the_upper_triangle_of_the_system_alone():
+    """The factorisation reads lhs's upper triangle (the Gram accumulators compute the upper block triangle):
+    whatever lies below the diagonal, the weights are those of the symmetric system."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(30, 7, generator=g, dtype=torch.float64)
+    rhs, anchor_w = (
+        torch.randn(7, 3, generator=g, dtype=torch.float64),
+        torch.randn(3, 7, generator=g, dtype=torch.float64),
+    )
+    lower_garbage = x.T @ x + torch.randn(7, 7, generator=g, dtype=torch.float64).tril(-1)
+    solved = [
+        _system(lhs, rhs).solve(anchor_w, None, lam=0.05, eps=1e-8, workspace=Workspace())[0]
+        for lhs in (x.T @ x, lower_garbage)
+    ]
+    assert torch.equal(solved[0], solved[1])
 
 
 def test_linear_solve_falls_back_when_the_system_is_not_positive_definite():

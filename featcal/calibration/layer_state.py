@@ -264,23 +264,25 @@ class LayerState:
             self.group_rows[i] = top + count
             self.group_seq[i] = xs.shape[-2] if xs.dim() > 2 else 1
             buf = self.buffers[i][top : top + count]
-            buf[:, : g.dim].copy_(xs.reshape(count, g.dim))
-            if g.kind == "projected":  # y_e = W_t x_e, the expert's output without its bias
-                buf[:, g.dim :].copy_(rec_e.outputs[name].reshape(count, g.cross))
-                bias = modules_e[name].bias
-                if bias is not None:
-                    buf[:, g.dim :].sub_(bias)
-            else:
-                buf[:, g.dim :].copy_(rec_e.inputs[name].reshape(count, g.dim))
+            scale = None  # each row's √w, multiplied in as the row is copied (one pass over the buffer)
             if weighted:  # rows weigh by their batch: their roots are kept beside them
                 if i not in self.row_roots:
                     self.row_roots[i] = torch.empty(self.capacity, device=self.device, dtype=self.dtype)
                 root = self.row_roots[i][top : top + count]
                 torch.sqrt(weights.reshape(count), out=root)
-                buf.mul_(root.unsqueeze(1))
+                scale = root.unsqueeze(1)
                 self.pending_weight[i] = self.pending_weight[i] + weights.sum()  # on the device: no sync
             elif self.roots[i] is not None:
-                buf.mul_(self.roots[i][:count].unsqueeze(1))
+                scale = self.roots[i][:count].unsqueeze(1)
+            _put(buf[:, : g.dim], xs.reshape(count, g.dim), scale)
+            if g.kind == "projected":  # y_e = W_t x_e, the expert's output without its bias
+                outputs, bias = rec_e.outputs[name].reshape(count, g.cross), modules_e[name].bias
+                if bias is None:
+                    _put(buf[:, g.dim :], outputs, scale)
+                else:
+                    _put(buf[:, g.dim :].copy_(outputs).sub_(bias), None, scale)
+            else:
+                _put(buf[:, g.dim :], rec_e.inputs[name].reshape(count, g.dim), scale)
         self.filled += rows
         self.weighted_rows = weighted
 
@@ -342,3 +344,15 @@ class LayerState:
             return None
         widest = gram.acc[0].shape[1]
         return self.scratch[: gram.acc[0].numel()].view(-1, widest)
+
+
+def _put(target: torch.Tensor, rows: torch.Tensor | None, scale: torch.Tensor | None) -> None:
+    """``target`` = ``rows`` (``target`` itself when None) times ``scale`` (a column: each row's factor), in
+    one pass; a plain copy when ``scale`` is None."""
+    if scale is None:
+        if rows is not None:
+            target.copy_(rows)
+    elif rows is None:
+        target.mul_(scale)
+    else:
+        torch.mul(rows, scale, out=target)

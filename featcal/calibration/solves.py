@@ -34,7 +34,9 @@ def solve_general(lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class LinearSystem(Sums):
-    """Σ_t s_t·C_ss,t (``lhs``), Σ_t s_t·C_sτ,t·W_tᵀ (``rhs``) and the bias terms, for one nn.Linear."""
+    """Σ_t s_t·C_ss,t (``lhs``), Σ_t s_t·W_t·C_τs,t (``rhs``, ``[out, in]``: the transpose of the normal
+    equations' right-hand side, in the weight's layout, which is LAPACK's column-major one for the solve)
+    and the bias terms, for one nn.Linear."""
 
     lhs: torch.Tensor
     rhs: torch.Tensor
@@ -47,7 +49,7 @@ class LinearSystem(Sums):
         z = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)  # noqa: E731
         return cls(
             z(in_features, in_features),
-            z(in_features, out_features),
+            z(out_features, in_features),
             z(out_features) if has_bias else None,
             z(in_features),
             z(()),
@@ -66,7 +68,7 @@ class LinearSystem(Sums):
         """Fold one task's statistics and expert parameters (W_t, b_t) into the system.
 
         ``moments`` is a :class:`LinearMoments` or a :class:`ProjectedLinearMoments`; the product
-        C_sτ·W_tᵀ runs in W_t's dtype (float32 at least), its temporaries in ``workspace`` when given,
+        W_t·C_τs runs in W_t's dtype (float32 at least), its temporaries in ``workspace`` when given,
         and is summed in the system's dtype.
         """
         dtype, device = self.lhs.dtype, self.lhs.device
@@ -104,13 +106,14 @@ class LinearSystem(Sums):
             The weight ``[out, in]`` and the bias (or None).
         """
         dtype, device = self.lhs.dtype, self.lhs.device
-        rhs = torch.add(self.rhs, anchor_weight.to(device=device, dtype=dtype).T, alpha=lam)
-        weight_t = _cholesky_solve(self.lhs, lam + eps, rhs, workspace or Workspace())
+        # [out, in] row-major: its transpose, the right-hand side [in, out], is column-major as LAPACK reads it
+        rhs = torch.add(self.rhs, anchor_weight.to(device=device, dtype=dtype), alpha=lam)
+        weight_t = _cholesky_solve(self.lhs, lam + eps, rhs.mT, workspace or Workspace())
         if weight_t is None:  # not positive definite: LU, then the pseudo-inverse
             system = self.lhs.clone()
             system.diagonal().add_(lam + eps)
-            weight_t = solve_general(system, rhs)
-        weight = weight_t.T
+            weight_t = solve_general(system, rhs.mT)
+        weight = weight_t.mT
         if self.bias_rhs is None:
             return weight, None
         a_b = anchor_bias.to(device=device, dtype=dtype)
@@ -121,19 +124,22 @@ class LinearSystem(Sums):
 def _cholesky_solve(lhs: torch.Tensor, ridge: float, rhs: torch.Tensor, workspace: Workspace) -> torch.Tensor | None:
     """(lhs + ridge·I)⁻¹·rhs by Cholesky in one ``workspace`` buffer; None when the factorisation fails.
 
-    The matrix is written into a column-major buffer (LAPACK's layout) and factorised there, in place
-    (the output aliases the input on purpose): no transposed copy, and no fresh pages for a 3072² system
-    every layer (benchmarks/README.md, "Per phase").
+    ``lhs`` is symmetric, and only its upper triangle is read. It is copied as it is (row by row, no
+    transposition) into a buffer whose transpose is column-major (LAPACK's layout): that view holds lhsᵀ,
+    whose lower triangle is lhs's upper one, and is factorised there as L·Lᵀ, in place (the output aliases
+    the input on purpose): no transposed copy, and no fresh pages for a 3072² system every layer
+    (benchmarks/README.md, "Per phase").
     """
     n = lhs.shape[0]
-    factor = workspace.get("factor", (n, n), lhs.dtype, lhs.device).mT
-    factor.copy_(lhs)
+    buffer = workspace.get("factor", (n, n), lhs.dtype, lhs.device)
+    buffer.copy_(lhs)
+    factor = buffer.mT
     factor.diagonal().add_(ridge)
     info = workspace.get("info", (), torch.int32, lhs.device)
-    torch.linalg.cholesky_ex(factor, upper=True, out=(factor, info))
+    torch.linalg.cholesky_ex(factor, upper=False, out=(factor, info))
     if info.item() != 0:
         return None
-    return torch.cholesky_solve(rhs, factor, upper=True)
+    return torch.cholesky_solve(rhs, factor, upper=False)
 
 
 @dataclass

@@ -106,10 +106,11 @@ class LinearMoments(Sums):
         return cross.addcmul_(self.sum_se, alpha / self.sum_w)
 
     def teacher_rhs(self, alpha: float, weight: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
-        """C_sτ·W_tᵀ ([d_in, d_out]) for the expert weight W_t, as a product in W_t's dtype (float32 at least).
-        ``workspace`` is unused: here d_in is the narrow side (768 at ViT-B/32), so C_sτ stays small."""
+        """W_t·C_τs = (C_sτ·W_tᵀ)ᵀ ([d_out, d_in], the weight's layout) for the expert weight W_t, as a product
+        in W_t's dtype (float32 at least). ``workspace`` is unused: here d_in is the narrow side (768 at
+        ViT-B/32), so C_sτ stays small."""
         dtype = product_dtype(weight.dtype)
-        return (self.cross_teacher(alpha).to(dtype) @ weight.to(dtype).T).to(self.sum_ss.dtype)
+        return (weight.to(dtype) @ self.cross_teacher(alpha).to(dtype).T).to(self.sum_ss.dtype)
 
     def teacher_output_mean(self, alpha: float, weight: torch.Tensor) -> torch.Tensor:
         """W_t·μ_τ."""
@@ -149,8 +150,8 @@ class ProjectedLinearMoments(Sums):
         return self.sum_ss / self.sum_w
 
     def teacher_rhs(self, alpha: float, weight: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
-        """C_sτ·W_tᵀ = α·E_w[x_s y_eᵀ] + (1−α)·C_ss·W_tᵀ; the product in W_t's dtype (float32 at least),
-        its cast of C_ss in a ``workspace`` buffer when one is given."""
+        """W_t·C_τs = (α·E_w[x_s y_eᵀ] + (1−α)·C_ss·W_tᵀ)ᵀ ([d_out, d_in], the weight's layout); the product in
+        W_t's dtype (float32 at least), its cast of C_ss in a ``workspace`` buffer when one is given."""
         dtype = product_dtype(weight.dtype)
         gram = self.sum_ss
         if dtype != gram.dtype:
@@ -159,8 +160,8 @@ class ProjectedLinearMoments(Sums):
                 if workspace is None
                 else workspace.get("gram", gram.shape, dtype, gram.device).copy_(gram)
             )
-        projected = (gram @ weight.to(dtype).T).to(self.sum_ss.dtype)
-        return projected.mul_((1 - alpha) / self.sum_w).addcmul_(self.sum_sy, alpha / self.sum_w)
+        projected = (weight.to(dtype) @ gram.T).to(self.sum_ss.dtype)
+        return projected.mul_((1 - alpha) / self.sum_w).addcmul_(self.sum_sy.T, alpha / self.sum_w)
 
     def teacher_output_mean(self, alpha: float, weight: torch.Tensor) -> torch.Tensor:
         return (alpha * self.sum_ye + (1 - alpha) * (weight.to(self.sum_xs.dtype) @ self.sum_xs)) / self.sum_w
