@@ -72,6 +72,9 @@ class ReleaseParts:
         default_license: The license a run's card claims when none is given (CLIP's: ``mit``, that of the CLIP
             weights its suites' bases carry); None: ``other``, and the card says none was given (a T5 or a
             language model inherits the licenses of a base and experts featcal knows nothing of).
+        folder_card_template: The package and file name of the card template of a model folder's own release
+            (``featcal export DIR`` on a folder of ``featcal merge`` or ``featcal calibrate``: no run, no results);
+            None for a family whose model folders are released only from the run that made them (CLIP).
     """
 
     model_class: str
@@ -84,6 +87,7 @@ class ReleaseParts:
     optional_files: tuple[str, ...] = ()
     edit_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     default_license: str | None = None
+    folder_card_template: tuple[str, str] | None = None
 
 
 class ModelFamily(Protocol):

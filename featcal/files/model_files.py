@@ -3,13 +3,16 @@
 MODEL_CONFIG = "config.json"  # a model folder's transformers configuration
 WEIGHTS = "model.safetensors"  # a model folder's weights, in one file
 WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded model folder's index of its weight files
-# What a language model's folder holds beside config.json and the weights: the base's tokenizer files and
-# generation config, which every merged and calibrated folder (and its release) carries.
+# What a language model's or a T5's folder holds beside config.json and the weights: the base's tokenizer files
+# (a Llama's tokenizer.model, a T5's sentencepiece spiece.model, added tokens) and generation config, which every
+# merged and calibrated folder (and its release) carries when the base has them.
 COMPANION_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "tokenizer.model",
+    "spiece.model",
+    "added_tokens.json",
     "generation_config.json",
     "chat_template.jinja",
 )

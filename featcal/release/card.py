@@ -143,9 +143,11 @@ def _link(ref: str | None, kind: str, commit: str | None = None) -> str:
     return f"`{name}` (local folder)"
 
 
-def _environment(template: str | Path | None, family: ModelFamily) -> tuple[jinja2.Environment, str]:
+def _environment(
+    template: str | Path | None, family: ModelFamily, card_template: tuple[str, str] | None = None
+) -> tuple[jinja2.Environment, str]:
     if template is None:
-        package, name = family.release.card_template
+        package, name = card_template or family.release.card_template
         source = resources.files(package).joinpath(name).read_text(encoding="utf-8")
     else:
         source = read_text_input(Path(template).expanduser(), "Model card template")
@@ -316,14 +318,21 @@ def render_card(
 
 
 def render_template_card(
-    template: str | Path | None, family: ModelFamily, context: Callable[[], Mapping[str, Any]]
+    template: str | Path | None,
+    family: ModelFamily,
+    context: Callable[[], Mapping[str, Any]],
+    card_template: tuple[str, str] | None = None,
 ) -> ModelCard:
-    """A model card rendered from ``template`` (None: ``family``'s own) with the values ``context`` gives.
+    """A model card rendered from ``template`` (None: ``card_template``, else ``family``'s run card) with the
+    values ``context`` gives.
 
     Args:
         template: A Jinja model card template of your own, or None for the family's.
         family: The model family whose template and filters the card uses.
         context: Gives the template's values; called inside the rendering's error handling.
+        card_template: The package and file name of the family's template to use when ``template`` is None
+            (a model folder's card: :attr:`~featcal.families.base.ReleaseParts.folder_card_template`); None: the
+            family's ``card_template``.
 
     Returns:
         The card.
@@ -331,8 +340,8 @@ def render_template_card(
     Raises:
         FeatcalError: when the template is missing, fails to render or gives invalid metadata.
     """
-    env, source = _environment(template, family)
-    shown = template or "/".join(family.release.card_template)
+    env, source = _environment(template, family, card_template)
+    shown = template or "/".join(card_template or family.release.card_template)
     try:
         text = env.from_string(source).render(**context())
     except jinja2.TemplateError as exc:

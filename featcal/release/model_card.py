@@ -1,11 +1,12 @@
-"""The model card of a language-model release: Hub metadata and a Jinja-rendered body, from the model
-folder's ``featcal_recipe.json`` alone.
+"""The model card of a model folder's release (a language model's or a T5's): Hub metadata and a Jinja-rendered
+body, from the model folder's ``featcal_recipe.json`` alone.
 
-The template is the ``causal_lm`` family's (``featcal/families/causal_lm/model_card.md.j2``); pass
+The template is the family's folder card (:attr:`~featcal.families.base.ReleaseParts.folder_card_template`:
+``featcal/families/causal_lm/model_card.md.j2``, ``featcal/families/seq2seq/folder_card.md.j2``); pass
 ``template=`` to use your own. Inputs are named as a release publishes them
 (:mod:`featcal.release.published`): Hub ids as they are, local folders by their folder name only.
-featcal does not evaluate language models, so the card reports no result: it says so, and how to
-measure one.
+featcal measured nothing of a model folder (a language model is not evaluated by featcal, a T5 only in a
+run), so the card reports no result: it says so, and how to measure one.
 """
 
 from __future__ import annotations
@@ -108,8 +109,15 @@ def _featcal_rows(recipe: ModelRecipe, noun: str) -> list[dict[str, Any]] | None
     return rows
 
 
+def _cell(text: str) -> str:
+    """``text`` as it may stand in a Markdown table's cell (new lines and pipes escaped)."""
+    return text.replace("\n", "\\n").replace("|", "\\|")
+
+
 def _data_rows(recipe: ModelRecipe) -> list[dict[str, Any]]:
-    """Each expert's calibration data as the recipe records it, inputs named as published."""
+    """Each expert's calibration data as the recipe records it, inputs named as published. A language model's
+    entry has a text ``format`` (a column or template, or a prompt and a response); a T5's its ``input`` and
+    ``target`` templates and the ``labels`` words of its class ids (None when the entry has none)."""
     rows = []
     for task, entry in recipe.calibration_data.items():
         fmt = (
@@ -117,6 +125,7 @@ def _data_rows(recipe: ModelRecipe) -> list[dict[str, Any]]:
             if entry.get("text")
             else f"prompt `{entry.get('prompt', '')}`, response `{entry.get('response', '')}`"
         )
+        pair = "input" in entry and "target" in entry
         rows.append(
             {
                 "task": task,
@@ -125,9 +134,13 @@ def _data_rows(recipe: ModelRecipe) -> list[dict[str, Any]]:
                 "config": entry.get("config"),
                 "revision": entry.get("revision"),
                 "split": entry.get("split"),
-                "format": fmt.replace("\n", "\\n").replace("|", "\\|"),
+                "format": _cell(fmt),
+                "input": _cell(f"`{entry['input']}`") if pair else None,
+                "target": _cell(f"`{entry['target']}`") if pair else None,
+                "labels": (_cell(", ".join(f"`{w}`" for w in entry.get("labels") or ())) or None) if pair else None,
                 "weigh": entry.get("weigh"),
                 "max_length": entry.get("max_length"),
+                "target_max_length": entry.get("target_max_length"),
                 "examples": entry.get("examples"),
             }
         )
@@ -174,12 +187,14 @@ def model_context(
 ) -> dict[str, Any]:
     """The template's variables: everything from the folder's recipe, inputs named as published (a run's
     language-model card adds its results to them: :mod:`featcal.release.lm_run_card`). The repository is
-    ``repo_id``, else named ``name``, else by the folder (:func:`default_model_name`).
+    ``repo_id``, else named ``name``, else by the folder (:func:`default_model_name`). ``snippet`` is the
+    first calibration entry's input template (a T5's usage snippet shows it), else None.
 
     Args:
         folder: The model folder, read.
         repo_id: The Hub repository the card names, when known.
-        license: The license in the metadata (None: ``other``, and the card says none was given).
+        license: The license in the metadata (None: the family's default, and where it has none ``other``, and
+            the card says none was given).
         name: The model's name when ``repo_id`` is None.
 
     Returns:
@@ -189,12 +204,15 @@ def model_context(
     family = get_family(recipe.family)
     model_name = repo_id or name or default_model_name(folder)
     published = published_model_recipe(folder.raw_recipe, mergekit_refs(recipe))
+    license = license or family.release.default_license
+    inputs = [(task, entry["input"]) for task, entry in recipe.calibration_data.items() if entry.get("input")]
     return {
         "card_data": model_card_data(folder, model_name=model_name, license=license or NO_LICENSE).to_yaml(),
         "title": model_name.split("/")[-1],
         "repo_id": repo_id or f"<namespace>/{model_name}",
         "repo_id_known": repo_id is not None,
         "license_given": license is not None,
+        "snippet": {"task": inputs[0][0], "input": inputs[0][1]} if inputs else None,
         "base_model": published_ref(recipe.base_model),
         "experts": [{"task": task, "ref": published_ref(ref)} for task, ref in recipe.experts.items()],
         "calibrated": folder.calibrated,
@@ -214,12 +232,13 @@ def model_context(
 def render_model_card(
     folder: ModelFolder, *, repo_id: str | None = None, license: str | None = None, template: str | Path | None = None
 ) -> ModelCard:
-    """The model card of a language-model folder's release.
+    """The model card of a model folder's release, from the family's folder card template.
 
     Args:
         folder: The model folder (:func:`~featcal.release.model_folder.read_model_folder`).
         repo_id: The Hub repository the card names (metadata ``model_name`` and the usage snippet).
-        license: The license in the metadata; None gives ``other`` and a line in the card saying none was given.
+        license: The license in the metadata; None gives the family's default, where it has none ``other`` and a
+            line in the card saying none was given.
         template: A Jinja model card template of your own.
 
     Returns:
@@ -231,8 +250,12 @@ def render_model_card(
     """
     if repo_id is not None:
         check_repo_id(repo_id, namespace=True)
+    family = get_family(folder.family)
     return render_template_card(
-        template, get_family(folder.recipe.family), lambda: model_context(folder, repo_id=repo_id, license=license)
+        template,
+        family,
+        lambda: model_context(folder, repo_id=repo_id, license=license),
+        card_template=family.release.folder_card_template,
     )
 
 
@@ -244,7 +267,8 @@ def write_model_card(
     license: str | None = None,
     template: str | Path | None = None,
 ) -> Path:
-    """Write ``README.md`` for a language-model folder into ``out_dir`` (default ``<folder>-release``).
+    """Write ``README.md`` for a model folder (a language model's or a T5's) into ``out_dir`` (default
+    ``<folder>-release``).
 
     Only the card changes. In a release of the same folder, its entry in ``release_manifest.json`` is
     updated, so the release still passes the check before a push (an edit by hand does not).
@@ -260,7 +284,7 @@ def write_model_card(
         The path of ``README.md``.
 
     Raises:
-        ModelInputError: when ``model_dir`` is not a language-model folder of featcal's.
+        ModelInputError: when ``model_dir`` is not a model folder of featcal's that is released on its own.
         ReleaseError: when ``out_dir`` is the release of another model folder, or of a run.
         OutputPathError: when ``out_dir`` is or lies in the model folder, or holds files that are not a
             featcal card's or release's.

@@ -1,4 +1,5 @@
-"""Check that a language-model folder's release is complete and unchanged since export, without loading it.
+"""Check that a model folder's release (a language model's or a T5's) is complete and unchanged since export,
+without loading it.
 
 An 8B model is never loaded to be checked: its configuration is read by transformers, each weight
 file's safetensors header is parsed (every tensor's bytes inside the file, the shard index naming
@@ -20,7 +21,7 @@ from featcal.model_recipe import RECIPE_FILE, ModelRecipe
 from featcal.release.card import CARD_FILE
 from featcal.release.check import Release
 from featcal.release.manifest import MANIFEST, read_manifest
-from featcal.release.model_folder import LM_FAMILY, weight_files
+from featcal.release.model_folder import folder_families, releases_folders, weight_files
 from featcal.release.tensors import read_header
 
 FIX = "rebuild it with `featcal export MODEL_FOLDER`"
@@ -44,15 +45,20 @@ def _check_listing(folder: Path, files: tuple[HubFile, ...], recorded: dict[str,
 
 
 def _check_model_files(folder: Path) -> None:
-    """The recipe is featcal's, of a language model; the configuration reads; each weight file's header
-    parses and the index (when sharded) maps exactly the tensors the shards hold."""
-    from featcal.families.causal_lm.folders import load_config
+    """The recipe is featcal's, of a family whose model folders are released on their own (a language model, a
+    T5); the configuration is of that family and reads; each weight file's header parses and the index (when
+    sharded) maps exactly the tensors the shards hold."""
+    from featcal.families import family_names, get_family
 
     try:
         recipe = ModelRecipe.from_json(json.loads((folder / RECIPE_FILE).read_text(encoding="utf-8")), folder)
-        if recipe.family != LM_FAMILY:
-            raise ReleaseError(folder / RECIPE_FILE, f"{folder / RECIPE_FILE} is not a language model's recipe.")
-        load_config(folder)
+        if recipe.family not in family_names() or not releases_folders(recipe.family):
+            raise ReleaseError(
+                folder / RECIPE_FILE,
+                f"{folder / RECIPE_FILE} is the recipe of a {recipe.family} model, whose folder is not released on "
+                f"its own (only {' and '.join(folder_families())} models are).",
+            )
+        get_family(recipe.family).model_config(folder)
         weights, index = weight_files(folder, "Release")
     except ValueError as exc:  # JSONDecodeError
         raise ReleaseError(folder / RECIPE_FILE, f"{folder / RECIPE_FILE} is not valid JSON ({exc}); {FIX}.") from None
@@ -83,14 +89,15 @@ def _check_card(folder: Path) -> ModelCard:
 
 
 def check_model_release(folder: str | Path) -> Release:
-    """The release of a language-model folder in ``folder``, or a ReleaseError naming what is wrong.
+    """The release of a model folder in ``folder`` (a language model's or a T5's), or a ReleaseError naming what is
+    wrong.
 
-    Checks, cheapest first: the manifest reads; the folder holds exactly the files it lists (hidden files,
-    which a push does not upload, aside); ``featcal_recipe.json`` is a language model's recipe;
-    ``config.json`` is read by transformers; every weight file the folder needs is there (each shard of
-    the index) and its safetensors header parses, every tensor's bytes inside the file, and the index maps
-    exactly the tensors the shards hold; the card's metadata parses; and every file has the SHA-256 the
-    manifest records (which reads every byte once, as the upload will). The model is not loaded.
+    Checks, cheapest first: the manifest reads; the folder holds exactly the files it lists (hidden files, which
+    a push does not upload, aside); ``featcal_recipe.json`` is the recipe of a family whose folders are released
+    on their own; ``config.json`` is of that family and read by transformers; every weight file the folder needs
+    is there (each shard of the index) and its safetensors header parses, every tensor's bytes inside the file,
+    and the index maps exactly the tensors the shards hold; the card's metadata parses; and every file has the
+    SHA-256 the manifest records (which reads every byte once, as the upload will). The model is not loaded.
 
     Args:
         folder: The release folder (written by ``featcal export MODEL_FOLDER``).

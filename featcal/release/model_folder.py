@@ -1,10 +1,12 @@
-"""A language-model folder written by featcal, as a release reads it: its recipe and its files.
+"""A model folder written by featcal, as a release reads it: its recipe and its files.
 
 ``featcal merge`` and ``featcal calibrate`` write a model folder (:mod:`featcal.model_recipe`): the
 weights (one ``model.safetensors``, or shards and ``model.safetensors.index.json``), ``config.json``,
 the base's tokenizer files and generation config, and ``featcal_recipe.json``. This module tells such
 a folder from a run folder and a release, checks it holds what a release needs, without loading the
-model, and lists its files.
+model, and lists its files. A folder is released on its own for the families whose
+:class:`~featcal.families.base.ReleaseParts` name a ``folder_card_template`` (language models, T5s); a CLIP
+stage folder is released from the run that made it.
 """
 
 from __future__ import annotations
@@ -15,13 +17,32 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import ModelInputError
+from featcal.families import family_names, get_family
 from featcal.files.hashing import config_hash
 from featcal.files.model_files import COMPANION_FILES, MODEL_CONFIG, WEIGHTS, WEIGHTS_INDEX
 from featcal.model_recipe import RECIPE_FILE, ModelRecipe
 from featcal.release.manifest import MANIFEST
 from featcal.runfolder.layout import RUN_CONFIG
 
-LM_FAMILY = "causal_lm"
+LM_FAMILY = "causal_lm"  # the family whose runs are released as their stage's model folder (lm_run_release)
+
+
+def folder_families() -> list[str]:
+    """The families whose model folders are released on their own: those with a folder card template."""
+    return [name for name in family_names() if get_family(name).release.folder_card_template is not None]
+
+
+def releases_folders(family: str) -> bool:
+    """Whether a model folder of ``family`` (a registered family's name) is released on its own."""
+    return get_family(family).release.folder_card_template is not None
+
+
+def folder_companions(family: str) -> tuple[str, ...]:
+    """The files besides the weights and ``config.json`` that a model folder of ``family`` may hold and its
+    release carries: the tokenizer files and generation config (:data:`COMPANION_FILES`), and the files the
+    family's run releases hold from the base (a T5's ``spiece.model``)."""
+    parts = get_family(family).release
+    return tuple(dict.fromkeys((*COMPANION_FILES, *parts.files, *parts.optional_files)))
 
 
 def is_model_folder(path: str | Path) -> bool:
@@ -82,7 +103,7 @@ def default_release_folder(model_dir: str | Path) -> Path:
 
 @dataclass(frozen=True)
 class ModelFolder:
-    """A checked language-model folder of featcal's.
+    """A checked model folder of featcal's (a language model's or a T5's).
 
     Attributes:
         path: The folder.
@@ -90,7 +111,7 @@ class ModelFolder:
         raw_recipe: That file's contents as read.
         weights: The names of its weight files (``model.safetensors``, or the shards), sorted.
         index: ``model.safetensors.index.json`` when the weights are sharded, else None.
-        companions: The tokenizer files and generation config it holds.
+        companions: The tokenizer files and generation config it holds (:func:`folder_companions`).
         architecture: The model's class as ``config.json`` names it (``LlamaForCausalLM``), else its model type.
     """
 
@@ -107,6 +128,11 @@ class ModelFolder:
         """The recipe's hash: the SHA-256 of ``featcal_recipe.json``'s contents, keys sorted (the hash
         featcal gives a run's recipe, :func:`featcal.files.hashing.config_hash`)."""
         return config_hash(self.raw_recipe)
+
+    @property
+    def family(self) -> str:
+        """The model's family, as the recipe names it (``causal_lm``, ``seq2seq``)."""
+        return self.recipe.family
 
     @property
     def calibrated(self) -> bool:
@@ -153,11 +179,11 @@ def weight_files(folder: Path, what: str) -> tuple[tuple[str, ...], str | None]:
 
 
 def read_model_folder(folder: str | Path) -> ModelFolder:
-    """The language-model folder ``folder``, checked without loading the model.
+    """The model folder ``folder``, checked without loading the model.
 
     Args:
         folder: A folder written by ``featcal merge`` or ``featcal calibrate`` (``featcal_recipe.json``
-            naming the ``causal_lm`` family).
+            naming a family whose folders are released on their own: :func:`folder_families`).
 
     Returns:
         The folder, its recipe and its files.
@@ -180,19 +206,20 @@ def read_model_folder(folder: str | Path) -> ModelFolder:
     if not recipe_path.is_file():
         raise ModelInputError(
             str(folder),
-            f"{path} has no {RECIPE_FILE}: `featcal export` releases a run folder (with {RUN_CONFIG}) or a language-"
-            "model folder written by `featcal merge` or `featcal calibrate`.",
+            f"{path} has no {RECIPE_FILE}: `featcal export` releases a run folder (with {RUN_CONFIG}) or a model "
+            "folder written by `featcal merge` or `featcal calibrate`.",
         )
     try:
         raw = json.loads(recipe_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelInputError(str(recipe_path), f"{recipe_path} is not readable JSON ({exc}).") from None
     recipe = ModelRecipe.from_json(raw, recipe_path)
-    if recipe.family != LM_FAMILY:
+    if recipe.family not in family_names() or not releases_folders(recipe.family):
         raise ModelInputError(
             str(folder),
             f"{path} holds a {recipe.family} model: such a model is released from the run folder that made it "
-            "(`featcal export RUN`); a model folder is released on its own only for language models (causal_lm).",
+            f"(`featcal export RUN`); a model folder is released on its own only for {' and '.join(folder_families())} "
+            "models.",
         )
     try:
         config = json.loads((path / MODEL_CONFIG).read_text(encoding="utf-8"))
@@ -201,6 +228,6 @@ def read_model_folder(folder: str | Path) -> ModelFolder:
     except (OSError, ValueError) as exc:
         raise ModelInputError(str(path / MODEL_CONFIG), f"{path / MODEL_CONFIG} is not readable ({exc}).") from None
     weights, index = weight_files(path, "Model folder")
-    companions = tuple(name for name in COMPANION_FILES if (path / name).is_file())
+    companions = tuple(name for name in folder_companions(recipe.family) if (path / name).is_file())
     architecture = str((config.get("architectures") or [config["model_type"]])[0])
     return ModelFolder(path, recipe, raw, weights, index, companions, architecture)

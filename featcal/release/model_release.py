@@ -1,4 +1,5 @@
-"""Turn a language-model folder written by featcal into a release folder: exactly what `featcal push` uploads.
+"""Turn a model folder written by featcal (a language model's or a T5's) into a release folder: exactly what
+`featcal push` uploads.
 
 A model folder (``featcal merge`` or ``featcal calibrate`` output, :mod:`featcal.release.model_folder`)
 has no run folder around it, so its release is made from the folder alone: its weights, configuration,
@@ -8,16 +9,22 @@ file system, so an 8B model's 16 GB are not written twice; they are copied other
 space has been checked. Nothing in the model folder is written: a link shares its file's bytes and
 permissions, so nothing is stamped into the weights either (a run's release stamps its recipe into the
 safetensors metadata; a model folder's release records it in ``release_manifest.json`` instead).
+``config.json`` is copied as it is, or, for a family that edits its released configuration (a T5's
+``tie_word_embeddings: false``, :attr:`~featcal.families.base.ReleaseParts.edit_config`), written anew in the
+release from the edited contents: never through a link to the model folder's file.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
+from functools import cache
 from pathlib import Path
 
 from featcal.errors import OutputPathError
+from featcal.families import get_family
 from featcal.files.atomic import atomic_folder, atomic_write_json, atomic_write_text
 from featcal.files.model_files import COMPANION_FILES, MODEL_CONFIG, WEIGHTS, WEIGHTS_INDEX
 from featcal.files.placing import check_free_space, link_or_copy, same_file_system
@@ -27,13 +34,13 @@ from featcal.outputs import check_output_folder
 from featcal.release.card import CARD_FILE
 from featcal.release.manifest import MANIFEST, manifest_of, write_manifest
 from featcal.release.model_card import mergekit_refs, render_model_card
-from featcal.release.model_folder import ModelFolder, default_release_folder, read_model_folder
+from featcal.release.model_folder import ModelFolder, default_release_folder, folder_companions, read_model_folder
 from featcal.release.published import published_model_recipe, published_ref
 from featcal.release.tensors import tensors_sha256_of
 
 logger = logging.getLogger(__name__)
 
-# The names a model folder's release may hold (what a new export may replace).
+# The names a language-model folder's release may hold (what a new export may replace).
 RELEASE_NAMES = re.compile(
     "|".join(
         [
@@ -42,6 +49,36 @@ RELEASE_NAMES = re.compile(
         ]
     )
 )
+
+
+@cache
+def release_names(family: str) -> re.Pattern[str]:
+    """The names the release of a model folder of ``family`` may hold: :data:`RELEASE_NAMES` and the files the
+    family carries beside its weights (:func:`~featcal.release.model_folder.folder_companions`)."""
+    extra = sorted(set(folder_companions(family)) - set(COMPANION_FILES))
+    return re.compile("|".join([RELEASE_NAMES.pattern, *map(re.escape, extra)]))
+
+
+def write_config(folder: ModelFolder, out: Path) -> None:
+    """Write the release's ``config.json`` into ``out``: the model folder's bytes, or the family's edit of them
+    (:attr:`~featcal.families.base.ReleaseParts.edit_config`) when it changes anything. Either way a new file
+    is written in ``out``, never a link, so the model folder's own file is never written through.
+
+    Args:
+        folder: The model folder.
+        out: The release folder being written (nothing named ``config.json`` in it yet).
+    """
+    source, target = folder.path / MODEL_CONFIG, out / MODEL_CONFIG
+    edit = get_family(folder.family).release.edit_config
+    if edit is not None:
+        config = json.loads(source.read_text(encoding="utf-8"))
+        edited = edit(config)
+        if edited != config:
+            target.write_text(json.dumps(edited, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            return
+    shutil.copyfile(source, target)
+
+
 # Room kept beside the files' own bytes for the card, the published recipe and the manifest.
 SMALL_FILES_MARGIN = 1 << 20
 
@@ -92,10 +129,12 @@ def export_model_release(
     license: str | None = None,
     template: str | Path | None = None,
 ) -> Path:
-    """Write the release folder of a language-model folder (default: the sibling ``<folder>-release``).
+    """Write the release folder of a model folder (default: the sibling ``<folder>-release``): a language
+    model's or a T5's (the families with a ``folder_card_template``; a CLIP stage folder is released from its run).
 
     The release holds the weights (``model.safetensors``, or the shards and ``model.safetensors.index.json``),
-    ``config.json``, the tokenizer files and ``generation_config.json`` of the folder, its
+    ``config.json`` (as the family releases it: a FLAN-T5-style T5's with ``tie_word_embeddings: false``), the
+    tokenizer files (a T5's ``spiece.model`` too) and ``generation_config.json`` of the folder, its
     ``featcal_recipe.json`` as published (local inputs named ``local:<folder name>``), the model card
     (``README.md``) and ``release_manifest.json``: the SHA-256 of every other file, the recipe's hash
     (``recipe_sha256``: :func:`featcal.files.hashing.config_hash` of the folder's recipe) and the tensors'
@@ -112,15 +151,16 @@ def export_model_release(
             there is replaced, any other non-empty folder is refused, as is a folder that is, holds or lies
             in the model folder or a local input of its recipe.
         repo_id: The Hub repository the card names.
-        license: The license in the card's metadata; None gives ``other``, and the card says none was given.
+        license: The license in the card's metadata; None gives the family's default, and where it has none
+            (language models, T5s) ``other``, and the card says none was given.
         template: A Jinja model card template of your own.
 
     Returns:
         The release folder.
 
     Raises:
-        ModelInputError: when ``model_dir`` is not a language-model folder of featcal's (no recipe, another
-            family, no readable config, missing weights or shards).
+        ModelInputError: when ``model_dir`` is not a model folder of featcal's that is released on its own (no
+            recipe, a CLIP model, no readable config, missing weights or shards).
         OutputPathError: when ``out_dir`` may not be written or replaced.
         NoSpaceError: when its file system has less free space than the release needs.
         InvalidParameterError: for a ``repo_id`` that is not ``namespace/name``.
@@ -130,7 +170,7 @@ def export_model_release(
         check_repo_id(repo_id, namespace=True)
     folder = read_model_folder(model_dir)
     out = Path(out_dir).expanduser() if out_dir is not None else default_release_folder(folder.path)
-    check_output_folder(out, kind="release", allowed=RELEASE_NAMES, inputs=_local_inputs(folder))
+    check_output_folder(out, kind="release", allowed=release_names(folder.family), inputs=_local_inputs(folder))
     _check_release_target(out)
     card = render_model_card(folder, repo_id=repo_id, license=license, template=template)
     published = published_model_recipe(folder.raw_recipe, mergekit_refs(folder.recipe))
@@ -138,7 +178,8 @@ def export_model_release(
     check_free_space(out, bytes_to_write(folder, link=link))
     with atomic_folder(out) as tmp:
         linked = [link_or_copy(folder.path / name, tmp / name, link=link) for name in folder.weights]
-        for name in (MODEL_CONFIG, *([folder.index] if folder.index else []), *folder.companions):
+        write_config(folder, tmp)
+        for name in (*([folder.index] if folder.index else []), *folder.companions):
             shutil.copyfile(folder.path / name, tmp / name)
         atomic_write_json(tmp / RECIPE_FILE, published)
         atomic_write_text(tmp / CARD_FILE, str(card))

@@ -46,6 +46,7 @@ class CausalLMFamily:
         task_type="text-generation",
         task_name="Text Generation",
         card_template=(__name__, "model_card.md.j2"),
+        folder_card_template=(__name__, "model_card.md.j2"),
     )
 
     # --- models -------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class Seq2SeqFamily:
         card_template=(__name__, "model_card.md.j2"),
         optional_files=OPTIONAL_RELEASE_FILES,
         edit_config=release_config,
+        folder_card_template=(__name__, "folder_card.md.j2"),
     )
 
     # --- models -------------------------------------------------------------------------------
