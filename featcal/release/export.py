@@ -170,7 +170,7 @@ def export_release(
 ) -> Path:
     """Write the release folder of a run (default ``<run>/release``) and return its path.
 
-    A language-model folder written by ``featcal merge`` or ``featcal calibrate`` (a folder with
+    A model folder written by ``featcal merge`` or ``featcal calibrate`` (a language model's or a T5's: a folder with
     ``featcal_recipe.json`` or ``config.json`` and no ``run_config.json``) is released by
     :func:`featcal.release.model_release.export_model_release` instead (default ``<folder>-release``), and a
     language-model run by :func:`featcal.release.lm_run_release.export_lm_run_release` (its released stage as
@@ -205,11 +205,11 @@ def export_release(
             stage's results do not belong to its weights, or the calibrated stage of a calibrated run is gone.
         RunLockedError: when another process is writing the run folder.
         ModelInputError: when the released weights or the base's preprocessor do not load, or a model
-            folder is not a language-model folder of featcal's.
+            folder is not one of featcal's that is released on its own (a CLIP stage folder is released from its run).
         NoSpaceError: when a model folder's release does not fit on its file system.
         OutputPathError: when ``out_dir`` is a file or holds files that are not part of a release.
     """
-    if is_model_input(run_dir):  # a language-model folder of featcal merge / calibrate: no run around it
+    if is_model_input(run_dir):  # a model folder of featcal merge / calibrate: no run around it
         from featcal.release.model_release import export_model_release
 
         return export_model_release(run_dir, out_dir, repo_id=repo_id, license=license, template=template)

@@ -200,7 +200,7 @@ def push_release(
     folder = resolve_release_folder(folder, repo_id, dry_run=dry_run)
     run = enclosing_run(folder.resolve())
     with RunLock(run, shared=True) if run is not None else nullcontext():  # no run rewrites it meanwhile
-        if is_model_release(folder):  # a language model's release (of a model folder, or of a run)
+        if is_model_release(folder):  # a model folder's release (a language model, a T5), or a language-model run's
             from featcal.release.model_check import check_model_release
 
             release = check_model_release(folder)
