@@ -7,6 +7,7 @@ interrupted build leaves no zoo, and a finished one is found by its marker file.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from featcal.errors import FeatcalError
 logger = logging.getLogger(__name__)
 
 STALE_PARTIAL_SECONDS = 24 * 3600
+ZOO_MARKER = "zoo.json"  # written last into a zoo: its presence means the zoo is complete
 
 
 class CacheKeyed(Protocol):
@@ -44,6 +46,57 @@ def default_cache_dir() -> Path:
 def zoo_path(config: CacheKeyed, cache_dir: str | Path | None = None) -> Path:
     """Where the zoo of ``config`` lives: ``<cache>/benchmark/<name>-v<version>-seed<seed>``."""
     return Path(cache_dir or default_cache_dir()).expanduser() / "benchmark" / config.cache_key()
+
+
+def marked_complete(folder: Path, key: str, version: int) -> bool:
+    """Whether ``folder`` holds a finished zoo whose marker file records ``version`` under ``key``.
+
+    Args:
+        folder: A zoo's folder.
+        key: The marker's version field (``lm_version``).
+        version: The zoo kind's current version.
+
+    Returns:
+        False for a missing or unreadable marker, or another version.
+    """
+    marker = folder / ZOO_MARKER
+    try:
+        return marker.is_file() and json.loads(marker.read_text()).get(key) == version
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def build_trained_zoo(
+    target: Path,
+    build: Callable[[Path], None],
+    is_complete: Callable[[Path], bool],
+    *,
+    force: bool = False,
+    threads: int | None = None,
+) -> Path:
+    """:func:`build_cached` for a zoo whose build trains tiny models: with ``threads`` torch CPU threads
+    (default one: more threads only contend on such models) and the libraries' own progress bars off.
+
+    Args:
+        target: The zoo's folder (:func:`zoo_path`).
+        build: Writes the whole zoo into the empty folder it is given, its marker file last.
+        is_complete: Whether a folder holds a finished zoo of the current version.
+        force: Rebuild even when ``target`` is complete.
+        threads: torch CPU threads for the build.
+
+    Returns:
+        ``target``.
+
+    Raises:
+        FeatcalError: when the cache folder cannot be created.
+    """
+    from featcal.threads import torch_threads
+
+    def build_into(folder: Path) -> None:
+        with torch_threads(threads or 1), library_bars_off():
+            build(folder)
+
+    return build_cached(target, build_into, is_complete, force=force)
 
 
 def build_cached(

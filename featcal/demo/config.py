@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 from featcal.demo import zoo_fields
 from featcal.demo.images import MINI8_TASKS
@@ -20,7 +20,7 @@ IMAGE_DRAW = 2
 
 
 @dataclass(frozen=True)
-class ZooConfig:
+class ZooConfig(zoo_fields.ZooConfigMethods):
     """A benchmark zoo: eight procedural tasks, each in a look of its own, a small CLIP pretrained on them in another
     look, one expert per task.
 
@@ -116,30 +116,9 @@ class ZooConfig:
             vision_hidden=96,
         )
 
-    def with_assignments(self, assignments: Sequence[str]) -> ZooConfig:
-        """A copy with fields set from ``name=value`` strings, for benchmark variants.
+    VERSION: ClassVar[int] = ZOO_VERSION
 
-        Args:
-            assignments: Items such as ``"vision_hidden=96"`` or ``"pretrain_vocabulary=held-out"``;
-                tuple fields take comma-separated values.
-
-        Returns:
-            The changed config (validated as any other).
-
-        Raises:
-            FeatcalError: An item is not ``name=value``, names no field, or its value does not parse.
-        """
-        return zoo_fields.with_assignments(self, assignments)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["tasks"] = list(self.tasks)
-        data["expert_frozen"] = list(self.expert_frozen)
-        return data
-
-    def cache_key(self) -> str:
-        """The zoo's folder name: ``<name>-v<version>-seed<seed>``, plus a digest for non-preset fields."""
-        return zoo_fields.cache_key(self, ZOO_VERSION, _PRESETS)
-
-
-_PRESETS = {"mini8": ZooConfig.mini8, "tiny8": ZooConfig.tiny}
+    @classmethod
+    def presets(cls) -> dict[str, Callable[[], ZooConfig]]:
+        """The presets by name."""
+        return {"mini8": cls.mini8, "tiny8": cls.tiny}

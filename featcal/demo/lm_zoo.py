@@ -18,18 +18,18 @@ import json
 import platform
 import random
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from featcal.demo import zoo_fields
+from featcal.demo.cache import ZOO_MARKER, build_trained_zoo, marked_complete, zoo_path
 from featcal.demo.lm_tasks import TASKS_BY_NAME, generic_text, lm_tokenizer, substitution, task_rows, vocabulary
 from featcal.errors import FeatcalError
 
 LM_ZOO_VERSION = 1  # bump whenever texts, training or file layout change: it keys the cache
-ZOO_MARKER = "zoo.json"
 # the run's settings on the zoo: the answers are short, the texts too
 LM_MAX_NEW_TOKENS = 16
 LM_MAX_LENGTH = 64
@@ -38,7 +38,7 @@ LM_CALIBRATION_EXAMPLES = 128
 
 
 @dataclass(frozen=True)
-class LMZooConfig:
+class LMZooConfig(zoo_fields.ZooConfigMethods):
     """A language-model benchmark zoo: a tiny Llama base and one expert per synthetic task, from one seed.
 
     ``lm5()`` is the documented benchmark; ``tiny()`` a reduced one for the test suite. Every field takes
@@ -106,41 +106,17 @@ class LMZooConfig:
             expert_steps=150,
         )
 
-    def with_assignments(self, assignments: Sequence[str]) -> LMZooConfig:
-        """A copy with fields set from ``name=value`` strings, for benchmark variants.
+    VERSION: ClassVar[int] = LM_ZOO_VERSION
 
-        Args:
-            assignments: Items such as ``"hidden=96"``; tuple fields take comma-separated values.
-
-        Returns:
-            The changed config (validated as any other).
-
-        Raises:
-            FeatcalError: An item is not ``name=value``, names no field, or its value does not parse.
-        """
-        return zoo_fields.with_assignments(self, assignments)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config as JSON-ready values."""
-        data = asdict(self)
-        data["tasks"], data["expert_frozen"] = list(self.tasks), list(self.expert_frozen)
-        return data
-
-    def cache_key(self) -> str:
-        """The zoo's folder name: ``<name>-v<version>-seed<seed>``, plus a digest for non-preset fields."""
-        return zoo_fields.cache_key(self, LM_ZOO_VERSION, _PRESETS)
-
-
-_PRESETS = {"lm5": LMZooConfig.lm5, "tiny-lm": LMZooConfig.tiny}
+    @classmethod
+    def presets(cls) -> dict[str, Callable[[], LMZooConfig]]:
+        """The presets by name."""
+        return {"lm5": cls.lm5, "tiny-lm": cls.tiny}
 
 
 def is_complete_lm_zoo(folder: Path) -> bool:
     """Whether ``folder`` holds a finished language-model zoo of the current version."""
-    marker = folder / ZOO_MARKER
-    try:
-        return marker.is_file() and json.loads(marker.read_text()).get("lm_version") == LM_ZOO_VERSION
-    except (OSError, json.JSONDecodeError):
-        return False
+    return marked_complete(folder, "lm_version", LM_ZOO_VERSION)
 
 
 def build_lm_zoo(
@@ -167,16 +143,14 @@ def build_lm_zoo(
     Raises:
         FeatcalError: when the cache folder cannot be created.
     """
-    from featcal.demo.cache import build_cached, library_bars_off, zoo_path
-    from featcal.threads import torch_threads
-
     config = config or LMZooConfig.lm5()
-
-    def build_into(folder: Path) -> None:
-        with torch_threads(threads or 1), library_bars_off():
-            _build_into(folder, config, progress=progress)
-
-    return build_cached(zoo_path(config, cache_dir), build_into, is_complete_lm_zoo, force=force)
+    return build_trained_zoo(
+        zoo_path(config, cache_dir),
+        lambda folder: _build_into(folder, config, progress=progress),
+        is_complete_lm_zoo,
+        force=force,
+        threads=threads,
+    )
 
 
 def _llama_config(config: LMZooConfig, vocab: dict[str, int]):

@@ -22,18 +22,18 @@ import json
 import platform
 import random
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from featcal.demo import zoo_fields
+from featcal.demo.cache import ZOO_MARKER, build_trained_zoo, marked_complete, zoo_path
 from featcal.demo.t5_tasks import T5_TASKS_BY_NAME, T5Task, generic_pairs, t5_tokenizer, task_rows, vocabulary
 from featcal.errors import FeatcalError
 
 T5_ZOO_VERSION = 1  # bump whenever texts, training or file layout change: it keys the cache
-ZOO_MARKER = "zoo.json"
 # the run's settings on the zoo: inputs of a few words, targets of one
 T5_MAX_LENGTH = 32
 T5_TARGET_MAX_LENGTH = 4
@@ -49,7 +49,7 @@ T5_FROZEN = (
 
 
 @dataclass(frozen=True)
-class T5ZooConfig:
+class T5ZooConfig(zoo_fields.ZooConfigMethods):
     """A T5 benchmark zoo: a tiny T5 base and one expert per synthetic task, from one seed.
 
     ``t5x4()`` is the documented benchmark; ``tiny()`` a reduced one for the test suite. Every field takes
@@ -112,41 +112,17 @@ class T5ZooConfig:
             expert_steps=80,
         )
 
-    def with_assignments(self, assignments: Sequence[str]) -> T5ZooConfig:
-        """A copy with fields set from ``name=value`` strings, for benchmark variants.
+    VERSION: ClassVar[int] = T5_ZOO_VERSION
 
-        Args:
-            assignments: Items such as ``"hidden=96"``; tuple fields take comma-separated values.
-
-        Returns:
-            The changed config (validated as any other).
-
-        Raises:
-            FeatcalError: An item is not ``name=value``, names no field, or its value does not parse.
-        """
-        return zoo_fields.with_assignments(self, assignments)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config as JSON-ready values."""
-        data = asdict(self)
-        data["tasks"], data["expert_frozen"] = list(self.tasks), list(self.expert_frozen)
-        return data
-
-    def cache_key(self) -> str:
-        """The zoo's folder name: ``<name>-v<version>-seed<seed>``, plus a digest for non-preset fields."""
-        return zoo_fields.cache_key(self, T5_ZOO_VERSION, _PRESETS)
-
-
-_PRESETS = {"t5x4": T5ZooConfig.t5x4, "tiny-t5": T5ZooConfig.tiny}
+    @classmethod
+    def presets(cls) -> dict[str, Callable[[], T5ZooConfig]]:
+        """The presets by name."""
+        return {"t5x4": cls.t5x4, "tiny-t5": cls.tiny}
 
 
 def is_complete_t5_zoo(folder: Path) -> bool:
     """Whether ``folder`` holds a finished T5 zoo of the current version."""
-    marker = folder / ZOO_MARKER
-    try:
-        return marker.is_file() and json.loads(marker.read_text()).get("t5_version") == T5_ZOO_VERSION
-    except (OSError, json.JSONDecodeError):
-        return False
+    return marked_complete(folder, "t5_version", T5_ZOO_VERSION)
 
 
 def build_t5_zoo(
@@ -173,16 +149,14 @@ def build_t5_zoo(
     Raises:
         FeatcalError: when the cache folder cannot be created.
     """
-    from featcal.demo.cache import build_cached, library_bars_off, zoo_path
-    from featcal.threads import torch_threads
-
     config = config or T5ZooConfig.t5x4()
-
-    def build_into(folder: Path) -> None:
-        with torch_threads(threads or 1), library_bars_off():
-            _build_into(folder, config, progress=progress)
-
-    return build_cached(zoo_path(config, cache_dir), build_into, is_complete_t5_zoo, force=force)
+    return build_trained_zoo(
+        zoo_path(config, cache_dir),
+        lambda folder: _build_into(folder, config, progress=progress),
+        is_complete_t5_zoo,
+        force=force,
+        threads=threads,
+    )
 
 
 def _t5_config(config: T5ZooConfig, vocab: dict[str, int]):

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from featcal.demo.cache import build_cached, library_bars_off, zoo_path
+from featcal.demo.cache import ZOO_MARKER, build_cached, library_bars_off, marked_complete, zoo_path
 from featcal.demo.config import IMAGE_DRAW, ZOO_VERSION, ZooConfig
 from featcal.demo.images import MINI8_TASKS, ImageTask
 from featcal.demo.looks import in_task_look
@@ -35,18 +35,10 @@ from featcal.demo.training import TaskTensors, accuracy, finetune_expert, pretra
 from featcal.demo.vocabulary import pretraining_classnames
 from featcal.progress import Progress
 
-ZOO_MARKER = "zoo.json"  # written last: its presence means the zoo is complete
-
 
 def is_complete(folder: Path) -> bool:
     """Whether ``folder`` holds a finished zoo of the current version."""
-    marker = folder / ZOO_MARKER
-    if not marker.is_file():
-        return False
-    try:
-        return json.loads(marker.read_text()).get("version") == ZOO_VERSION
-    except (OSError, json.JSONDecodeError):
-        return False
+    return marked_complete(folder, "version", ZOO_VERSION)
 
 
 def build_zoo(
