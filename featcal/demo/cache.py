@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from featcal.errors import FeatcalError
 
@@ -64,6 +64,42 @@ def marked_complete(folder: Path, key: str, version: int) -> bool:
         return marker.is_file() and json.loads(marker.read_text()).get(key) == version
     except (OSError, json.JSONDecodeError):
         return False
+
+
+def build_environment(build_seconds: float) -> dict[str, Any]:
+    """What a zoo's marker file records of its build: when it ended, how long it took, with how many torch
+    threads, on what platform, with which torch and transformers (builds are deterministic per thread count).
+
+    Args:
+        build_seconds: The build's wall time.
+
+    Returns:
+        The fields, in the marker's order.
+    """
+    import platform
+    from datetime import UTC, datetime
+
+    import torch
+    import transformers
+
+    return {
+        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "build_seconds": round(build_seconds, 1),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+    }
+
+
+def write_marker(folder: Path, info: dict[str, Any]) -> None:
+    """Write a zoo's marker file (its last file: :func:`marked_complete` then finds the zoo finished).
+
+    Args:
+        folder: The zoo's folder.
+        info: What the marker records (its version under the kind's key, its config, :func:`build_environment`).
+    """
+    (folder / ZOO_MARKER).write_text(json.dumps(info, indent=1) + "\n")
 
 
 def build_trained_zoo(

@@ -15,17 +15,15 @@ The tasks are :mod:`featcal.demo.lm_tasks`'; the training :mod:`featcal.demo.lm_
 from __future__ import annotations
 
 import json
-import platform
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
 from featcal.demo import zoo_fields
-from featcal.demo.cache import ZOO_MARKER, build_trained_zoo, marked_complete, zoo_path
+from featcal.demo.cache import build_environment, build_trained_zoo, marked_complete, write_marker, zoo_path
 from featcal.demo.lm_tasks import TASKS_BY_NAME, generic_text, lm_tokenizer, substitution, task_rows, vocabulary
 from featcal.errors import FeatcalError
 
@@ -240,9 +238,6 @@ def _write_data(folder: Path, config: LMZooConfig, data_rows: dict[str, list[dic
 def _write_info(
     folder: Path, config: LMZooConfig, results: dict[str, dict[str, float]], *, build_seconds: float
 ) -> None:
-    import torch
-    import transformers
-
     average = {
         key: sum(r[key] for r in results.values()) / len(results) for key in ("base_exact_match", "expert_exact_match")
     }
@@ -251,17 +246,12 @@ def _write_info(
         "lm_version": LM_ZOO_VERSION,
         "seed": config.seed,
         "config": config.to_dict(),
-        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "build_seconds": round(build_seconds, 1),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
+        **build_environment(build_seconds),
         "probe": "exact match on the last min(200, data_rows / 2) rows of each task's data file",
         "tasks": results,
         "average": average,
     }
-    (folder / ZOO_MARKER).write_text(json.dumps(info, indent=1) + "\n")
+    write_marker(folder, info)
 
 
 def lm_run_spec(

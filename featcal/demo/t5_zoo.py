@@ -19,17 +19,15 @@ short sentence may recur there). The tasks are :mod:`featcal.demo.t5_tasks`', th
 from __future__ import annotations
 
 import json
-import platform
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
 from featcal.demo import zoo_fields
-from featcal.demo.cache import ZOO_MARKER, build_trained_zoo, marked_complete, zoo_path
+from featcal.demo.cache import build_environment, build_trained_zoo, marked_complete, write_marker, zoo_path
 from featcal.demo.t5_tasks import T5_TASKS_BY_NAME, T5Task, generic_pairs, t5_tokenizer, task_rows, vocabulary
 from featcal.errors import FeatcalError
 
@@ -281,9 +279,6 @@ def _write_data(folder: Path, tasks: Sequence[T5Task], splits: dict[str, dict[st
 def _write_info(
     folder: Path, config: T5ZooConfig, results: dict[str, dict[str, float]], *, build_seconds: float
 ) -> None:
-    import torch
-    import transformers
-
     average = {
         key: sum(r[key] for r in results.values()) / len(results) for key in ("base_exact_match", "expert_exact_match")
     }
@@ -292,17 +287,12 @@ def _write_info(
         "t5_version": T5_ZOO_VERSION,
         "seed": config.seed,
         "config": config.to_dict(),
-        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "build_seconds": round(build_seconds, 1),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
+        **build_environment(build_seconds),
         "probe": "exact match of greedy generations (at most 10 tokens) on each task's test split",
         "tasks": results,
         "average": average,
     }
-    (folder / ZOO_MARKER).write_text(json.dumps(info, indent=1) + "\n")
+    write_marker(folder, info)
 
 
 def t5_run_spec(

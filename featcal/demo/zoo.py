@@ -15,17 +15,22 @@ interrupted build never leaves a half zoo behind.
 from __future__ import annotations
 
 import json
-import platform
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from featcal.demo.cache import ZOO_MARKER, build_cached, library_bars_off, marked_complete, zoo_path
+from featcal.demo.cache import (
+    build_cached,
+    build_environment,
+    library_bars_off,
+    marked_complete,
+    write_marker,
+    zoo_path,
+)
 from featcal.demo.config import IMAGE_DRAW, ZOO_VERSION, ZooConfig
 from featcal.demo.images import MINI8_TASKS, ImageTask
 from featcal.demo.looks import in_task_look
@@ -211,8 +216,6 @@ def _write_tables(
     *,
     build_seconds: float,
 ) -> None:
-    import transformers
-
     table = {
         "about": f"The {config.name} benchmark zoo (featcal, version {ZOO_VERSION}, seed {config.seed}): "
         "procedural image tasks, a small CLIP pretrained on their captions with the images in the "
@@ -250,14 +253,9 @@ def _write_tables(
         "version": ZOO_VERSION,
         "seed": config.seed,
         "config": config.to_dict(),
-        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "build_seconds": round(build_seconds, 1),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
+        **build_environment(build_seconds),
         "descriptions": {task.name: task.caption for task in tasks},
         "tasks": results,
         "average": mean,
     }
-    (folder / ZOO_MARKER).write_text(json.dumps(info, indent=1) + "\n")
+    write_marker(folder, info)
