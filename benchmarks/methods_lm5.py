@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -129,8 +130,30 @@ def print_table(out: dict, tasks: tuple[str, ...]) -> None:
         print(f"| {name} | " + " | ".join(f"{values[t]:.2f}" for t in (*tasks, "average")) + " |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def zoo_benchmark(
+    description: str,
+    presets: tuple[Callable[[int], Any], Callable[[int], Any]],
+    build: Callable[..., Path],
+    run_spec: Callable[..., Any],
+    exact_match: Callable[[dict, tuple[str, ...]], dict[str, float]],
+    multitask: Callable[[Path, Any], dict[str, float]],
+    *,
+    time_multitask: bool = False,
+) -> None:
+    """The command line of a zoo's method comparison (this script's and ``methods_t5x4.py``'s): build or read
+    the zoo, compare the methods, optionally train the multi-task model, write the results JSON, print the table.
+
+    Args:
+        description: The ``--help`` line.
+        presets: The zoo's reduced and full configurations, by seed (``--tiny`` picks the first).
+        build: Builds (or finds in the cache) a zoo: ``build(config, cache_dir=, force=, progress=)``.
+        run_spec: The zoo's run spec (:func:`compare_methods`).
+        exact_match: A metrics report's exact match per task and on average, in %.
+        multitask: The multi-task model's scores, from the zoo and its configuration.
+        time_multitask: Also record the multi-task model's seconds (``multitask_seconds``).
+    """
+    tiny, full = presets
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--methods", nargs="*", default=["task_arithmetic", "simple_average", "ties"])
     parser.add_argument("--ta-grid", nargs="*", type=float, default=[], metavar="K", help="Task Arithmetic κ grid")
     parser.add_argument("--multitask", action="store_true", help="also train and score the multi-task model")
@@ -139,25 +162,34 @@ def main() -> None:
     parser.add_argument("--zoo-field", action="append", default=[], metavar="NAME=VALUE", help="a zoo variant")
     parser.add_argument("--cache-dir", default=None, help="zoo cache folder (default: featcal's)")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the zoo even if it is cached")
-    parser.add_argument("--output", default=None, help="results JSON (default results/lm5_seed<S>.json)")
+    parser.add_argument("--output", default=None, help=f"results JSON (default results/{full(0).name}_seed<S>.json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    preset = LMZooConfig.tiny(args.zoo_seed) if args.tiny else LMZooConfig.lm5(args.zoo_seed)
-    config = preset.with_assignments(args.zoo_field)
+    config = (tiny if args.tiny else full)(args.zoo_seed).with_assignments(args.zoo_field)
     start = time.perf_counter()
-    zoo = build_lm_zoo(config, cache_dir=args.cache_dir, force=args.rebuild, progress=False)
+    zoo = build(config, cache_dir=args.cache_dir, force=args.rebuild, progress=False)
     info = json.loads((zoo / "zoo.json").read_text())
     print(f"zoo {zoo} (built in {info['build_seconds']} s; this call {time.perf_counter() - start:.0f} s)")
     tasks = config.tasks
     out: dict = {"zoo": info, "platform": platform.platform()}
-    out.update(compare_methods(zoo, tasks, lm_run_spec, _exact_match, methods=args.methods, ta_grid=args.ta_grid))
+    out.update(compare_methods(zoo, tasks, run_spec, exact_match, methods=args.methods, ta_grid=args.ta_grid))
     if args.multitask:
-        out["multitask"] = _multitask(zoo, config, seed=42)
+        began = time.perf_counter()
+        out["multitask"] = multitask(zoo, config)
+        if time_multitask:
+            out["multitask_seconds"] = time.perf_counter() - began
         print(f"multi-task: {out['multitask']['average']:.2f}", flush=True)
     path = Path(args.output or RESULTS / f"{config.name}_seed{config.seed}.json")
     path.write_text(json.dumps(out, indent=1) + "\n")
     print_table(out, tasks)
     print(f"wrote {path}")
+
+
+def main() -> None:
+    zoo_benchmark(
+        __doc__.splitlines()[0], (LMZooConfig.tiny, LMZooConfig.lm5), build_lm_zoo, lm_run_spec, _exact_match,
+        lambda zoo, config: _multitask(zoo, config, seed=42),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

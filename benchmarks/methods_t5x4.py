@@ -13,14 +13,9 @@ scored on the same test rows. Writes ``benchmarks/results/t5x4_seed<S>.json`` an
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import time
 from pathlib import Path
 
-import torch
-from methods_lm5 import RESULTS, compare_methods, print_table
+from methods_lm5 import zoo_benchmark
 
 from featcal.demo.t5_tasks import T5_TASKS_BY_NAME, vocabulary
 from featcal.demo.t5_training import PairBatches, greedy_exact_match, train_t5
@@ -52,36 +47,10 @@ def _multitask(zoo: Path, config: T5ZooConfig) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", nargs="*", default=["task_arithmetic", "simple_average", "ties"])
-    parser.add_argument("--ta-grid", nargs="*", type=float, default=[], metavar="K", help="Task Arithmetic κ grid")
-    parser.add_argument("--multitask", action="store_true", help="also train and score the multi-task model")
-    parser.add_argument("--tiny", action="store_true", help="the test suite's reduced zoo")
-    parser.add_argument("--zoo-seed", type=int, default=0)
-    parser.add_argument("--zoo-field", action="append", default=[], metavar="NAME=VALUE", help="a zoo variant")
-    parser.add_argument("--cache-dir", default=None, help="zoo cache folder (default: featcal's)")
-    parser.add_argument("--rebuild", action="store_true", help="rebuild the zoo even if it is cached")
-    parser.add_argument("--output", default=None, help="results JSON (default results/t5x4_seed<S>.json)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    preset = T5ZooConfig.tiny(args.zoo_seed) if args.tiny else T5ZooConfig.t5x4(args.zoo_seed)
-    config = preset.with_assignments(args.zoo_field)
-    start = time.perf_counter()
-    zoo = build_t5_zoo(config, cache_dir=args.cache_dir, force=args.rebuild, progress=False)
-    info = json.loads((zoo / "zoo.json").read_text())
-    print(f"zoo {zoo} (built in {info['build_seconds']} s; this call {time.perf_counter() - start:.0f} s)")
-    tasks = config.tasks
-    out: dict = {"zoo": info, "platform": platform.platform()}
-    out.update(compare_methods(zoo, tasks, t5_run_spec, _exact_match, methods=args.methods, ta_grid=args.ta_grid))
-    if args.multitask:
-        began = time.perf_counter()
-        out["multitask"] = _multitask(zoo, config)
-        out["multitask_seconds"] = time.perf_counter() - began
-        print(f"multi-task: {out['multitask']['average']:.2f}", flush=True)
-    path = Path(args.output or RESULTS / f"{config.name}_seed{config.seed}.json")
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print_table(out, tasks)
-    print(f"wrote {path}")
+    zoo_benchmark(
+        __doc__.splitlines()[0], (T5ZooConfig.tiny, T5ZooConfig.t5x4), build_t5_zoo, t5_run_spec, _exact_match,
+        _multitask, time_multitask=True,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
