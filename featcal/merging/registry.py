@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
@@ -179,23 +179,7 @@ class MergeMethod:
             UnknownNameError: If a name is not a hyper-parameter of this method (``.names`` lists them).
             InvalidParameterError: If a value has the wrong type or is out of range (``.name``, ``.value``).
         """
-        owner = f"merging method {self.name!r}"
-        known = [p.name for p in self.params]
-        unknown = [key for key in params if key not in known]
-        if unknown:
-            raise UnknownNameError(f"parameter of {owner}", unknown, known)
-        resolved = {
-            p.name: p.default if params.get(p.name) is None else p.check(params[p.name], owner=owner)
-            for p in self.params
-        }
-        if self.check is not None:
-            try:
-                self.check(resolved)
-            except InvalidParameterError as error:  # named after this method, as a bad value above is
-                raise InvalidParameterError(error.name, error.value, error.expected, owner=owner) from None
-        return {
-            p.name: resolved[p.name] for p in self.params if not (p.recorded_when_set and resolved[p.name] == p.default)
-        }
+        return resolve_params(self.params, params, owner=f"merging method {self.name!r}", check=self.check)
 
     def __call__(
         self,
@@ -264,6 +248,45 @@ class MergeMethod:
         return merge_tensorwise(
             self.fn, self.inputs, base, experts, resolved, desc=self.pretty_name, device=device, world=world
         )
+
+
+def resolve_params(
+    declared: Sequence[HyperParameter],
+    given: Mapping[str, Any],
+    *,
+    owner: str,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Every hyper-parameter's value: the defaults of ``declared`` overridden by ``given``, validated and
+    converted (a merging method's, a repair's).
+
+    Args:
+        declared: The hyper-parameters, in the function's order.
+        given: Values by name; ``None`` stands for the default.
+        owner: Whose parameters they are, for errors (``"merging method 'ties'"``).
+        check: Checks the resolved values together, raising :class:`InvalidParameterError`.
+
+    Returns:
+        All hyper-parameters by name, in ``declared``'s order, but those recorded only when set that are
+        at their defaults.
+
+    Raises:
+        UnknownNameError: If a name is not among ``declared`` (``.names`` lists them).
+        InvalidParameterError: If a value has the wrong type or is out of range, named after ``owner``.
+    """
+    known = [p.name for p in declared]
+    unknown = [key for key in given if key not in known]
+    if unknown:
+        raise UnknownNameError(f"parameter of {owner}", unknown, known)
+    resolved = {
+        p.name: p.default if given.get(p.name) is None else p.check(given[p.name], owner=owner) for p in declared
+    }
+    if check is not None:
+        try:
+            check(resolved)
+        except InvalidParameterError as error:  # named after the owner, as a bad value above is
+            raise InvalidParameterError(error.name, error.value, error.expected, owner=owner) from None
+    return {p.name: resolved[p.name] for p in declared if not (p.recorded_when_set and resolved[p.name] == p.default)}
 
 
 class MethodRegistry:
@@ -361,7 +384,7 @@ def _read_signature(
         if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
             positional.append(p.name)
         elif p.kind is inspect.Parameter.KEYWORD_ONLY:
-            params.append(_hyper_parameter(p, hints.get(p.name), where))
+            params.append(hyper_parameter(p, hints.get(p.name), where))
         else:
             raise TypeError(f"{where}: *{p.name} is not allowed; hyper-parameters are keyword-only arguments")
     if uses_data:
@@ -380,8 +403,21 @@ def _read_signature(
     return tuple(positional), tuple(params)
 
 
-def _hyper_parameter(p: inspect.Parameter, annotation: Any, where: str) -> HyperParameter:
-    """The hyper-parameter that keyword-only argument ``p`` (annotated ``annotation``) declares."""
+def hyper_parameter(p: inspect.Parameter, annotation: Any, where: str) -> HyperParameter:
+    """The hyper-parameter that keyword-only argument ``p`` (annotated ``annotation``) declares.
+
+    Args:
+        p: The argument.
+        annotation: Its annotation, extras included.
+        where: Whose argument it is, for errors (``"merging method 'ties'"``).
+
+    Returns:
+        The hyper-parameter, its default converted to its type.
+
+    Raises:
+        TypeError: If it lacks a default or an annotation, or its annotation is not supported.
+        ValueError: If its default is outside its own type or range.
+    """
     if p.default is inspect.Parameter.empty or annotation is None:
         raise TypeError(f"{where}: hyper-parameter {p.name} needs a type annotation and a default")
     kind = typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated else annotation

@@ -1,0 +1,34 @@
+"""The options that choose a repair on ``featcal calibrate``: ``--method`` and ``--repair-param``.
+
+This module imports neither torch nor the repairs, so ``featcal --help`` stays fast; the name is
+checked against the registry (:func:`featcal.repairs.catalog.get_repair`) when the command runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from featcal.options import option, validate
+
+DEFAULT_REPAIR = "featcal"
+
+
+@dataclass(frozen=True)
+class RepairChoice:
+    """Which repair ``featcal calibrate`` applies, and the hyper-parameters of one other than FeatCal.
+
+    Raises:
+        InvalidParameterError: when a value has the wrong type.
+    """
+
+    method: str = option(
+        DEFAULT_REPAIR, help="the repair: featcal, or svc (data-free); `featcal methods` lists them", metavar="NAME",
+    )  # fmt: skip
+    repair_params: dict[str, Any] = option(
+        default_factory=dict, help="a hyper-parameter of a repair other than FeatCal (svc: alpha=0.1), repeatable",
+        metavar="KEY=VALUE", flag="repair_param",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        validate(self)
