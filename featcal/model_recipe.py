@@ -2,8 +2,9 @@
 
 ``featcal merge``, ``featcal calibrate`` and a run's merged and calibrated stages write
 ``featcal_recipe.json`` into the model folder: the model family, the base and the experts, the merging
-method and its hyper-parameters, and for a calibrated model its FeatCal parameters, seed, tasks and
-the recipe of the merge it started from. A later ``featcal calibrate --merged DIR``, a run started from
+method and its hyper-parameters, the weight-only repairs applied to the merge since (``featcal
+calibrate --method svc``: kind ``repair``), and for a calibrated model its FeatCal parameters, seed,
+tasks and the recipe of the merge it started from. A later ``featcal calibrate --merged DIR``, a run started from
 ``DIR`` (``skip_ta``) and a model card read it to say what ``DIR`` is. Where the method has a mergekit
 equivalent, the merge is written as mergekit's ``mergekit_config.yml`` too, so mergekit users read it
 as their own.
@@ -26,15 +27,16 @@ from featcal.version import __version__
 RECIPE_FILE = "featcal_recipe.json"
 MERGEKIT_FILE = "mergekit_config.yml"
 FORMAT = "featcal-model-recipe/1"
-MERGE, CALIBRATION = "merge", "calibration"
+MERGE, CALIBRATION, REPAIR = "merge", "calibration", "repair"
 
 
 @dataclass(frozen=True)
 class ModelRecipe:
-    """What a merged (``kind`` merge) or calibrated (``kind`` calibration) model folder holds.
+    """What a merged (``kind`` merge), repaired (``kind`` repair) or calibrated (``kind`` calibration) model
+    folder holds.
 
     Attributes:
-        kind: ``merge`` or ``calibration``.
+        kind: ``merge``, ``repair`` or ``calibration``.
         family: The model family.
         base_model: The base model (a Hub id, or a folder's path).
         experts: Each task's expert, by task name.
@@ -54,6 +56,9 @@ class ModelRecipe:
         output_dtype: The ``--output-dtype`` the weights were written in when it was not ``base``
             (``float32``); None, and absent from the file, for the base's dtype, so such a recipe reads
             (and hashes) as before the option existed.
+        repairs: The weight-only repairs applied to the merge, in order, before any calibration: each
+            ``{"method": name, "params": hyper-parameters}`` (:mod:`featcal.repairs`); empty, and absent
+            from the file, when none was, so other recipes read (and hash) as before.
     """
 
     kind: str
@@ -68,6 +73,7 @@ class ModelRecipe:
     calibration_data: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     mergekit_config: str | None = None
     output_dtype: str | None = None
+    repairs: tuple[Mapping[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -88,6 +94,8 @@ class ModelRecipe:
             data["mergekit_config"] = self.mergekit_config
         if self.output_dtype is not None:
             data["output_dtype"] = self.output_dtype
+        if self.repairs:
+            data["repairs"] = [{"method": r["method"], "params": dict(r["params"])} for r in self.repairs]
         return data
 
     @classmethod
@@ -114,9 +122,24 @@ class ModelRecipe:
                 calibration_data={str(k): dict(v) for k, v in (data.get("calibration_data") or {}).items()},
                 mergekit_config=None if data.get("mergekit_config") is None else str(data["mergekit_config"]),
                 output_dtype=None if data.get("output_dtype") is None else str(data["output_dtype"]),
+                repairs=tuple(_repair_entry(entry) for entry in data.get("repairs") or ()),
             )
         except (KeyError, AttributeError, TypeError, ValueError) as exc:
             raise ModelInputError(str(where), f"{where} is a damaged featcal model recipe ({exc}).") from None
+
+
+def _repair_entry(entry: Any) -> dict[str, Any]:
+    """One entry of a recipe's ``repairs``, checked: a method name and a mapping of hyper-parameters.
+
+    Raises:
+        ValueError: when it is not of that form.
+    """
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("method"), str):
+        raise ValueError("each of 'repairs' must be an object with a 'method' name")
+    params = entry.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError("the 'params' of a repair must be an object")
+    return {"method": entry["method"], "params": dict(params)}
 
 
 def calibration_entry(task: Task, expert: str | None, examples: int) -> dict[str, Any]:

@@ -112,14 +112,15 @@ def expert_ref(task: Task, pattern: str | None, table_pattern: str | None) -> st
 
 def resolve_models(
     family: ModelFamily,
-    tasks: Sequence[Task],
+    names: Sequence[str],
     base_ref: str,
     expert_refs: Mapping[str, str] | None,
     *,
     cache_dir: str | Path | None = None,
 ) -> tuple[Path, Checkpoint, dict[str, Checkpoint]]:
-    """The base's folder and tensors, and each task's expert tensors (none when ``expert_refs`` is None),
-    each folder checked by ``family``, the experts against the base, every tensor finite.
+    """The base's folder and tensors, and the expert tensors of each task in ``names`` (none when
+    ``expert_refs`` is None), each folder checked by ``family``, the experts against the base, every tensor
+    finite.
 
     Raises:
         ModelInputError: when a model is missing, unreadable, not finite, of another family, or of
@@ -133,10 +134,10 @@ def resolve_models(
     base = family.checkpoint(base_folder, name=f"base model {base_ref}")
     base.check_finite()
     experts: dict[str, Checkpoint] = {}
-    for task in tasks if expert_refs is not None else ():
-        ref = expert_refs[task.name]
-        folder = resolve_model_folder(ref, what=f"expert for task {task.name!r}", cache_dir=cache_dir)
-        experts[task.name] = family.checkpoint(folder, name=f"Expert for task {task.name!r} ({ref})")
+    for name in names if expert_refs is not None else ():
+        ref = expert_refs[name]
+        folder = resolve_model_folder(ref, what=f"expert for task {name!r}", cache_dir=cache_dir)
+        experts[name] = family.checkpoint(folder, name=f"Expert for task {name!r} ({ref})")
     check_compatible(base, experts)
     for expert in experts.values():
         expert.check_finite()
@@ -233,7 +234,9 @@ def resolve_inputs(spec: RunSpec, *, need_experts: bool = True, merged: str | Pa
         if need_experts
         else None
     )
-    base_folder, base, experts = resolve_models(family, tasks, base_ref, refs, cache_dir=spec.cache_dir)
+    base_folder, base, experts = resolve_models(
+        family, [t.name for t in tasks], base_ref, refs, cache_dir=spec.cache_dir
+    )
     # a suite's own settings of the method (MergeBench's Task Arithmetic), under those the spec gives
     defaults = dict(table.merge_defaults.get(spec.merge_method, {}))
     params = get_method(spec.merge_method).resolved_params(**{**defaults, **spec.method_params()})
@@ -255,5 +258,7 @@ def run_inputs(run: RunFolder, cache_dir: str | Path | None = None) -> RunInputs
             f"{run.path / RUN_CONFIG} names no expert for task(s) {missing}: this needs every task's expert.",
         )
     family = get_family(run.record.family)
-    base_folder, base, experts = resolve_models(family, run.tasks, run.base_model, refs, cache_dir=cache_dir)
+    base_folder, base, experts = resolve_models(
+        family, [t.name for t in run.tasks], run.base_model, refs, cache_dir=cache_dir
+    )
     return RunInputs(family, list(run.tasks), run.base_model, base_folder, refs, experts, base, dict(run.merge_params))

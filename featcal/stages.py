@@ -26,6 +26,7 @@ from featcal.model_recipe import (
     CALIBRATION,
     MERGE,
     MERGEKIT_FILE,
+    REPAIR,
     ModelRecipe,
     calibration_entry,
     read_model_recipe,
@@ -125,8 +126,9 @@ def calibration_recipe(
 ) -> ModelRecipe:
     """What the calibration of the merge in ``merged_folder`` records beside its weights: the merge's own
     recipe when that folder records one (its method unknown, ``""``, when not, and then the text of its
-    ``mergekit_config.yml`` when mergekit made it), each text task's calibration data, and
-    ``output_dtype`` unless it is ``base``."""
+    ``mergekit_config.yml`` when mergekit made it), the repairs applied to that merge (``featcal calibrate
+    --method svc``'s output calibrated: its repairs, and the mergekit text it carries), each text task's
+    calibration data, and ``output_dtype`` unless it is ``base``."""
     merged = read_model_recipe(merged_folder)
     merge_record = MergeRecord("", {}, str(Path(merged_folder).resolve())) if merged is None else merged.merge
     mergekit = Path(merged_folder) / MERGEKIT_FILE
@@ -140,8 +142,9 @@ def calibration_recipe(
     return ModelRecipe(
         CALIBRATION, inputs.family.name, inputs.base_ref, inputs.expert_refs, merge_record,
         FeatCalRecord(params, dict(counts)), seed, calibration_data=data,
-        mergekit_config=mergekit.read_text(encoding="utf-8") if merged is None and mergekit.is_file() else None,
-        output_dtype=recorded_dtype(output_dtype),
+        mergekit_config=mergekit.read_text(encoding="utf-8") if merged is None and mergekit.is_file() else
+        merged.mergekit_config if merged is not None and merged.kind == REPAIR else None,
+        output_dtype=recorded_dtype(output_dtype), repairs=() if merged is None else merged.repairs,
     )  # fmt: skip
 
 

@@ -38,6 +38,8 @@ CHANGES["merge"] = (
 # where the calibration's feature streams wait between their uses: device or host memory (docs/causal-lm.md)
 for command in ("run", "calibrate"):
     CHANGES[command] = (CHANGES[command][0] | {"--stream-storage"}, CHANGES[command][1])
+# the repair a calibrate applies, FeatCal by default or SVC, and the hyper-parameters of SVC (docs/repairs.md)
+CHANGES["calibrate"] = (CHANGES["calibrate"][0] | {"--method", "--repair-param"}, CHANGES["calibrate"][1])
 
 
 def listed_options(parser: argparse.ArgumentParser) -> list[str]:

@@ -16,6 +16,7 @@ from featcal.calibration.params import GROUP as FEATCAL
 from featcal.cli.common import format_results, path_line, show_progress
 from featcal.cli.options import add_options, add_spec_options, command, given_values
 from featcal.cli.suites import SuiteChoice
+from featcal.repairs.options import RepairChoice
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
 
 
@@ -147,13 +148,28 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+# The run options a data-free repair (`featcal calibrate --method svc`) takes: where to compute and write.
+DATA_FREE_OPTIONS = ("cache_dir", "device", "precision", "threads", "dist_timeout", "output_dtype")
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from featcal.data import validate_datasets
     from featcal.distributed import session
+    from featcal.errors import InvalidParameterError
     from featcal.outputs import check_output_folder
+    from featcal.repairs.catalog import get_repair
     from featcal.resolve import resolve_inputs
     from featcal.stages import calibrate
 
+    choice = RepairChoice(**given_values(args, RepairChoice))
+    repair = get_repair(choice.method)
+    if not repair.uses_data:
+        return repair_folder(args, repair, choice.repair_params)
+    if choice.repair_params:
+        raise InvalidParameterError(
+            "repair_params", choice.repair_params, f"given only with a repair other than {repair.name}, whose "
+            "parameters have flags of their own (--lambda-ratio, ...: `featcal calibrate --help`)",
+        )  # fmt: skip
     spec = spec_from_args(args)
     output = check_output_folder(args.output, kind="calibrated model", inputs=[args.merged])  # before any download
     with session(spec.device, spec.dist_timeout) as world:
@@ -183,6 +199,50 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not world.is_main:
         return 0
     print(path_line("Calibrated model", output))
+    return 0
+
+
+def repair_folder(args: argparse.Namespace, repair, params: dict) -> int:
+    """`featcal calibrate --method NAME` for a data-free, weight-only repair (SVC): the base and experts the
+    merged folder records, no tasks nor data (a task or calibration option given is refused), one process.
+
+    Raises:
+        InvalidParameterError: for an option it does not read, or a bad hyper-parameter.
+        FeatcalError: under torchrun with more than one process.
+    """
+    from featcal.distributed import session
+    from featcal.errors import FeatcalError, InvalidParameterError
+    from featcal.outputs import check_output_folder
+    from featcal.repairs.apply import recorded_inputs, repair_state, save_repair
+    from featcal.resolve import check_output_dtype
+
+    values = given_values(args)
+    given = [name for name in values if name not in DATA_FREE_OPTIONS]
+    if given:
+        raise InvalidParameterError(
+            given[0], values[given[0]], "given only with a repair that reads tasks or calibration data (featcal): "
+            f"{repair.name} is data-free and reads the base and experts its --merged folder records",
+        )  # fmt: skip
+    resolved = repair.resolved_params(**params)
+    spec = spec_from_args(args)
+    output = check_output_folder(args.output, kind="repaired model", inputs=[args.merged])  # before any download
+    with session(spec.device, spec.dist_timeout) as world:
+        if world.distributed:
+            raise FeatcalError(
+                f"featcal calibrate --method {repair.name} runs in one process: start it without torchrun."
+            )
+        inputs = recorded_inputs(args.merged, repair, cache_dir=spec.cache_dir)
+        check_output_dtype(inputs.family, spec.output_dtype)
+        check_output_folder(output, kind="repaired model", inputs=[*inputs.local_folders(), args.merged])
+        merged = inputs.family.check_model_folder(Path(args.merged), inputs.base)
+        experts = [inputs.experts[name] for name in inputs.expert_refs]
+        with compute_settings(spec, inputs):
+            state = repair_state(
+                repair, resolved, inputs.base, experts, merged, device=world.compute_device(spec.device),
+                output_dtype=spec.output_dtype,
+            )  # fmt: skip
+    folder = save_repair(inputs, args.merged, repair, resolved, state, output, output_dtype=spec.output_dtype)
+    print(path_line(f"Repaired model ({repair.name})", folder))
     return 0
 
 
@@ -260,7 +320,26 @@ def cmd_methods(args: argparse.Namespace) -> int:
         print(f"Published averages: {reference_source(suite, backbone)}; per task: `featcal tasks`.")
     else:
         print(f"No merge accuracy is published for {suite} on {backbone}.")
+    print_repairs()
     return 0
+
+
+def print_repairs() -> None:
+    """`featcal methods`' second part: the post-merge repairs, what each needs and whether its result is released."""
+    from featcal.repairs.catalog import available_repairs, get_repair
+
+    print("\nPost-merge repairs (`featcal calibrate --method NAME --merged DIR`; docs/repairs.md):")
+    for name in available_repairs():
+        repair = get_repair(name)
+        data = "yes (each task's train examples)" if repair.uses_data else "no (data-free: weights only)"
+        release = "yes (a plain transformers model)" if repair.releasable else "no (it adds modules to the model)"
+        print(f"{name:<18} {repair.pretty_name}  {repair.reference_url}")
+        for line in [
+            repair.description,
+            f"needs calibration data: {data}; releasable: {release}",
+            *map(str, repair.params),
+        ]:
+            print(f"{'':<18} {line}")
 
 
 DATA_LINE = (
@@ -295,7 +374,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_spec_options(p, only=("output_dtype",))
     command(p, cmd_merge)
 
-    p = subparsers.add_parser("calibrate", help="calibrate a merged model folder with FeatCal")
+    p = subparsers.add_parser(
+        "calibrate", help="calibrate a merged model folder with FeatCal (or repair it with SVC: --method svc)"
+    )
     p.add_argument(
         "--merged",
         required=True,
@@ -304,6 +385,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "whose records name the base and the experts)",
     )
     p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
+    add_options(p, RepairChoice, section="repair (see `featcal methods`; docs/repairs.md)")
     add_spec_options(p, groups=(TASKS, FEATCAL, RUNTIME))
     add_spec_options(p, only=("output_dtype",))
     command(p, cmd_calibrate)
@@ -325,7 +407,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     command(p, cmd_evaluate)
 
-    p = subparsers.add_parser("methods", help="list the merging methods and their hyper-parameters")
+    p = subparsers.add_parser("methods", help="list the merging methods and the repairs, with their hyper-parameters")
     add_options(p, SuiteChoice, exclude=("json",), helps={"suite": "show the averages published for it",
                                                           "backbone": "… on this backbone"})  # fmt: skip
     command(p, cmd_methods)

@@ -18,7 +18,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from featcal.errors import OutputPathError, ReleaseError
+from featcal.errors import OutputPathError, ReleaseError, UnknownNameError
 from featcal.families import get_family
 from featcal.files.atomic import atomic_write_text
 from featcal.hub.refs import check_repo_id, is_hub_id, split_revision
@@ -217,6 +217,7 @@ def model_context(
         "experts": [{"task": task, "ref": published_ref(ref)} for task, ref in recipe.experts.items()],
         "calibrated": folder.calibrated,
         "merge": _merge_context(folder),
+        "repairs": _repair_context(recipe),
         "featcal": _featcal_rows(recipe, family.noun),
         "seed": recipe.seed,
         "data": _data_rows(recipe),
@@ -227,6 +228,23 @@ def model_context(
         "sharded": folder.index is not None,
         "architecture": folder.architecture,
     }
+
+
+def _repair_context(recipe: ModelRecipe) -> list[dict[str, str]]:
+    """The repairs applied to the merge (SVC), each by its name, reference and hyper-parameters; a name the
+    registry does not know is shown as recorded."""
+    from featcal.repairs.catalog import get_repair
+
+    out = []
+    for entry in recipe.repairs:
+        try:
+            repair = get_repair(entry["method"])
+            name, url = repair.pretty_name, repair.reference_url
+        except UnknownNameError:
+            name, url = entry["method"], ""
+        params = ", ".join(f"{key} = {value}" for key, value in entry["params"].items())
+        out.append({"pretty_name": name, "url": url, "params": params})
+    return out
 
 
 def render_model_card(
