@@ -368,6 +368,65 @@ def test_a_merged_folder_is_released_too(merged, tmp_path) -> None:
     AutoModelForCausalLM.from_pretrained(out)
 
 
+# --- a merge repaired with SVC (docs/repairs.md) ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def repaired(merged) -> Path:
+    """The merge repaired with SVC (data-free: no --data), as `featcal calibrate --method svc` writes it."""
+    out = merged.parent / "llama-tiny-ta-svc"
+    assert main(["-q", "calibrate", "--method", "svc", "--merged", str(merged), "--output", str(out)]) == 0
+    return out
+
+
+def test_an_svc_folder_is_released_and_pushed_like_a_merge(repaired, hub, tmp_path, capsys) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = export_release(repaired, tmp_path / "svc-release", repo_id=REPO)
+    check_model_release(out)
+    assert read_manifest(out).source["kind"] == "repair"
+    recipe = json.loads((out / "featcal_recipe.json").read_text())
+    assert recipe["repairs"] == [{"method": "svc", "params": {"alpha": 0.1}}] and "featcal" not in recipe
+    card = ModelCard.load(out / "README.md")
+    assert (
+        "then repaired with **Singular Value Calibration (SVC)** (alpha = 0.1; [reference](https://arxiv.org/abs/2602.05536))"
+        in card.text
+    )
+    assert "calibrated with **FeatCal**" not in card.text
+    assert "mergekit_config.yml" not in {p.name for p in out.iterdir()}  # mergekit cannot make this model
+    AutoModelForCausalLM.from_pretrained(out)
+    capsys.readouterr()
+    assert main(["push", str(out), "--repo", REPO, "--dry-run", "--endpoint", hub.url]) == 0
+    assert capsys.readouterr().out.startswith(f"Dry run: would upload {out} to {REPO}:") and hub.requests == []
+
+
+def test_svc_then_featcal_is_released_with_both_in_its_recipe_and_card(zoo, repaired, tmp_path) -> None:
+    out = tmp_path / "svc-featcal"
+    argv = ["-q", "calibrate", "--merged", str(repaired), "--data", str(zoo / "data.yaml"), *CALIBRATE]
+    assert main([*argv, "--output", str(out)]) == 0
+    recipe = json.loads((out / "featcal_recipe.json").read_text())
+    assert recipe["kind"] == "calibration" and recipe["repairs"] == [{"method": "svc", "params": {"alpha": 0.1}}]
+    assert recipe["merge"]["method"] == "task_arithmetic" and recipe["featcal"]["num_calibration_examples"] == 8
+    release = export_release(out, tmp_path / "release", repo_id=REPO)
+    check_model_release(release)
+    text = ModelCard.load(release / "README.md").text
+    assert "then repaired with **Singular Value Calibration (SVC)**" in text
+    assert "and the merged model was then calibrated with **FeatCal**" in text
+
+
+def test_svc_repairs_a_mergekit_merge_from_its_configuration(merged, tmp_path) -> None:
+    mergekit = tmp_path / "mergekit-out"
+    shutil.copytree(merged, mergekit)
+    (mergekit / "featcal_recipe.json").unlink()
+    text = (mergekit / "mergekit_config.yml").read_text()
+    out = tmp_path / "mergekit-svc"
+    assert main(["-q", "calibrate", "--method", "svc", "--merged", str(mergekit), "--output", str(out)]) == 0
+    recipe = json.loads((out / "featcal_recipe.json").read_text())
+    assert recipe["mergekit_config"] == text and recipe["merge"] == {"method": "", "params": {}, "from": str(mergekit)}
+    assert recipe["family"] == "causal_lm" and len(recipe["experts"]) == len(EXPERTS)
+    assert load_file(out / "model.safetensors").keys() == load_file(merged / "model.safetensors").keys()
+
+
 def test_featcal_card_regenerates_only_the_card(calibrated, release, tmp_path, capsys) -> None:
     out = Path(shutil.copytree(release[0], tmp_path / "release"))
     before = snapshot(out)
