@@ -249,3 +249,20 @@ def test_a_release_changed_after_export_is_refused_by_push(hub, release, tmp_pat
     assert code == 2 and len(err) == 1 and message in err[0], err
     code, err = run_error(capsys, ["push", str(out), "--repo", REPO, "--token", TOKEN, "--endpoint", hub.url])
     assert code == 2 and message in err[0] and hub.requests == []
+
+
+def test_an_svc_repaired_t5_is_released_with_only_its_matrices_changed(calibrated, tmp_path) -> None:
+    """SVC on a T5 merge (data-free): 2-D tensors move, the norms and 1-D tensors do not; it releases as a merge."""
+    from safetensors.torch import load_file
+
+    merged = calibrated.parent / "t5-tiny-ta"
+    out = tmp_path / "t5-tiny-ta-svc"
+    assert main(["-q", "calibrate", "--method", "svc", "--merged", str(merged), "--output", str(out)]) == 0
+    before, after = load_file(merged / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(after[k], v) for k, v in before.items() if v.dim() != 2)
+    assert any(not torch.equal(after[k], v) for k, v in before.items() if v.dim() == 2)
+    assert main(["-q", "export", str(out), "--repo", REPO, "--output", str(tmp_path / "release")]) == 0
+    check_model_release(tmp_path / "release")
+    assert read_manifest(tmp_path / "release").source["kind"] == "repair"
+    assert "then repaired with **Singular Value Calibration (SVC)**" in (tmp_path / "release" / "README.md").read_text()
