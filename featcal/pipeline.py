@@ -118,11 +118,22 @@ def merge_record(spec: RunSpec, inputs: RunInputs, counts: Mapping[str, int] | N
     """The run's merge: its method and hyper-parameters, and for a data-using method the calibration draw
     (FeatCal's: ``num_calibration_examples``, batch and seed; ``counts``, the examples of the tasks that had
     fewer); with ``skip_ta``, the folder it starts from and what that folder's own recipe says of its merge
-    (nothing, when it records none)."""
+    (nothing, when it records none).
+
+    Raises:
+        InvalidParameterError: with ``skip_ta``, for a folder whose merge was repaired (SVC), which a run's
+            record and card do not describe yet.
+    """
     if not spec.skip_ta:
         calibration = merge_calibration(spec.featcal, spec.seed, counts or {}) if merges_from_data(spec) else None
         return MergeRecord(spec.merge_method, inputs.merge_params, calibration=calibration)
     recipe = read_model_recipe(spec.ta_model_path)
+    if recipe is not None and recipe.repairs:
+        raise InvalidParameterError(
+            "ta_model_path", spec.ta_model_path, "a merged folder without repairs: this one's merge was repaired "
+            f"({', '.join(r['method'] for r in recipe.repairs)}), which a run does not record yet; calibrate it with "
+            "`featcal calibrate --merged DIR` instead (docs/repairs.md)",
+        )  # fmt: skip
     described = None if recipe is None else {"method": recipe.merge.method, "params": dict(recipe.merge.params)}
     return MergeRecord(spec.merge_method, {}, spec.ta_model_path, described)
 

@@ -395,3 +395,20 @@ def test_featcal_methods_lists_the_repairs_with_what_they_need(capsys) -> None:
 def test_the_registry_s_featcal_entry_lists_every_featcal_parameter() -> None:
     names = [f.name for f in dataclasses.fields(FeatCalParams)]
     assert [p.name for p in get_repair("featcal").params] == names
+
+
+def test_a_run_from_a_repaired_folder_is_refused_before_the_run_folder_is_written(
+    ta_folder, svc_folder, tmp_path, capsys
+):
+    """A run's record and card describe the merge it starts from, not yet its repairs: refused in one line."""
+    tasks, _ = ta_folder
+    out = tmp_path / "run"
+    argv = ["run", "--tasks-file", str(tasks), "--base-model-id", str(F / "base"), "--skip-ta", "--ta-model-path"]
+    argv += [str(svc_folder), "--num-calibration-examples", "4"]
+    code, err = run_error(capsys, [*argv, "--output-dir", str(out), "--device", "cpu"])
+    assert code == 2 and len(err) == 1, err
+    assert err[0].endswith(
+        "is invalid: it must be a merged folder without repairs: this one's merge was repaired (svc), which a run "
+        "does not record yet; calibrate it with `featcal calibrate --merged DIR` instead (docs/repairs.md)."
+    )
+    assert not out.exists()
