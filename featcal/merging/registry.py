@@ -26,7 +26,7 @@ import inspect
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Generic, Literal, Protocol, TypeVar
 
 import torch
 
@@ -40,6 +40,13 @@ if TYPE_CHECKING:
     from featcal.merging.data import MergeData
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Named(Protocol):
+    name: str
+
+
+N = TypeVar("N", bound=_Named)
 DATA_INPUTS = ("base", "experts", "data", "device", "world")  # a data-using method's positional parameters
 
 __all__ = ["RECORDED_WHEN_SET", "Range"]  # methods write their bounds as Annotated[float, Range(...)]
@@ -289,28 +296,40 @@ def resolve_params(
     return {p.name: resolved[p.name] for p in declared if not (p.recorded_when_set and resolved[p.name] == p.default)}
 
 
-class MethodRegistry:
-    """Merging methods by name. The package's methods are in :data:`METHODS`; a test may use its own."""
+class NamedRegistry(Generic[N]):
+    """Registered items by their ``name`` (merging methods, repairs), looked up with one error wording.
 
-    def __init__(self) -> None:
-        self._methods: dict[str, MergeMethod] = {}
+    Args:
+        kind: What the items are, for errors (``"merging method"``).
+    """
 
-    def add(self, method: MergeMethod) -> None:
-        """Register ``method``; a ValueError if its name is taken."""
-        if method.name in self._methods:
-            raise ValueError(f"merging method {method.name!r} registered twice")
-        self._methods[method.name] = method
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, N] = {}
 
-    def get(self, name: str) -> MergeMethod:
-        """The method registered as ``name``; an UnknownNameError listing the known ones if none is."""
+    def add(self, item: N) -> None:
+        """Register ``item``; a ValueError if its name is taken."""
+        if item.name in self._items:
+            raise ValueError(f"{self.kind} {item.name!r} registered twice")
+        self._items[item.name] = item
+
+    def get(self, name: str) -> N:
+        """The item registered as ``name``; an UnknownNameError listing the known ones if none is."""
         try:
-            return self._methods[name]
+            return self._items[name]
         except KeyError:
-            raise UnknownNameError("merging method", name, self.names()) from None
+            raise UnknownNameError(self.kind, name, self.names()) from None
 
     def names(self) -> list[str]:
         """The registered names, sorted."""
-        return sorted(self._methods)
+        return sorted(self._items)
+
+
+class MethodRegistry(NamedRegistry[MergeMethod]):
+    """Merging methods by name. The package's methods are in :data:`METHODS`; a test may use its own."""
+
+    def __init__(self) -> None:
+        super().__init__("merging method")
 
 
 METHODS = MethodRegistry()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from featcal.checkpoint import StateDict, check_finite_state
-from featcal.errors import InvalidParameterError, ModelInputError
+from featcal.errors import ModelInputError
 from featcal.families import get_family
 from featcal.merging.common import is_mergeable, progress
 from featcal.model_recipe import MERGEKIT_FILE, RECIPE_FILE, REPAIR, ModelRecipe, read_model_recipe, write_model_recipe
@@ -103,9 +103,10 @@ def repair_state(
 
     Raises:
         FeatcalError: when a repaired tensor is not finite although every input is.
+        TypeError: for a repair without a kernel (FeatCal).
     """
     if repair.kernel is None:
-        raise InvalidParameterError("method", repair.name, "a weight-only repair", owner="repair_state")
+        raise TypeError(f"repair {repair.name!r} has no per-tensor kernel: it is not a weight-only repair")
     state: dict[str, torch.Tensor] = {}
     for key in progress(list(merged), repair.pretty_name):
         tensor = merged[key]

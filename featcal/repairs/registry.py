@@ -24,8 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from featcal.errors import UnknownNameError
-from featcal.merging.registry import HyperParameter, hyper_parameter, resolve_params
+from featcal.merging.registry import HyperParameter, NamedRegistry, hyper_parameter, resolve_params
 
 F = TypeVar("F", bound=Callable[..., Any])
 KERNEL_INPUTS = ("base", "experts", "merged")  # a weight-only repair's positional parameters, in order
@@ -78,29 +77,12 @@ class Repair:
         return resolve_params(self.params, params, owner=f"repair {self.name!r}")
 
 
-class RepairRegistry:
+class RepairRegistry(NamedRegistry[Repair]):
     """Repairs by name. featcal's are in :data:`REPAIRS` once :mod:`featcal.repairs.catalog` is imported;
     a test may use its own."""
 
     def __init__(self) -> None:
-        self._repairs: dict[str, Repair] = {}
-
-    def add(self, repair: Repair) -> None:
-        """Register ``repair``; a ValueError if its name is taken."""
-        if repair.name in self._repairs:
-            raise ValueError(f"repair {repair.name!r} registered twice")
-        self._repairs[repair.name] = repair
-
-    def get(self, name: str) -> Repair:
-        """The repair registered as ``name``; an UnknownNameError listing the known ones if none is."""
-        try:
-            return self._repairs[name]
-        except KeyError:
-            raise UnknownNameError("repair", name, self.names()) from None
-
-    def names(self) -> list[str]:
-        """The registered names, sorted."""
-        return sorted(self._repairs)
+        super().__init__("repair")
 
 
 REPAIRS = RepairRegistry()
