@@ -412,3 +412,27 @@ def test_a_run_from_a_repaired_folder_is_refused_before_the_run_folder_is_writte
         "does not record yet; calibrate it with `featcal calibrate --merged DIR` instead (docs/repairs.md)."
     )
     assert not out.exists()
+
+
+def test_svc_under_torchrun_is_refused_in_one_line(ta_folder, tmp_path, capsys, monkeypatch) -> None:
+    """A world of several processes (as torchrun starts) is refused before any model is read."""
+    import contextlib
+
+    import featcal.distributed
+    import featcal.repairs.apply
+
+    @contextlib.contextmanager
+    def two_processes(device, timeout):
+        yield featcal.distributed.World(rank=0, size=2, backend="gloo")
+
+    def read(*args, **kwargs):
+        raise AssertionError("no model is read under torchrun")
+
+    monkeypatch.setattr(featcal.distributed, "session", two_processes)
+    monkeypatch.setattr(featcal.repairs.apply, "recorded_inputs", read)
+    out = tmp_path / "out"
+    code, err = run_error(capsys, ["calibrate", "--method", "svc", "--merged", str(ta_folder[1]), "--output", str(out)])
+    assert code == 2 and err == [
+        "featcal: error: featcal calibrate --method svc runs in one process: start it without torchrun."
+    ]
+    assert not out.exists()

@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from featcal.calibration.params import GROUP as FEATCAL
 from featcal.cli.common import format_results, path_line, show_progress
@@ -18,6 +19,9 @@ from featcal.cli.options import add_options, add_spec_options, command, given_va
 from featcal.cli.suites import SuiteChoice
 from featcal.repairs.options import RepairChoice
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
+
+if TYPE_CHECKING:
+    from featcal.repairs.registry import Repair
 
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
@@ -202,7 +206,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def repair_folder(args: argparse.Namespace, repair, params: dict) -> int:
+def repair_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any]) -> int:
     """`featcal calibrate --method NAME` for a data-free, weight-only repair (SVC): the base and experts the
     merged folder records, no tasks nor data (a task or calibration option given is refused), one process.
 
