@@ -170,8 +170,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not repair.uses_data:
         return repair_folder(args, repair, choice.repair_params)
     if choice.repair_params:
+        given = " ".join(f"{key}={value}" for key, value in choice.repair_params.items())
         raise InvalidParameterError(
-            "repair_params", choice.repair_params, f"given only with a repair other than {repair.name}, whose "
+            "repair_params", given, f"given only with a repair other than {repair.name}, whose "
             "parameters have flags of their own (--lambda-ratio, ...: `featcal calibrate --help`)",
         )  # fmt: skip
     spec = spec_from_args(args)
