@@ -225,3 +225,12 @@ class DistributedError(FeatcalError):
     def __init__(self, rank: int, message: str) -> None:
         self.rank = rank
         super().__init__(message)
+
+
+class CodeExecutionNotAllowedError(FeatcalError):
+    """Generated code would run, but the caller did not opt in (``allow_code_execution=True``)."""
+
+
+class SandboxUnavailableError(FeatcalError):
+    """The sandbox for generated code cannot be set up here (not Linux, no ``unshare``, namespaces refused);
+    no code was run."""

@@ -1,0 +1,7 @@
+"""A sandbox for model-generated code, and pass@k over its outcomes (HumanEval+/MBPP+-style coding benchmarks).
+
+:func:`~featcal.sandbox.runner.run_program` runs one program with limits in separate Linux namespaces
+(:mod:`.runner`, :mod:`.confine`); :mod:`.scoring` runs each sample of each problem and computes pass@k
+(:mod:`.passk`). Running generated code is opt-in: every entry point refuses without
+``allow_code_execution=True``. What the sandbox guarantees, and where: ``docs/code-eval.md``.
+"""

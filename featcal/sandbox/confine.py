@@ -1,0 +1,145 @@
+"""The sandbox's first process inside its namespaces: it confines the file system, then runs the program.
+
+:mod:`featcal.sandbox.runner` starts this file as a script, ``python -I -S confine.py CONFIG STATUS_FD``,
+under ``unshare --net --pid --fork --mount`` (and ``--user --map-root-user`` when not root), so it is
+process 1 of a fresh PID namespace, in a fresh network namespace (only a loopback that is down) and a
+private mount namespace. It uses the standard library only (``-I -S``: no site-packages, no
+``PYTHON*`` variables, no script folder on ``sys.path``), and then:
+
+1. reads the program and its settings (the JSON file ``CONFIG``);
+2. remounts every mount it can see read-only (in this namespace only), hides the user's home folders
+   (``HOME``, ``/root``, ``/home``) under empty read-only tmpfs mounts, mounts a fresh proc for the new
+   PID namespace, and a fresh, size-limited, writable tmpfs on ``/tmp``, the program's only writable
+   folder, its cwd and HOME; any step failing stops here, before the program runs;
+3. forks the program: it drops to the unprivileged uid/gid the config names (when started as root),
+   sets the resource limits and execs ``python -I -S program.py`` with an environment of its own;
+4. waits for it (reaping the orphans it leaves meanwhile), and writes ``exit N`` or ``signal N`` to
+   ``STATUS_FD``. When it returns, the kernel kills every process left in the namespace, and the tmpfs
+   goes with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import sys
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+# statvfs flags of a mount, and the mount flag that keeps each (a remount inside a user namespace must keep them).
+KEPT_FLAGS = (
+    (os.ST_NOSUID, MS_NOSUID),
+    (os.ST_NODEV, MS_NODEV),
+    (os.ST_NOEXEC, MS_NOEXEC),
+    (os.ST_NOATIME, MS_NOATIME),
+    (os.ST_NODIRATIME, MS_NODIRATIME),
+    (os.ST_RELATIME, MS_RELATIME),
+)
+WORK = "/tmp"
+RLIMITS = {
+    "cpu_s": resource.RLIMIT_CPU,
+    "memory_bytes": resource.RLIMIT_AS,
+    "processes": resource.RLIMIT_NPROC,
+    "file_bytes": resource.RLIMIT_FSIZE,
+}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    def encode(text: str | None) -> bytes | None:
+        return None if text is None else os.fsencode(text)
+
+    if _libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mount of {target}: {os.strerror(errno)}")
+
+
+def _mount_points() -> list[str]:
+    """Every mount point this namespace sees, in mount order (octal escapes like ``\\040`` decoded)."""
+    with open("/proc/self/mountinfo", encoding="utf-8") as lines:
+        points = [line.split()[4] for line in lines]
+    return [point.encode().decode("unicode_escape") for point in points]
+
+
+def _read_only_everywhere() -> None:
+    """Remount each visible mount read-only, keeping its other flags; ones that vanished are skipped."""
+    for point in _mount_points():
+        try:
+            kept = os.statvfs(point).f_flag
+        except OSError:  # hidden under a later mount, or gone
+            continue
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for stat_flag, mount_flag in KEPT_FLAGS:
+            if kept & stat_flag:
+                flags |= mount_flag
+        _mount(None, point, None, flags)
+
+
+def _confine(config: dict) -> None:
+    """The file-system confinement of step 2 (module docstring)."""
+    _read_only_everywhere()
+    for folder in config["hidden"]:
+        if os.path.isdir(folder) and not os.path.islink(folder):
+            _mount("tmpfs", folder, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0555")
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    size = config["work_bytes"]
+    _mount("tmpfs", WORK, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=0700")
+
+
+def _run_program(config: dict, program: bytes, status_fd: int) -> int:
+    """Fork and exec the program with its limits; return its wait status."""
+    path = os.path.join(WORK, "program.py")
+    with open(path, "wb") as file:
+        file.write(program)
+    uid, gid = config["uid"], config["gid"]
+    if uid is not None:
+        os.chown(WORK, uid, gid)
+        os.chown(path, uid, gid)
+    child = os.fork()
+    if child == 0:
+        try:
+            os.set_inheritable(status_fd, False)  # closed by the exec, kept to report a failed start
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(gid)
+                os.setuid(uid)
+            for name, limit in RLIMITS.items():
+                resource.setrlimit(limit, (config["limits"][name], config["limits"][name]))
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            os.chdir(WORK)
+            env = {"HOME": WORK, "TMPDIR": WORK, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+            os.execve(config["python"], [config["python"], "-I", "-S", path], env)
+        except BaseException as exc:  # noqa: BLE001  (the child must never return into the caller's code)
+            os.write(status_fd, f"start {exc}".encode())
+        os._exit(126)
+    while True:  # reap orphans until the program itself ends; the rest die with the namespace
+        pid, waited = os.wait()
+        if pid == child:
+            return waited
+
+
+def main(argv: list[str]) -> int:
+    """Step 1 to 4 of the module docstring; the exit status is 0, or 125 when the sandbox failed to set up."""
+    config_path, status_fd = argv[1], int(argv[2])
+    with open(config_path, encoding="utf-8") as file:
+        config = json.load(file)
+    with open(config["program"], "rb") as file:
+        program = file.read()
+    try:
+        _confine(config)
+    except OSError as exc:
+        os.write(status_fd, f"setup {exc}".encode())
+        return 125
+    status = _run_program(config, program, status_fd)  # a failed start has written "start ..." already
+    if os.WIFSIGNALED(status):
+        os.write(status_fd, f"signal {os.WTERMSIG(status)}".encode())
+    else:
+        os.write(status_fd, f"exit {os.waitstatus_to_exitcode(status)}".encode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
