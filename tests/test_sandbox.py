@@ -1,0 +1,245 @@
+"""The sandbox for generated code (featcal.sandbox): hostile programs are contained and scored as failures,
+the test process unharmed; pass@k against hand-computed values; running code is opt-in.
+
+Each hostile program runs the way the caller runs: as root (this process, when root: the program gets a
+random uid of its own), and as an unprivileged user (``nobody``, started with ``setpriv`` and the system
+``python3`` on a world-readable copy of the package: the program then runs in a user namespace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from featcal.errors import CodeExecutionNotAllowedError, InvalidParameterError, SandboxUnavailableError
+from featcal.sandbox import runner
+from featcal.sandbox.passk import mean_pass_at_k, pass_at_k
+from featcal.sandbox.runner import Limits, Outcome, run_program
+from featcal.sandbox.scoring import Problem, score_completions
+
+PACKAGE = Path(__file__).resolve().parent.parent / "featcal"
+FAST = Limits(wall_s=2.0, cpu_s=2, memory_bytes=512 << 20, processes=32, file_bytes=1 << 20, work_bytes=8 << 20)
+SECRET = "hf_sandboxTestSecret0123456789"
+MODES = ["caller", "nobody"] if os.geteuid() == 0 else ["caller"]
+AS_NOBODY = """
+import json, sys
+from featcal.sandbox.runner import Limits, run_program
+source, limits = json.loads(sys.stdin.read())
+outcome = run_program(source, Limits(**limits), allow_code_execution=True)
+print(json.dumps(outcome.__dict__))
+"""
+
+
+@pytest.fixture(scope="module")
+def readable_package():
+    """A copy of the modules the sandbox needs that ``nobody`` can read (the checkout may lie under /root)."""
+    root = Path(tempfile.mkdtemp(prefix="featcal-sandbox-test-"))
+    os.chmod(root, 0o755)
+    (root / "featcal").mkdir()
+    for name in ("__init__.py", "version.py", "errors.py", "progress.py"):
+        shutil.copy(PACKAGE / name, root / "featcal" / name)
+    shutil.copytree(PACKAGE / "sandbox", root / "featcal" / "sandbox", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in root.rglob("*"):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    yield root
+    shutil.rmtree(root)
+
+
+@pytest.fixture
+def fake_home(tmp_path, monkeypatch):
+    """A HOME holding a Hub token at its real place, and HF_TOKEN in this process's environment."""
+    home = tmp_path / "home"
+    token = home / ".cache" / "huggingface" / "token"
+    token.parent.mkdir(parents=True)
+    token.write_text(SECRET)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    return home
+
+
+def run_as(mode: str, source: str, package: Path, limits: Limits = FAST) -> Outcome:
+    """Run ``source`` in the sandbox started by this process (``caller``) or by ``nobody``."""
+    if mode == "caller":
+        return run_program(source, limits, allow_code_execution=True)
+    command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", AS_NOBODY]
+    env = {"PYTHONPATH": str(package), "HOME": os.environ["HOME"], "HF_TOKEN": os.environ.get("HF_TOKEN", "")}
+    done = subprocess.run(
+        command, input=json.dumps([source, limits.__dict__]), capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return Outcome(**json.loads(done.stdout))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_correct_program_passes_and_wrong_one_fails(mode, readable_package):
+    problem = Problem("t/0", "def add(a, b):\n", "def check(f):\n    assert f(2, 3) == 5\n", "add")
+    passed = run_as(mode, problem.program("    return a + b\n"), readable_package)
+    failed = run_as(mode, problem.program("    return a - b\n"), readable_package)
+    assert (passed.status, passed.reason) == ("passed", "exit status 0")
+    assert failed.status == "failed" and failed.reason == "exit status 1: AssertionError"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_infinite_loop_is_stopped_by_a_limit(mode, readable_package):
+    started = time.monotonic()
+    outcome = run_as(mode, "while True:\n    pass\n", readable_package)
+    assert outcome.status in ("timeout", "killed") and not outcome.passed
+    assert outcome.reason in ("ran past the wall-time limit of 2 s", "killed by the CPU-time limit")
+    assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fork_bomb_is_contained_and_leaves_no_process(mode, readable_package):
+    bomb = "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)\n"
+    before = {pid for pid in os.listdir("/proc") if pid.isdigit()}
+    outcome = run_as(mode, bomb, readable_package)
+    assert outcome.status in ("timeout", "killed") and not outcome.passed
+    time.sleep(0.2)
+    left = {pid for pid in os.listdir("/proc") if pid.isdigit()} - before
+    commands = []
+    for pid in left:
+        try:
+            commands.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+        except OSError:  # ended meanwhile
+            continue
+    assert not [cmd for cmd in commands if b"program.py" in cmd]
+    assert subprocess.run(["true"]).returncode == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ten_gigabyte_allocation_fails(mode, readable_package):
+    outcome = run_as(mode, "data = bytearray(10 * 2**30)\nprint('allocated')\n", readable_package)
+    assert outcome.status == "failed" and outcome.reason == "exit status 1: MemoryError"
+    assert "allocated" not in outcome.stdout
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_writes_outside_its_folder_fail(mode, readable_package, fake_home, tmp_path):
+    outside, in_home = tmp_path / "escaped.txt", fake_home / "escaped.txt"
+    program = (
+        "import os\nwrote = []\n"
+        f"for path in [{str(outside)!r}, {str(in_home)!r}, '/var/tmp/escaped.txt', '/dev/shm/escaped.txt']:\n"
+        "    try:\n        open(path, 'w').write('x')\n        wrote.append(path)\n    except OSError as exc:\n"
+        "        print(type(exc).__name__, path)\n"
+        "open(os.path.join(os.environ['HOME'], 'own.txt'), 'w').write('mine')\n"
+        "assert not wrote, wrote\n"
+    )
+    outcome = run_as(mode, program, readable_package)
+    assert outcome.passed, outcome  # every write outside failed; its own HOME is writable
+    assert not outside.exists() and not in_home.exists()
+    assert not Path("/var/tmp/escaped.txt").exists() and not Path("/dev/shm/escaped.txt").exists()
+    escape = run_as(mode, f"open({str(outside)!r}, 'w').write('x')\n", readable_package)
+    assert escape.status == "failed" and not outside.exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_socket_to_a_listening_port_fails(mode, readable_package):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        program = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'hi')\n"
+        outcome = run_as(mode, program, readable_package)
+        assert outcome.status == "failed" and "Network is unreachable" in outcome.reason
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_secrets_of_the_caller_cannot_be_read(mode, readable_package, fake_home):
+    token = fake_home / ".cache" / "huggingface" / "token"
+    program = (
+        "import os\n"
+        f"for path in [{str(token)!r}, '/root/.cache/huggingface/token']:\n"
+        "    try:\n        print(open(path).read())\n    except OSError as exc:\n        print(type(exc).__name__)\n"
+        "print(os.environ.get('HF_TOKEN'), sorted(os.environ))\n"
+        "for pid in os.listdir('/proc'):\n"
+        "    if pid.isdigit():\n"
+        "        try:\n            print(open(f'/proc/{pid}/environ', 'rb').read())\n"
+        "        except OSError:\n            pass\n"
+        "assert False\n"
+    )
+    outcome = run_as(mode, program, readable_package)
+    assert outcome.status == "failed"
+    assert SECRET not in outcome.stdout and SECRET not in outcome.stderr
+    assert "None ['HOME', 'LANG', 'PATH', 'TMPDIR']" in outcome.stdout
+    assert token.read_text() == SECRET
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_huge_file_write_hits_the_file_size_limit(mode, readable_package):
+    outcome = run_as(mode, "open('big', 'wb').write(b'x' * (8 << 20))\n", readable_package)
+    assert outcome.status == "failed" and "File too large" in outcome.reason
+
+
+def test_running_code_is_opt_in(tmp_path):
+    marker = tmp_path / "ran"
+    program = f"open({str(marker)!r}, 'w').close()\n"
+    for consent in (False, 1, "yes"):
+        with pytest.raises(CodeExecutionNotAllowedError, match=r"allow_code_execution=True"):
+            run_program(program, FAST, allow_code_execution=consent)
+    with pytest.raises(CodeExecutionNotAllowedError):
+        score_completions([Problem("t/0", "", "")], {"t/0": [program]})
+    assert not marker.exists()
+
+
+def test_refuses_where_namespaces_cannot_be_made(monkeypatch, tmp_path):
+    monkeypatch.setattr(runner.sys, "platform", "darwin")
+    with pytest.raises(SandboxUnavailableError, match=r"needs Linux namespaces; this is darwin"):
+        run_program("print(1)", FAST, allow_code_execution=True)
+    monkeypatch.setattr(runner.sys, "platform", "linux")
+    monkeypatch.setattr(runner, "UNSHARE_PATHS", (str(tmp_path / "unshare"),))
+    with pytest.raises(SandboxUnavailableError, match=r"needs util-linux's unshare"):
+        run_program("print(1)", FAST, allow_code_execution=True)
+
+
+def test_pass_at_k_matches_hand_computed_values():
+    assert pass_at_k(10, 0, 1) == 0.0
+    assert pass_at_k(10, 3, 1) == 0.3  # 1 - 7/10
+    assert pass_at_k(10, 3, 2) == pytest.approx(1 - 21 / 45)  # 1 - C(7,2)/C(10,2) = 8/15
+    assert pass_at_k(5, 2, 4) == 1.0  # fewer than 4 failures among 5
+    assert pass_at_k(10, 10, 10) == 1.0
+    assert mean_pass_at_k([(10, 3), (10, 0), (10, 10)], 1) == pytest.approx((0.3 + 0 + 1) / 3)
+    for n, c, k, name in ((0, 0, 1, "n"), (5, 6, 1, "c"), (5, 1, 6, "k"), (5, 1, 0, "k")):
+        with pytest.raises(InvalidParameterError, match=rf"^pass@k: {name}="):
+            pass_at_k(n, c, k)
+
+
+def test_score_completions_counts_each_sample(readable_package):
+    problems = [
+        Problem("t/add", "def add(a, b):\n", "def check(f):\n    assert f(1, 2) == 3\n", "add"),
+        Problem("t/mbpp", "", "assert double(4) == 8\n"),
+    ]
+    completions = {
+        "t/add": ["    return a + b\n", "    return a * b\n", "    while True: pass\n"],
+        "t/mbpp": ["def double(x):\n    return 2 * x\n", "def double(x):\n    return x\n", "raise SystemExit(0)\n"],
+    }
+    quick = Limits(wall_s=1.0, cpu_s=1, memory_bytes=512 << 20, processes=16, file_bytes=1 << 20)
+    score = score_completions(problems, completions, (1, 2), quick, allow_code_execution=True, progress=False)
+    # t/mbpp's third sample exits 0 before its assertion: a passing program, as bigcode counts it.
+    assert score.counts() == {"t/add": (3, 1), "t/mbpp": (3, 2)}
+    assert [o.status for o in score.outcomes["t/add"]] in (
+        ["passed", "failed", "timeout"],
+        ["passed", "failed", "killed"],
+    )
+    assert score.pass_at_k["pass@1"] == pytest.approx((1 / 3 + 2 / 3) / 2)
+    assert score.pass_at_k["pass@2"] == pytest.approx(((1 - 1 / 3) + (1 - 0 / 3)) / 2)  # C(2,2)/C(3,2); C(1,2)=0
+
+
+def test_score_completions_validates_before_running(tmp_path):
+    marker = tmp_path / "ran"
+    problems = [Problem("t/0", f"open({str(marker)!r}, 'w').close()\n", "")]
+    with pytest.raises(InvalidParameterError, match=r"^completions\['t/0'\]=1 is invalid: it must be at least"):
+        score_completions(problems, {"t/0": [""]}, (1, 2), allow_code_execution=True)
+    with pytest.raises(InvalidParameterError, match=r"^problems=\['t/0'\] is invalid: it must be unique task_ids"):
+        score_completions(problems * 2, {"t/0": [""]}, allow_code_execution=True)
+    assert not marker.exists()
