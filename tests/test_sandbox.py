@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -78,6 +79,24 @@ def run_as(mode: str, source: str, package: Path, limits: Limits = FAST) -> Outc
     return Outcome(**json.loads(done.stdout))
 
 
+def named(source: str) -> tuple[str, str]:
+    """``source`` that first names its process (``/proc/PID/comm``, inherited by forks) with a unique name."""
+    name = f"fc{secrets.token_hex(6)}"
+    return f"import ctypes\nctypes.CDLL(None).prctl(15, {name.encode()!r})\n{source}", name
+
+
+def processes_named(name: str) -> list[str]:
+    """The processes of this machine named ``name``."""
+    found = []
+    for pid in (pid for pid in os.listdir("/proc") if pid.isdigit()):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                found.append(pid)
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_correct_program_passes_and_wrong_one_fails(mode, readable_package):
     problem = Problem("t/0", "def add(a, b):\n", "def check(f):\n    assert f(2, 3) == 5\n", "add")
@@ -98,19 +117,13 @@ def test_infinite_loop_is_stopped_by_a_limit(mode, readable_package):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_fork_bomb_is_contained_and_leaves_no_process(mode, readable_package):
-    bomb = "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)\n"
-    before = {pid for pid in os.listdir("/proc") if pid.isdigit()}
+    bomb, name = named(
+        "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)\n"
+    )
     outcome = run_as(mode, bomb, readable_package)
     assert outcome.status in ("timeout", "killed") and not outcome.passed
     time.sleep(0.2)
-    left = {pid for pid in os.listdir("/proc") if pid.isdigit()} - before
-    commands = []
-    for pid in left:
-        try:
-            commands.append(Path(f"/proc/{pid}/cmdline").read_bytes())
-        except OSError:  # ended meanwhile
-            continue
-    assert not [cmd for cmd in commands if b"program.py" in cmd]
+    assert processes_named(name) == []
     assert subprocess.run(["true"]).returncode == 0
 
 
@@ -173,6 +186,42 @@ def test_secrets_of_the_caller_cannot_be_read(mode, readable_package, fake_home)
     assert SECRET not in outcome.stdout and SECRET not in outcome.stderr
     assert "None ['HOME', 'LANG', 'PATH', 'TMPDIR']" in outcome.stdout
     assert token.read_text() == SECRET
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_program_holds_no_privilege_and_cannot_undo_the_mounts(mode, readable_package, fake_home):
+    token = fake_home / ".cache" / "huggingface" / "token"
+    program = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print([line.strip() for line in open('/proc/self/status') if line.startswith(('Cap', 'NoNewPrivs'))])\n"
+        f"print('umount', libc.umount2({str(fake_home).encode()!r}, 2), libc.umount2(b'/tmp', 2))\n"
+        "print('remount', libc.mount(None, b'/', None, 32 | 4096, None))\n"
+        f"print(open({str(token)!r}).read())\n"
+    )
+    outcome = run_as(mode, program, readable_package)
+    assert outcome.status == "failed" and SECRET not in outcome.stdout + outcome.stderr
+    for field in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert f"'{field}:\\t0000000000000000'" in outcome.stdout
+    assert "'NoNewPrivs:\\t1'" in outcome.stdout
+    assert "umount -1 -1" in outcome.stdout and "remount -1" in outcome.stdout
+
+
+def test_an_interrupted_caller_leaves_no_program_running(monkeypatch):
+    program, name = named("while True:\n    pass\n")
+    wait, seen = subprocess.Popen.wait, []
+
+    def interrupted(self, timeout=None):
+        if timeout is None:
+            return wait(self)
+        time.sleep(0.5)
+        seen.extend(processes_named(name))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess.Popen, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_program(program, FAST, allow_code_execution=True)
+    time.sleep(0.2)
+    assert seen and processes_named(name) == []  # it ran, and ended with the interrupted wait
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import resource
 import sys
 
@@ -38,6 +39,11 @@ KEPT_FLAGS = (
     (os.ST_RELATIME, MS_RELATIME),
 )
 WORK = "/tmp"
+# Emptied (an empty read-only tmpfs on each) besides the home folders: the run-time folder of the system's
+# services, with their Unix sockets (a socket file can be connected to on a read-only mount).
+EMPTIED = ("/run",)
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 38, 24
+CAPABILITY_VERSION_3 = 0x20080522
 RLIMITS = {
     "cpu_s": resource.RLIMIT_CPU,
     "memory_bytes": resource.RLIMIT_AS,
@@ -61,7 +67,7 @@ def _mount_points() -> list[str]:
     """Every mount point this namespace sees, in mount order (octal escapes like ``\\040`` decoded)."""
     with open("/proc/self/mountinfo", encoding="utf-8") as lines:
         points = [line.split()[4] for line in lines]
-    return [point.encode().decode("unicode_escape") for point in points]
+    return [re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal.group(1), 8)), point) for point in points]
 
 
 def _read_only_everywhere() -> None:
@@ -71,7 +77,7 @@ def _read_only_everywhere() -> None:
             kept = os.statvfs(point).f_flag
         except OSError:  # hidden under a later mount, or gone
             continue
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
         for stat_flag, mount_flag in KEPT_FLAGS:
             if kept & stat_flag:
                 flags |= mount_flag
@@ -81,7 +87,7 @@ def _read_only_everywhere() -> None:
 def _confine(config: dict) -> None:
     """The file-system confinement of step 2 (module docstring)."""
     _read_only_everywhere()
-    for folder in config["hidden"]:
+    for folder in [*config["hidden"], *EMPTIED]:
         if os.path.isdir(folder) and not os.path.islink(folder):
             _mount("tmpfs", folder, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0555")
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -89,7 +95,25 @@ def _confine(config: dict) -> None:
     _mount("tmpfs", WORK, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=0700")
 
 
-def _run_program(config: dict, program: bytes, status_fd: int) -> int:
+def _drop_privileges(uid: int | None, gid: int | None, last_cap: int) -> None:
+    """No capability now or after exec (the bounding set emptied: also for the user namespace's root, which
+    could otherwise undo the mounts), no privilege gained by exec (no_new_privs), and, given a uid, that
+    uid and gid with no supplementary group."""
+    for cap in range(last_cap + 1):
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"dropping capability {cap}")
+    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "setting no_new_privs")
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)
+    if _libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:  # effective, permitted, inheritable: all empty
+        raise OSError(ctypes.get_errno(), "clearing the capability sets")
+
+
+def _run_program(config: dict, program: bytes, status_fd: int, last_cap: int) -> int:
     """Fork and exec the program with its limits; return its wait status."""
     path = os.path.join(WORK, "program.py")
     with open(path, "wb") as file:
@@ -102,12 +126,10 @@ def _run_program(config: dict, program: bytes, status_fd: int) -> int:
     if child == 0:
         try:
             os.set_inheritable(status_fd, False)  # closed by the exec, kept to report a failed start
-            if uid is not None:
-                os.setgroups([])
-                os.setgid(gid)
-                os.setuid(uid)
+            _drop_privileges(uid, gid, last_cap)
             for name, limit in RLIMITS.items():
-                resource.setrlimit(limit, (config["limits"][name], config["limits"][name]))
+                value = config["limits"][name]  # CPU: SIGXCPU at the limit, SIGKILL a second later
+                resource.setrlimit(limit, (value, value + 1 if name == "cpu_s" else value))
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             os.chdir(WORK)
             env = {"HOME": WORK, "TMPDIR": WORK, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -128,12 +150,14 @@ def main(argv: list[str]) -> int:
         config = json.load(file)
     with open(config["program"], "rb") as file:
         program = file.read()
+    with open("/proc/sys/kernel/cap_last_cap", "rb") as file:
+        last_cap = int(file.read())
     try:
         _confine(config)
     except OSError as exc:
         os.write(status_fd, f"setup {exc}".encode())
         return 125
-    status = _run_program(config, program, status_fd)  # a failed start has written "start ..." already
+    status = _run_program(config, program, status_fd, last_cap)  # a failed start has written "start ..." already
     if os.WIFSIGNALED(status):
         os.write(status_fd, f"signal {os.WTERMSIG(status)}".encode())
     else:

@@ -244,7 +244,7 @@ def run_program(
         timed_out = False
         try:
             with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
-                confine = [os.path.realpath(sys.executable), "-I", "-S", str(CONFINE)]
+                confine = [interpreter, "-I", "-S", str(CONFINE)]  # outside the folders it hides
                 process = subprocess.Popen(
                     [*command, *confine, str(folder / "config.json"), str(write_end)],
                     stdin=subprocess.DEVNULL,
@@ -261,6 +261,9 @@ def run_program(
             except subprocess.TimeoutExpired:
                 timed_out = True
                 _kill_tree(process)
+            except BaseException:  # interrupted (Ctrl-C): the program must not outlive its caller's wait
+                _kill_tree(process)
+                raise
             seconds = time.monotonic() - started
             with os.fdopen(read_end, "rb") as reader:
                 read_end = -1
