@@ -35,10 +35,10 @@ UNSHARE_PATHS = ("/usr/bin/unshare", "/bin/unshare")
 UID_RANGE = (1 << 30, (1 << 31) - 2)
 SHOWN_OUTPUT = 4000  # characters of the program's stdout and stderr kept, from the end
 Status = Literal["passed", "failed", "timeout", "killed"]
-SIGNAL_REASONS = {
-    signal.SIGXCPU: "the CPU-time limit",
-    signal.SIGXFSZ: "the file-size limit",
-    signal.SIGKILL: "SIGKILL (the CPU-time hard limit, or the kernel's out-of-memory killer)",
+SIGNAL_REASONS = {  # by name: SIGXCPU and SIGXFSZ do not exist on every system
+    "SIGXCPU": "the CPU-time limit",
+    "SIGXFSZ": "the file-size limit",
+    "SIGKILL": "SIGKILL (the CPU-time hard limit, or the kernel's out-of-memory killer)",
 }
 
 
@@ -107,15 +107,21 @@ def require_opt_in(allow_code_execution: bool) -> None:
     """
     if allow_code_execution is not True:
         raise CodeExecutionNotAllowedError(
-            "Running model-generated code is off: it runs only when asked for with allow_code_execution=True "
-            "(featcal code-eval --allow-code-execution), in featcal's sandbox (docs/code-eval.md)."
+            "Running model-generated code is off: it runs only when asked for with allow_code_execution=True, "
+            "in featcal's sandbox (docs/code-eval.md)."
         )
 
 
 def hidden_folders() -> list[str]:
     """The folders hidden from the program: the caller's HOME (as ``$HOME`` and the password file say), ``/root``
     and ``/home``, as real paths."""
-    homes = [os.environ.get("HOME"), os.path.expanduser("~"), *HIDDEN]
+    import pwd  # POSIX only; reached on Linux alone
+
+    try:
+        account_home = pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:  # a uid without an account
+        account_home = None
+    homes = [os.environ.get("HOME"), account_home, *HIDDEN]
     return list(dict.fromkeys(os.path.realpath(home) for home in homes if home))
 
 
@@ -188,8 +194,11 @@ def _outcome(report: str, stdout: str, stderr: str, seconds: float, limits: Limi
         raise SandboxUnavailableError(f"The sandbox for generated code could not be set up here: {said}; no code ran.")
     if word == "signal":
         number = int(value)
-        name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else f"signal {number}"
-        why = SIGNAL_REASONS.get(number, f"{name} (a crash, or the memory limit of {limits.memory_bytes:,d} bytes)")
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        why = SIGNAL_REASONS.get(name, f"{name} (a crash, or the memory limit of {limits.memory_bytes:,d} bytes)")
         return Outcome("killed", f"killed by {why}", stdout, stderr, seconds)
     code = int(value.split()[0])
     if code == 0:
