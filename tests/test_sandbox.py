@@ -234,7 +234,7 @@ def test_running_code_is_opt_in(tmp_path):
     marker = tmp_path / "ran"
     program = f"open({str(marker)!r}, 'w').close()\n"
     for consent in (False, 1, "yes"):
-        with pytest.raises(CodeExecutionNotAllowedError, match=r"allow_code_execution=True"):
+        with pytest.raises(CodeExecutionNotAllowedError, match=r"only when `allow_code_execution` is given\.$"):
             run_program(program, FAST, allow_code_execution=consent)
     with pytest.raises(CodeExecutionNotAllowedError):
         score_completions([Problem("t/0", "", "")], {"t/0": [program]})

@@ -107,8 +107,8 @@ def require_opt_in(allow_code_execution: bool) -> None:
     """
     if allow_code_execution is not True:
         raise CodeExecutionNotAllowedError(
-            "Running model-generated code is off: it runs only when asked for with allow_code_execution=True, "
-            "in featcal's sandbox (docs/code-eval.md)."
+            "Running model-generated code is off: it runs, in featcal's sandbox (docs/code-eval.md), only when "
+            "`allow_code_execution` is given."
         )
 
 

@@ -88,8 +88,8 @@ def score_completions(
 
     Raises:
         CodeExecutionNotAllowedError: without the opt-in; nothing ran.
-        InvalidParameterError: for no problems, a problem without completions, or k outside 1..samples;
-            checked before anything runs.
+        InvalidParameterError: for no problems, repeated task ids, completions of no given problem, a
+            problem with fewer than ``max(ks)`` completions or a k < 1; checked before anything runs.
         SandboxUnavailableError: when the sandbox cannot be set up here.
     """
     require_opt_in(allow_code_execution)
@@ -100,6 +100,9 @@ def score_completions(
     ids = [problem.task_id for problem in problems]
     if len(set(ids)) != len(ids):
         raise InvalidParameterError("problems", sorted({i for i in ids if ids.count(i) > 1}), "unique task_ids")
+    unknown = sorted(set(completions) - set(ids))
+    if unknown:
+        raise InvalidParameterError("completions", unknown, "completions of the problems given only (unknown task_ids)")
     for problem in problems:
         samples = completions.get(problem.task_id, ())
         if len(samples) < max(ks):
