@@ -42,7 +42,7 @@ print(json.dumps(outcome.__dict__))
 @pytest.fixture(scope="module")
 def readable_package():
     """A copy of the modules the sandbox needs that ``nobody`` can read (the checkout may lie under /root)."""
-    root = Path(tempfile.mkdtemp(prefix="featcal-sandbox-test-"))
+    root = Path(tempfile.mkdtemp(prefix="featcal-readable-"))
     os.chmod(root, 0o755)
     (root / "featcal").mkdir()
     for name in ("__init__.py", "version.py", "errors.py", "progress.py"):
@@ -100,10 +100,12 @@ def processes_named(name: str) -> list[str]:
 @pytest.mark.parametrize("mode", MODES)
 def test_correct_program_passes_and_wrong_one_fails(mode, readable_package):
     problem = Problem("t/0", "def add(a, b):\n", "def check(f):\n    assert f(2, 3) == 5\n", "add")
+    before = set(Path(tempfile.gettempdir()).glob("featcal-sandbox-*"))
     passed = run_as(mode, problem.program("    return a + b\n"), readable_package)
     failed = run_as(mode, problem.program("    return a - b\n"), readable_package)
     assert (passed.status, passed.reason) == ("passed", "exit status 0")
     assert failed.status == "failed" and failed.reason == "exit status 1: AssertionError"
+    assert set(Path(tempfile.gettempdir()).glob("featcal-sandbox-*")) == before  # its private folder is gone
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -125,6 +127,19 @@ def test_fork_bomb_is_contained_and_leaves_no_process(mode, readable_package):
     time.sleep(0.2)
     assert processes_named(name) == []
     assert subprocess.run(["true"]).returncode == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_process_count_is_limited(mode, readable_package):
+    program = (
+        "import os, time\nforked = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+        "            time.sleep(5)\n            os._exit(0)\n        forked += 1\nexcept OSError as exc:\n"
+        "    print('forked', forked, exc.errno)\n"
+    )
+    outcome = run_as(mode, program, readable_package, Limits(wall_s=3.0, cpu_s=2, processes=8))
+    assert outcome.passed, outcome
+    forked, errno = map(int, outcome.stdout.split()[1:])
+    assert 1 <= forked <= 7 and errno == 11  # EAGAIN: the program and its children stay within 8 processes
 
 
 @pytest.mark.parametrize("mode", MODES)
