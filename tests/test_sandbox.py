@@ -266,6 +266,15 @@ def test_refuses_where_namespaces_cannot_be_made(monkeypatch, tmp_path):
         run_program("print(1)", FAST, allow_code_execution=True)
 
 
+def test_an_interpreter_the_program_cannot_reach_is_refused(tmp_path, fake_home):
+    with pytest.raises(SandboxUnavailableError, match=r"^No Python interpreter for generated code outside the folders"):
+        run_program("print(1)", FAST, allow_code_execution=True, python=str(fake_home / "bin" / "python3"))
+    hidden = tmp_path / "python3"  # outside HOME, but under /tmp, which the sandbox replaces
+    shutil.copy(os.path.realpath("/usr/bin/python3"), hidden)
+    with pytest.raises(SandboxUnavailableError, match=r"could not be set up here: .*No such file.*; no code ran\.$"):
+        run_program("print(1)", FAST, allow_code_execution=True, python=str(hidden))
+
+
 def test_pass_at_k_matches_hand_computed_values():
     assert pass_at_k(10, 0, 1) == 0.0
     assert pass_at_k(10, 3, 1) == 0.3  # 1 - 7/10
