@@ -13,9 +13,9 @@ private mount namespace. It uses the standard library only (``-I -S``: no site-p
    folder, its cwd and HOME; any step failing stops here, before the program runs;
 3. forks the program: it drops to the unprivileged uid/gid the config names (when started as root),
    sets the resource limits and execs ``python -I -S program.py`` with an environment of its own;
-4. waits for it (reaping the orphans it leaves meanwhile), and writes ``exit N`` or ``signal N`` to
-   ``STATUS_FD``. When it returns, the kernel kills every process left in the namespace, and the tmpfs
-   goes with it.
+4. waits for it (reaping the orphans it leaves meanwhile), and writes the line ``exit N`` or ``signal N``
+   to ``STATUS_FD`` (after ``start ERROR`` when the program could not be started). When it returns, the
+   kernel kills every process left in the namespace, and the tmpfs goes with it.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _run_program(config: dict, program: bytes, status_fd: int, last_cap: int) ->
             env = {"HOME": WORK, "TMPDIR": WORK, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
             os.execve(config["python"], [config["python"], "-I", "-S", path], env)
         except BaseException as exc:  # noqa: BLE001  (the child must never return into the caller's code)
-            os.write(status_fd, f"start {exc}".encode())
+            os.write(status_fd, f"start {exc}\n".encode())
         os._exit(126)
     while True:  # reap orphans until the program itself ends; the rest die with the namespace
         pid, waited = os.wait()
@@ -155,13 +155,13 @@ def main(argv: list[str]) -> int:
     try:
         _confine(config)
     except OSError as exc:
-        os.write(status_fd, f"setup {exc}".encode())
+        os.write(status_fd, f"setup {exc}\n".encode())
         return 125
     status = _run_program(config, program, status_fd, last_cap)  # a failed start has written "start ..." already
     if os.WIFSIGNALED(status):
-        os.write(status_fd, f"signal {os.WTERMSIG(status)}".encode())
+        os.write(status_fd, f"signal {os.WTERMSIG(status)}\n".encode())
     else:
-        os.write(status_fd, f"exit {os.waitstatus_to_exitcode(status)}".encode())
+        os.write(status_fd, f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
     return 0
 
 

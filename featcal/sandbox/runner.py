@@ -187,10 +187,11 @@ def _kill_tree(process: subprocess.Popen[bytes]) -> None:
 
 
 def _outcome(report: str, stdout: str, stderr: str, seconds: float, limits: Limits) -> Outcome:
-    """The outcome the first process's report (``exit N``, ``signal N``) says, or a refusal for a failed set-up."""
-    word, _, value = report.partition(" ")
-    if word in ("setup", "start") or word not in ("exit", "signal"):
-        said = value if word in ("setup", "start") else stderr.strip().splitlines()[-1:] or ["no report"]
+    """The outcome the first process's report's first line (``exit N``, ``signal N``) says, or a refusal for a
+    failed set-up."""
+    word, _, value = (report.splitlines() or [""])[0].partition(" ")
+    if word not in ("exit", "signal"):  # "setup ERROR", "start ERROR", or nothing: unshare itself failed
+        said = value if word in ("setup", "start") else (stderr.strip().splitlines() or ["no report"])[-1]
         raise SandboxUnavailableError(f"The sandbox for generated code could not be set up here: {said}; no code ran.")
     if word == "signal":
         number = int(value)
@@ -200,7 +201,7 @@ def _outcome(report: str, stdout: str, stderr: str, seconds: float, limits: Limi
             name = f"signal {number}"
         why = SIGNAL_REASONS.get(name, f"{name} (a crash, or the memory limit of {limits.memory_bytes:,d} bytes)")
         return Outcome("killed", f"killed by {why}", stdout, stderr, seconds)
-    code = int(value.split()[0])
+    code = int(value)
     if code == 0:
         return Outcome("passed", "exit status 0", stdout, stderr, seconds)
     last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
