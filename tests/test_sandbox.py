@@ -264,6 +264,15 @@ def test_refuses_where_namespaces_cannot_be_made(monkeypatch, tmp_path):
     monkeypatch.setattr(runner, "UNSHARE_PATHS", (str(tmp_path / "unshare"),))
     with pytest.raises(SandboxUnavailableError, match=r"needs util-linux's unshare"):
         run_program("print(1)", FAST, allow_code_execution=True)
+    refused = tmp_path / "unshare"  # as where namespaces are refused (a container without CAP_SYS_ADMIN)
+    refused.write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    refused.chmod(0o755)
+    with pytest.raises(SandboxUnavailableError) as caught:
+        run_program("print(1)", FAST, allow_code_execution=True)
+    assert caught.value.message == (
+        "The sandbox for generated code could not be set up here: unshare: unshare failed: Operation not "
+        "permitted; no code ran."
+    )
 
 
 def test_an_interpreter_the_program_cannot_reach_is_refused(fake_home, request):
