@@ -2,6 +2,7 @@
 
 :func:`~featcal.sandbox.runner.run_program` runs one program with limits in separate Linux namespaces
 (:mod:`.runner`, :mod:`.confine`); :mod:`.scoring` runs each sample of each problem and computes pass@k
-(:mod:`.passk`). Running generated code is opt-in: every entry point refuses without
+(:mod:`.passk`); :mod:`.files` reads problems and completions from JSONL files for ``featcal code-eval``
+(:mod:`.options`). Running generated code is opt-in: every entry point refuses without
 ``allow_code_execution=True``. What the sandbox guarantees, and where: ``docs/code-eval.md``.
 """
