@@ -224,3 +224,41 @@ def test_featcal_methods_lists_lot_as_needing_data_and_releasable(capsys) -> Non
     block = text[text.index("\nlot ") :].split("\nsvc ")[0]
     assert "LOT Merging  https://arxiv.org/abs/2505.23859" in block
     assert "needs calibration data: yes" in block and "releasable: yes" in block
+
+
+def test_lot_on_a_t5_merge_is_refused_in_one_line_before_any_work(tmp_path, capsys) -> None:
+    from tests.support import tiny_t5
+
+    base = tiny_t5.save_model(tmp_path / "base", seed=0)
+    data = {"max_length": 32, "experts": {}}
+    for i, name in enumerate(("sst", "nli")):
+        tiny_t5.save_model(tmp_path / f"t5-tiny_glue-{name}", seed=10 + i, base=base)
+        rows = [{"sentence": text, "label": j % 2} for j, (text, _) in enumerate(tiny_t5.pairs(20 + i))]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        data["experts"][str(tmp_path / f"t5-tiny_glue-{name}")] = {
+            "dataset": f"{name}.jsonl", "input": "classify: {sentence}", "target": "{label}", "labels": ["w1", "w2"],
+        }  # fmt: skip
+    (tmp_path / "data.yaml").write_text(json.dumps(data))
+    common = ["--data", str(tmp_path / "data.yaml"), "--device", "cpu"]
+    merge = ["-q", "merge", *common, "--base-model-id", str(tmp_path / "base")]
+    assert main([*merge, "--output", str(tmp_path / "ta")]) == 0
+    out = tmp_path / "out"
+    capsys.readouterr()  # the fixture's own output
+    code, err = run_error(capsys, ["calibrate", "--method", "lot", *common, "--merged", str(tmp_path / "ta"),
+                                   "--output", str(out)])  # fmt: skip
+    assert code == 2 and len(err) == 1, err
+    assert "--method 'lot' is invalid" in err[0] and "family seq2seq: featcal or svc" in err[0]
+    assert "encoder-decoder" in err[0] and not out.exists()
+
+
+def test_lot_on_a_calibrated_folder_is_refused_before_any_work(clip, tmp_path, capsys) -> None:
+    calibrated = tmp_path / "calibrated"
+    shutil.copytree(clip / "ta", calibrated)
+    recipe = json.loads((calibrated / "featcal_recipe.json").read_text())
+    recipe["featcal"], recipe["kind"], recipe["seed"] = {"lambda_ratio": 1.0}, "calibration", 42
+    (calibrated / "featcal_recipe.json").write_text(json.dumps(recipe))
+    out = tmp_path / "out"
+    argv = ["calibrate", "--method", "lot", "--tasks-file", str(clip / "tasks.json"), *BASE, *DRAW]
+    code, err = run_error(capsys, [*argv, "--merged", str(calibrated), "--output", str(out)])
+    assert code == 2 and len(err) == 1, err
+    assert "is calibrated with FeatCal already: lot repairs a merge" in err[0] and not out.exists()
