@@ -264,3 +264,38 @@ def test_lot_on_a_calibrated_folder_is_refused_before_any_work(clip, tmp_path, c
     code, err = run_error(capsys, [*argv, "--merged", str(calibrated), "--output", str(out)])
     assert code == 2 and len(err) == 1, err
     assert "is calibrated with FeatCal already: lot repairs a merge" in err[0] and not out.exists()
+
+
+def test_lot_under_torchrun_is_refused_in_one_line(clip, tmp_path, capsys, monkeypatch) -> None:
+    """A world of several processes (as torchrun starts) is refused before any model is read."""
+    import contextlib
+
+    import featcal.distributed
+    import featcal.resolve
+
+    @contextlib.contextmanager
+    def two_processes(device, timeout):
+        yield featcal.distributed.World(rank=0, size=2, backend="gloo")
+
+    def read(*args, **kwargs):
+        raise AssertionError("no model is read under torchrun")
+
+    monkeypatch.setattr(featcal.distributed, "session", two_processes)
+    monkeypatch.setattr(featcal.resolve, "resolve_inputs", read)
+    out = tmp_path / "out"
+    argv = ["calibrate", "--method", "lot", "--tasks-file", str(clip / "tasks.json"), *BASE, *DRAW]
+    code, err = run_error(capsys, [*argv, "--merged", str(clip / "ta"), "--output", str(out)])
+    assert code == 2 and err == [
+        "featcal: error: featcal calibrate --method lot runs in one process: start it without torchrun."
+    ]
+    assert not out.exists()
+
+
+def test_lot_then_featcal_records_the_chain(clip, tmp_path) -> None:
+    out = tmp_path / "lot-featcal"
+    argv = ["-q", "calibrate", "--merged", str(clip / "ta-lot"), "--tasks-file", str(clip / "tasks.json"), *BASE]
+    assert main([*argv, *DRAW, "--output", str(out)]) == 0
+    recipe = json.loads((out / "featcal_recipe.json").read_text())
+    repaired = json.loads((clip / "ta-lot" / "featcal_recipe.json").read_text())
+    assert recipe["kind"] == "calibration" and recipe["repairs"] == repaired["repairs"]
+    assert recipe["merge"] == repaired["merge"]
