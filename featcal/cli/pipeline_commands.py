@@ -442,7 +442,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     command(p, cmd_merge)
 
     p = subparsers.add_parser(
-        "calibrate", help="calibrate a merged model folder with FeatCal (or repair it with SVC: --method svc)"
+        "calibrate", help="calibrate a merged model folder with FeatCal (or repair it: --method svc, --method lot)"
     )
     p.add_argument(
         "--merged",
