@@ -21,6 +21,7 @@ from featcal.repairs.options import DEFAULT_REPAIR, RepairChoice
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
 
 if TYPE_CHECKING:
+    from featcal.distributed import World
     from featcal.repairs.registry import Repair
 
 
@@ -209,6 +210,24 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextmanager
+def one_process(spec: RunSpec, repair: Repair) -> Iterator[World]:
+    """The session of a repair that runs in one process (all but FeatCal).
+
+    Raises:
+        FeatcalError: under torchrun with more than one process.
+    """
+    from featcal.distributed import session
+    from featcal.errors import FeatcalError
+
+    with session(spec.device, spec.dist_timeout) as world:
+        if world.distributed:
+            raise FeatcalError(
+                f"featcal calibrate --method {repair.name} runs in one process: start it without torchrun."
+            )
+        yield world
+
+
 def repair_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any]) -> int:
     """`featcal calibrate --method NAME` for a data-free, weight-only repair (SVC): the base and experts the
     merged folder records, no tasks nor data (a task or calibration option given is refused), one process.
@@ -217,8 +236,7 @@ def repair_folder(args: argparse.Namespace, repair: Repair, params: dict[str, An
         InvalidParameterError: for an option it does not read, or a bad hyper-parameter.
         FeatcalError: under torchrun with more than one process.
     """
-    from featcal.distributed import session
-    from featcal.errors import FeatcalError, InvalidParameterError
+    from featcal.errors import InvalidParameterError
     from featcal.outputs import check_output_folder
     from featcal.repairs.apply import recorded_inputs, repair_state, save_repair
     from featcal.resolve import check_output_dtype
@@ -233,11 +251,7 @@ def repair_folder(args: argparse.Namespace, repair: Repair, params: dict[str, An
     resolved = repair.resolved_params(**params)
     spec = spec_from_args(args)
     output = check_output_folder(args.output, kind="repaired model", inputs=[args.merged])  # before any download
-    with session(spec.device, spec.dist_timeout) as world:
-        if world.distributed:
-            raise FeatcalError(
-                f"featcal calibrate --method {repair.name} runs in one process: start it without torchrun."
-            )
+    with one_process(spec, repair) as world:
         inputs = recorded_inputs(args.merged, repair, cache_dir=spec.cache_dir)
         check_output_dtype(inputs.family, spec.output_dtype)
         check_output_folder(output, kind="repaired model", inputs=[*inputs.local_folders(), args.merged])
@@ -268,8 +282,7 @@ def lot_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any])
     """
     from featcal.calibration.params import FeatCalParams
     from featcal.data import validate_datasets
-    from featcal.distributed import session
-    from featcal.errors import FeatcalError, InvalidParameterError
+    from featcal.errors import InvalidParameterError
     from featcal.outputs import check_output_folder
     from featcal.repairs.apply import check_uncalibrated, save_repair
     from featcal.repairs.lot import check_lot_family, lot_state
@@ -286,11 +299,7 @@ def lot_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any])
     resolved = repair.resolved_params(**params)
     spec = spec_from_args(args)
     output = check_output_folder(args.output, kind="repaired model", inputs=[args.merged])  # before any download
-    with session(spec.device, spec.dist_timeout) as world:
-        if world.distributed:
-            raise FeatcalError(
-                f"featcal calibrate --method {repair.name} runs in one process: start it without torchrun."
-            )
+    with one_process(spec, repair) as world:
         check_uncalibrated(args.merged, repair)
         inputs = resolve_inputs(spec, merged=args.merged)
         family = inputs.family
