@@ -71,13 +71,13 @@ def svc_state(base, experts, merged, **params):
 
 
 def test_featcal_and_svc_are_registered_with_what_they_need_and_give() -> None:
-    assert available_repairs() == ["featcal", "svc"]
+    assert available_repairs() == ["featcal", "lot", "svc"]
     featcal, svc_repair = get_repair("featcal"), get_repair("svc")
     assert (featcal.uses_data, featcal.releasable, featcal.kernel) == (True, True, None)
     assert featcal.defaults == FeatCalParams().to_dict()  # the very parameters of FeatCalParams
     assert (svc_repair.uses_data, svc_repair.releasable) == (False, True)
     assert svc_repair.defaults == {"alpha": 0.1} and svc_repair.reference_url == "https://arxiv.org/abs/2602.05536"
-    with pytest.raises(UnknownNameError, match="Unknown repair 'surgery'; known: featcal, svc"):
+    with pytest.raises(UnknownNameError, match="Unknown repair 'surgery'; known: featcal, lot, svc"):
         get_repair("surgery")
 
 
@@ -349,7 +349,7 @@ def test_calibrate_refuses_an_unknown_repair_and_repair_params_for_featcal(ta_fo
     code, err = run_error(
         capsys, ["calibrate", "--method", "surgery", "--merged", str(ta_folder[1]), "--output", str(out)]
     )
-    assert code == 2 and err == ["featcal: error: Unknown repair 'surgery'; known: featcal, svc."]
+    assert code == 2 and err == ["featcal: error: Unknown repair 'surgery'; known: featcal, lot, svc."]
     code, err = run_error(
         capsys, ["calibrate", "--merged", str(ta_folder[1]), "--output", str(out), "--repair-param", "alpha=0.2"]
     )

@@ -17,10 +17,11 @@ from featcal.calibration.params import GROUP as FEATCAL
 from featcal.cli.common import format_results, path_line, show_progress
 from featcal.cli.options import add_options, add_spec_options, command, given_values
 from featcal.cli.suites import SuiteChoice
-from featcal.repairs.options import RepairChoice
+from featcal.repairs.options import DEFAULT_REPAIR, RepairChoice
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
 
 if TYPE_CHECKING:
+    from featcal.distributed import World
     from featcal.repairs.registry import Repair
 
 
@@ -169,6 +170,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     repair = get_repair(choice.method)
     if not repair.uses_data:
         return repair_folder(args, repair, choice.repair_params)
+    if repair.name != DEFAULT_REPAIR:
+        return lot_folder(args, repair, choice.repair_params)
     if choice.repair_params:
         given = " ".join(f"{key}={value}" for key, value in choice.repair_params.items())
         raise InvalidParameterError(
@@ -207,6 +210,24 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextmanager
+def one_process(spec: RunSpec, repair: Repair) -> Iterator[World]:
+    """The session of a repair that runs in one process (all but FeatCal).
+
+    Raises:
+        FeatcalError: under torchrun with more than one process.
+    """
+    from featcal.distributed import session
+    from featcal.errors import FeatcalError
+
+    with session(spec.device, spec.dist_timeout) as world:
+        if world.distributed:
+            raise FeatcalError(
+                f"featcal calibrate --method {repair.name} runs in one process: start it without torchrun."
+            )
+        yield world
+
+
 def repair_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any]) -> int:
     """`featcal calibrate --method NAME` for a data-free, weight-only repair (SVC): the base and experts the
     merged folder records, no tasks nor data (a task or calibration option given is refused), one process.
@@ -215,8 +236,7 @@ def repair_folder(args: argparse.Namespace, repair: Repair, params: dict[str, An
         InvalidParameterError: for an option it does not read, or a bad hyper-parameter.
         FeatcalError: under torchrun with more than one process.
     """
-    from featcal.distributed import session
-    from featcal.errors import FeatcalError, InvalidParameterError
+    from featcal.errors import InvalidParameterError
     from featcal.outputs import check_output_folder
     from featcal.repairs.apply import recorded_inputs, repair_state, save_repair
     from featcal.resolve import check_output_dtype
@@ -231,11 +251,7 @@ def repair_folder(args: argparse.Namespace, repair: Repair, params: dict[str, An
     resolved = repair.resolved_params(**params)
     spec = spec_from_args(args)
     output = check_output_folder(args.output, kind="repaired model", inputs=[args.merged])  # before any download
-    with session(spec.device, spec.dist_timeout) as world:
-        if world.distributed:
-            raise FeatcalError(
-                f"featcal calibrate --method {repair.name} runs in one process: start it without torchrun."
-            )
+    with one_process(spec, repair) as world:
         inputs = recorded_inputs(args.merged, repair, cache_dir=spec.cache_dir)
         check_output_dtype(inputs.family, spec.output_dtype)
         check_output_folder(output, kind="repaired model", inputs=[*inputs.local_folders(), args.merged])
@@ -248,6 +264,61 @@ def repair_folder(args: argparse.Namespace, repair: Repair, params: dict[str, An
             )  # fmt: skip
     folder = save_repair(inputs, args.merged, repair, resolved, state, output, output_dtype=spec.output_dtype)
     print(path_line(f"Repaired model ({repair.name})", folder))
+    return 0
+
+
+# FeatCal's own parameters, which a data-using repair other than FeatCal does not read (it reads its draw).
+CALIBRATION_DRAW = ("num_calibration_examples", "calibration_batch_size")
+
+
+def lot_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any]) -> int:
+    """`featcal calibrate --method lot`: the tasks (``--data``, ``--tasks-file``, ...) and FeatCal's calibration
+    draw of them (``-n``, ``--seed``), the base and the experts, the merge in ``--merged``; one process.
+
+    Raises:
+        InvalidParameterError: for a FeatCal parameter, a bad hyper-parameter, or a family it is not defined for.
+        ModelInputError: for a folder calibrated already, or a model that does not fit.
+        FeatcalError: under torchrun with more than one process.
+    """
+    from featcal.calibration.params import FeatCalParams
+    from featcal.data import validate_datasets
+    from featcal.errors import InvalidParameterError
+    from featcal.outputs import check_output_folder
+    from featcal.repairs.apply import check_uncalibrated, save_repair
+    from featcal.repairs.lot import check_lot_family, lot_state
+    from featcal.resolve import resolve_inputs
+    from featcal.stages import merge_calibration, merge_data
+
+    values = given_values(args)
+    featcal_only = [n for n in values if n in FeatCalParams.__dataclass_fields__ and n not in CALIBRATION_DRAW]
+    if featcal_only:
+        raise InvalidParameterError(
+            featcal_only[0], values[featcal_only[0]], f"given only with --method featcal: {repair.name} reads "
+            "FeatCal's calibration draw (--num-calibration-examples, --seed) but none of its parameters",
+        )  # fmt: skip
+    resolved = repair.resolved_params(**params)
+    spec = spec_from_args(args)
+    output = check_output_folder(args.output, kind="repaired model", inputs=[args.merged])  # before any download
+    with one_process(spec, repair) as world:
+        check_uncalibrated(args.merged, repair)
+        inputs = resolve_inputs(spec, merged=args.merged)
+        family = inputs.family
+        check_lot_family(family)
+        check_output_folder(output, kind="repaired model", inputs=[*inputs.local_folders(), args.merged])
+        preprocessor = family.preprocessor(inputs.base_folder)
+        facts = validate_datasets(
+            family, inputs.tasks, splits=("train",), calibration_examples=spec.featcal.num_calibration_examples,
+            allow_fewer=spec.allow_fewer_calibration_examples, seed=spec.seed, preprocessor=preprocessor,
+        )  # fmt: skip
+        merged = family.check_model_folder(Path(args.merged), inputs.base)
+        draw = merge_calibration(spec.featcal, spec.seed, facts.calibration_counts, facts.fingerprints, inputs.tasks)
+        data = merge_data(inputs, preprocessor, spec.featcal, spec.seed, world=world, progress=spec.progress)
+        experts = [inputs.experts[t.name] for t in inputs.tasks]
+        with compute_settings(spec, inputs):
+            state = lot_state(inputs.base, experts, merged, data, world.compute_device(spec.device), world)
+    recorded = {**resolved, "calibration": draw}
+    folder = save_repair(inputs, args.merged, repair, recorded, state, output, output_dtype=spec.output_dtype)
+    print(path_line(f"Repaired model ({repair.name}, {len(inputs.tasks)} tasks)", folder))
     return 0
 
 
@@ -380,7 +451,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     command(p, cmd_merge)
 
     p = subparsers.add_parser(
-        "calibrate", help="calibrate a merged model folder with FeatCal (or repair it with SVC: --method svc)"
+        "calibrate", help="calibrate a merged model folder with FeatCal (or repair it: --method svc, --method lot)"
     )
     p.add_argument(
         "--merged",

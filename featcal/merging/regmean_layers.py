@@ -17,6 +17,11 @@ as FusionBench 0.2.33 implements them:
 
 A layer's tensors other than the linears' weights (biases, norms) get the experts' mean, a linear whose
 input never reached it too; a tensor whose key matches ``exclude`` keeps the base's value.
+
+LOT Merging (:mod:`featcal.repairs.lot`) reads the same experts' streams (``follow="experts"``) with
+``around`` set: each task's Gram is its sum over the tokens rather than its mean, and each linear solves
+for its update from ``around``'s weight with the pseudo-inverse
+(:meth:`~featcal.merging.regmean_solve.RegMeanSystem.solve_update`).
 """
 
 from __future__ import annotations
@@ -76,18 +81,24 @@ class _InputGroup:
         if self.gram.rows >= FLUSH_TOKENS:
             self.gram.flush(self.moments)
 
-    def fold(self, linears: Mapping[str, nn.Module], ratio: float, world: World) -> None:
-        """End the task: its sums over every process, its Gram folded in with the expert's weights."""
+    def fold(self, linears: Mapping[str, nn.Module], ratio: float, world: World, summed: bool = False) -> None:
+        """End the task: its sums over every process, its Gram (the mean of x xᵀ, or with ``summed`` their
+        sum) folded in with the expert's weights."""
         self.gram.flush(self.moments)
         world.all_reduce_sum_(self.moments.tensors(), what="RegMean statistics")
         weight = torch.cat([linears[name].weight for name in self.names])
-        self.system.add_task(self.moments.mean(), weight, ratio)
+        self.system.add_task(self.moments.sum_xx if summed else self.moments.mean(), weight, ratio)
         self.moments.zero_()
 
-    def solved(self, linears: Mapping[str, nn.Module]) -> dict[str, torch.Tensor]:
-        """Each linear's merged weight, by ``<name>.weight``, in its own dtype."""
+    def solved(self, linears: Mapping[str, nn.Module], around: StateDict | None = None) -> dict[str, torch.Tensor]:
+        """Each linear's merged weight, by ``<name>.weight``, in its own dtype: the system's solution, or with
+        ``around`` (the layer's tensors by their names in it) the update from its weights (LOT's)."""
         sizes = [linears[name].out_features for name in self.names]
-        merged = self.system.solve().split(sizes)
+        if around is None:
+            solution = self.system.solve()
+        else:
+            solution = self.system.solve_update(torch.cat([around[f"{name}.weight"] for name in self.names]))
+        merged = solution.split(sizes)
         return {f"{name}.weight": w.to(linears[name].weight.dtype) for name, w in zip(self.names, merged)}
 
 
@@ -103,6 +114,8 @@ def merge_layers(
     exclude: re.Pattern[str] | None,
     device: torch.device,
     world: World = SINGLE,
+    around: StateDict | None = None,
+    others: Sequence[StateDict] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The merged tensors of every layer of the model, keyed as the checkpoints key them, on the CPU.
 
@@ -117,6 +130,9 @@ def merge_layers(
         device: Where the streams, statistics and solves live.
         world: Under torchrun, ``data.load_inputs`` gives each process its part of the examples and the
             statistics are summed over the processes; rank 0's merged layer is everyone's.
+        around: LOT's solve: each task's Gram summed over its tokens, each linear the update
+            W_0 + G⁺ Σ_t G_t (W_t − W_0) from this state's weight W_0 (``ratio`` should be 1). None: RegMean's.
+        others: Whose mean the layer's other floating-point tensors get; default the experts.
 
     Returns:
         Every tensor of every layer, merged.
@@ -143,9 +159,10 @@ def merge_layers(
             load_params(layer, expert, prefix)
             groups = _collect(model, adapter, layer, linears, stream, groups, data.batch_size, follow == "experts")
             for group in groups:
-                group.fold(linears, ratio, world)
-        solved = {key: value for group in groups or [] for key, value in group.solved(linears).items()}
-        state = _merged_layer(layer, solved, base, experts, prefix, exclude)
+                group.fold(linears, ratio, world, summed=around is not None)
+        anchor = None if around is None else _layer_tensors(layer, around, prefix, device)
+        solved = {key: value for group in groups or [] for key, value in group.solved(linears, anchor).items()}
+        state = _merged_layer(layer, solved, base, experts if others is None else others, prefix, exclude)
         world.broadcast_(list(state.values()), what="RegMean weights")  # one merge, bit for bit, everywhere
         merged.update({prefix + name: tensor.cpu() for name, tensor in state.items()})
         if follow == "merged" and index < len(layers) - 1:
@@ -179,6 +196,16 @@ def _first_stream(
         inputs = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in rows.inputs.items()}
         outputs.append(adapter.run_stem(stem, CalibrationBatch(inputs)).to(dtype))
     return _Stream(torch.cat(outputs), batch.for_layers(device))
+
+
+def _layer_tensors(layer: nn.Module, source: StateDict, prefix: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """``source``'s floating-point tensors of one layer, by their names in it, in float64 on ``device``."""
+    with reading_state(source) as tensors:
+        return {
+            name: tensors[prefix + name].to(device, torch.float64)
+            for name, current in layer.state_dict().items()
+            if current.is_floating_point()
+        }
 
 
 def _materialised(template: nn.Module, device: torch.device) -> nn.Module:

@@ -59,3 +59,18 @@ class RegMeanSystem(Sums):
     def solve(self) -> torch.Tensor:
         """W* (d_out × d_in, float64): lhs⁻¹·rhs transposed (by the pseudo-inverse when lhs is singular)."""
         return solve_general(self.lhs, self.rhs).T
+
+    def solve_update(self, anchor: torch.Tensor) -> torch.Tensor:
+        """LOT Merging's solution around ``anchor`` W_0 (d_out × d_in): W_0 + (G⁺ Σ_t G_t (W_t − W_0)ᵀ)ᵀ with
+        G = lhs and G⁺ its Moore–Penrose pseudo-inverse, which leaves W_0 where no task's input reaches
+        (float64, d_out × d_in).
+
+        Args:
+            anchor: W_0, the weights the updates are taken from (the base's), stacked as the system's.
+
+        Returns:
+            The solved weight, float64.
+        """
+        w0 = anchor.to(self.lhs)
+        update = torch.linalg.pinv(self.lhs, hermitian=True) @ (self.rhs - self.lhs @ w0.T)
+        return w0 + update.T

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -231,8 +232,8 @@ def model_context(
 
 
 def _repair_context(recipe: ModelRecipe) -> list[dict[str, str]]:
-    """The repairs applied to the merge (SVC), each by its name, reference and hyper-parameters; a name the
-    registry does not know is shown as recorded."""
+    """The repairs applied to the merge (SVC, LOT), each by its name, reference and hyper-parameters (and a
+    data-using one's calibration draw); a name the registry does not know is shown as recorded."""
     from featcal.repairs.catalog import get_repair
 
     out = []
@@ -242,7 +243,14 @@ def _repair_context(recipe: ModelRecipe) -> list[dict[str, str]]:
             name, url = repair.pretty_name, repair.reference_url
         except UnknownNameError:
             name, url = entry["method"], ""
-        params = ", ".join(f"{key} = {value}" for key, value in entry["params"].items())
+        values = entry["params"]
+        shown = [f"{key} = {value}" for key, value in values.items() if not isinstance(value, Mapping)]
+        draw = values.get("calibration")
+        if isinstance(draw, Mapping):  # a data-using repair's (LOT's) calibration draw
+            shown.append(
+                f"{draw.get('num_calibration_examples')} calibration examples per task, seed {draw.get('seed')}"
+            )
+        params = ", ".join(shown)
         out.append({"pretty_name": name, "url": url, "params": params})
     return out
 

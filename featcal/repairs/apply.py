@@ -49,13 +49,8 @@ def recorded_inputs(merged: str | Path, repair: Repair, cache_dir: str | Path | 
     folder = Path(merged)
     if not folder.is_dir():
         raise ModelInputError(str(folder), f"Merged model folder {folder} does not exist.")
-    recipe = read_model_recipe(folder)
+    recipe = check_uncalibrated(folder, repair)
     if recipe is not None:
-        if recipe.featcal is not None:
-            raise ModelInputError(
-                str(folder), f"{folder} is calibrated with FeatCal already: {repair.name} repairs a merge; apply it "
-                "to the merge the calibration started from, then calibrate its output.",
-            )  # fmt: skip
         family, base_ref, refs = get_family(recipe.family), recipe.base_model, dict(recipe.experts)
     else:
         from featcal.families.causal_lm.mergekit import read_mergekit_folder
@@ -71,6 +66,22 @@ def recorded_inputs(merged: str | Path, repair: Repair, cache_dir: str | Path | 
     base_ref = str(local.resolve()) if local.exists() else base_ref
     base_folder, base, experts = resolve_models(family, list(refs), base_ref, refs, cache_dir=cache_dir)
     return RunInputs(family, [], base_ref, base_folder, refs, experts, base)
+
+
+def check_uncalibrated(merged: str | Path, repair: Repair) -> ModelRecipe | None:
+    """The featcal recipe of the folder ``merged`` (None without one), refused when it is calibrated already.
+
+    Raises:
+        ModelInputError: when the folder records a FeatCal calibration, or its recipe is damaged.
+    """
+    folder = Path(merged)
+    recipe = read_model_recipe(folder)
+    if recipe is not None and recipe.featcal is not None:
+        raise ModelInputError(
+            str(folder), f"{folder} is calibrated with FeatCal already: {repair.name} repairs a merge; apply it "
+            "to the merge the calibration started from, then calibrate its output.",
+        )  # fmt: skip
+    return recipe
 
 
 def repair_state(

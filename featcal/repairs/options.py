@@ -23,7 +23,8 @@ class RepairChoice:
     """
 
     method: str = option(
-        DEFAULT_REPAIR, help="the repair: featcal, or svc (data-free); `featcal methods` lists them", metavar="NAME",
+        DEFAULT_REPAIR, help="the repair: featcal, lot (reads the same calibration draw), or svc (data-free); "
+        "`featcal methods` lists them", metavar="NAME",
     )  # fmt: skip
     repair_params: dict[str, Any] = option(
         default_factory=dict, help="a hyper-parameter of a repair other than FeatCal (svc: alpha=0.1), repeatable",
