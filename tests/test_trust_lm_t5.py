@@ -333,6 +333,23 @@ def test_a_data_file_that_is_not_utf8_is_one_line_naming_it(lm, tmp_path, capsys
              f"Calibration data file {data} is not UTF-8 text (line 2: byte 0xe9)")  # fmt: skip
 
 
+def test_export_of_a_model_folder_with_a_file_that_is_not_utf8_is_one_line(lm, tmp_path, capsys) -> None:
+    folder = tmp_path / "ta"
+    shutil.copytree(lm / "ta", folder)
+    _latin1(folder / "tokenizer_config.json", b"e", after=3)
+    _refused(capsys, ["export", folder, "--repo", "someone/model", "--license", "apache-2.0"],
+             tmp_path / "ta-release", f"{folder / 'tokenizer_config.json'} is not UTF-8 text (line ")  # fmt: skip
+
+
+def test_a_space_settings_file_that_is_not_utf8_is_named(tmp_path) -> None:
+    from featcal.errors import FeatcalError
+    from featcal.space.settings import CONFIG_FILE, SpaceSettings
+
+    (tmp_path / CONFIG_FILE).write_bytes(b'{"title": "caf\xe9"}\n')
+    with pytest.raises(FeatcalError, match=r"space_config.json is not UTF-8 text \(line 1: byte 0xe9\)"):
+        SpaceSettings.from_app_dir(tmp_path, environ={})
+
+
 # --- one expert under two names -------------------------------------------------------------------
 
 
