@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from featcal.cli import main
 from tests.support import tiny_t5
-from tests.support.tiny_decoder import save_model, texts, tokenizer
+from tests.support.text_worlds import jsonl, lm_rows, lm_world, t5_world
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 HEADING = "## Refused before any work\n"
@@ -45,48 +45,14 @@ def documented_refusals(doc: str) -> list[str]:
 # --- the worlds -----------------------------------------------------------------------------------
 
 
-def _jsonl(rows: list[dict]) -> str:
-    return "".join(json.dumps(row) + "\n" for row in rows)
-
-
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("lm")
-    base = save_model(root / "base", seed=0)
-    tokenizer().save_pretrained(root / "base")
-    data = {"max_length": 16, "experts": {}}
-    for i, name in enumerate(("math", "count")):
-        save_model(root / "experts" / name, seed=10 + i, base=base)
-        tokenizer().save_pretrained(root / "experts" / name)
-        words = texts(20 + i, 20)
-        rows = [{"query": words[2 * j], "response": words[2 * j + 1]} for j in range(10)]
-        (root / f"{name}.jsonl").write_text(_jsonl(rows))
-        data["experts"][str(root / "experts" / name)] = {
-            "dataset": str(root / f"{name}.jsonl"), "prompt": "{query}", "response": "{response}",
-        }  # fmt: skip
-    (root / "data.yaml").write_text(json.dumps(data))
-    argv = ["-q", "merge", "--data", str(root / "data.yaml"), "--base-model-id", str(root / "base"), "--device", "cpu"]
-    assert main([*argv, "--output", str(root / "ta")]) == 0
-    return root
+    return lm_world(tmp_path_factory.mktemp("lm"))
 
 
 @pytest.fixture(scope="module")
 def t5(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("t5")
-    base = tiny_t5.save_model(root / "base", seed=0)
-    data = {"max_length": 32, "experts": {}}
-    for i, name in enumerate(("sst", "nli")):
-        tiny_t5.save_model(root / "experts" / name, seed=10 + i, base=base)
-        rows = [{"sentence": text, "label": j % 2} for j, (text, _) in enumerate(tiny_t5.pairs(20 + i, 12))]
-        (root / f"{name}.jsonl").write_text(_jsonl(rows))
-        data["experts"][str(root / "experts" / name)] = {
-            "dataset": str(root / f"{name}.jsonl"), "input": "classify: {sentence}", "target": "{label}",
-            "labels": ["w1", "w2"],
-        }  # fmt: skip
-    (root / "data.yaml").write_text(json.dumps(data))
-    argv = ["-q", "merge", "--data", str(root / "data.yaml"), "--base-model-id", str(root / "base"), "--device", "cpu"]
-    assert main([*argv, "--output", str(root / "ta")]) == 0
-    return root
+    return t5_world(tmp_path_factory.mktemp("t5"))
 
 
 # --- what a case changes --------------------------------------------------------------------------
@@ -194,10 +160,9 @@ def _union_tokenizer(c: Case) -> list[str]:
 
 
 def _lm_rows(c: Case, **row: str) -> list[str]:
-    words = texts(5, 16)
-    rows = [{"query": words[2 * j], "response": words[2 * j + 1]} for j in range(8)]
+    rows = lm_rows(5, 8)
     rows[3].update(row)
-    c.dataset(_jsonl(rows))
+    c.dataset(jsonl(rows))
     return c.calibrate()
 
 
@@ -258,7 +223,7 @@ LM = [
 
 
 def _t5_labels(c: Case, rows: list[dict]) -> list[str]:
-    c.dataset(_jsonl(rows))
+    c.dataset(jsonl(rows))
     return c.calibrate()
 
 

@@ -31,61 +31,22 @@ from safetensors.torch import load_file
 
 from featcal.cli import main
 from featcal.families.likeness import LIKE_BASE_KEYS
-from tests.support import tiny_t5
 from tests.support.builders import build_world
-from tests.support.tiny_decoder import save_model, texts, tokenizer
+from tests.support.text_worlds import jsonl, lm_rows, lm_world, t5_world
 from tests.test_documented_refusals import documented_refusals
 
 CALIBRATE = ["--num-calibration-examples", "8", "--calibration-batch-size", "4", "--device", "cpu"]
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-def _rows(seed: int, count: int = 10) -> list[dict[str, str]]:
-    words = texts(seed, 2 * count)
-    return [{"query": words[2 * i], "response": words[2 * i + 1]} for i in range(count)]
-
-
-def _jsonl(rows: list[dict]) -> str:
-    return "".join(json.dumps(row) + "\n" for row in rows)
-
-
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory) -> Path:
-    """A tiny Llama base, two experts in ``experts/``, their texts, the data file and featcal's merge ``ta``."""
-    root = tmp_path_factory.mktemp("lm")
-    base = save_model(root / "base", seed=0)
-    tokenizer().save_pretrained(root / "base")
-    data = {"max_length": 16, "experts": {}}
-    for i, name in enumerate(("math", "count")):
-        expert = root / "experts" / name
-        save_model(expert, seed=10 + i, base=base)
-        tokenizer().save_pretrained(expert)
-        (root / f"{name}.jsonl").write_text(_jsonl(_rows(20 + i)))
-        data["experts"][str(expert)] = {"dataset": str(root / f"{name}.jsonl"), "text": "{query} {response}"}
-    (root / "data.yaml").write_text(json.dumps(data))
-    argv = ["-q", "merge", "--data", str(root / "data.yaml"), "--base-model-id", str(root / "base"), "--device", "cpu"]
-    assert main([*argv, "--output", str(root / "ta")]) == 0
-    return root
+    return lm_world(tmp_path_factory.mktemp("lm"))
 
 
 @pytest.fixture(scope="module")
 def t5(tmp_path_factory) -> Path:
-    """A tiny FLAN-T5-like base, two experts, their pairs, the data file and featcal's merge ``ta``."""
-    root = tmp_path_factory.mktemp("t5")
-    base = tiny_t5.save_model(root / "base", seed=0)
-    data = {"max_length": 32, "experts": {}}
-    for i, name in enumerate(("sst", "nli")):
-        tiny_t5.save_model(root / "experts" / name, seed=10 + i, base=base)
-        rows = [{"sentence": text, "label": j % 2} for j, (text, _) in enumerate(tiny_t5.pairs(20 + i, 12))]
-        (root / f"{name}.jsonl").write_text(_jsonl(rows))
-        data["experts"][str(root / "experts" / name)] = {
-            "dataset": str(root / f"{name}.jsonl"), "input": "classify: {sentence}", "target": "{label}",
-            "labels": ["w1", "w2"],
-        }  # fmt: skip
-    (root / "data.yaml").write_text(json.dumps(data))
-    argv = ["-q", "merge", "--data", str(root / "data.yaml"), "--base-model-id", str(root / "base"), "--device", "cpu"]
-    assert main([*argv, "--output", str(root / "ta")]) == 0
-    return root
+    return t5_world(tmp_path_factory.mktemp("t5"))
 
 
 def _refused(capsys, argv: list[str], out: Path, *said: str) -> str:
@@ -263,10 +224,10 @@ def _latin1(path: Path, old: bytes = b"w", *, count: int = 1, after: int = 0) ->
 
 def _dataset_case(lm: Path, tmp_path: Path, kind: str) -> tuple[Path, Path, int]:
     """A data file whose ``count`` texts are a JSON-lines, CSV or JSON file with a Latin-1 byte on line 3."""
-    rows = _rows(21)
+    rows = lm_rows(21)
     path = tmp_path / f"count.{kind}"
     if kind == "jsonl":
-        path.write_text(_jsonl(rows))
+        path.write_text(jsonl(rows))
     elif kind == "csv":
         path.write_text("query,response\n" + "".join(f"{r['query']},{r['response']}\n" for r in rows))
     else:
