@@ -332,6 +332,27 @@ def test_one_expert_under_two_names_is_refused(lm, tmp_path, capsys, alias, comm
              "list each expert once")  # fmt: skip
 
 
+def test_one_hub_expert_under_two_references_is_refused(lm, tmp_path) -> None:
+    """``me/count`` and ``me/count@main`` are one commit, so one snapshot folder: one expert."""
+    from tests.support.hub_double import HubDouble
+    from tests.support.hub_world import user_env
+
+    data = json.loads((lm / "data.yaml").read_text())
+    entries = list(data["experts"].values())
+    data["experts"] = {str(lm / "experts" / "math"): entries[0], "me/count": entries[1],
+                       "me/count@main": {**entries[0], "task": "again"}}  # fmt: skip
+    (tmp_path / "hub.yaml").write_text(json.dumps(data))
+    out = tmp_path / "out"
+    with HubDouble() as hub:
+        hub.publish_folder("me/count", lm / "experts" / "count")
+        argv = [sys.executable, "-m", "featcal", "-q", *map(str, _merge(lm, tmp_path / "hub.yaml", out))]
+        result = subprocess.run(argv, capture_output=True, text=True, env=user_env(hub.url, tmp_path / "home"))
+    err = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(err) == 1, (result.returncode, err)
+    assert "Tasks 'count' and 'again' name one expert" in err[0] and "(as 'me/count' and 'me/count@main')" in err[0]
+    assert not out.exists()
+
+
 def test_one_clip_expert_under_two_tasks_is_refused(clip, tmp_path, capsys) -> None:
     table = json.loads(clip["tasks_file"].read_text())
     for task in table["tasks"].values():
