@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from featcal.errors import DatasetInputError
+from featcal.files.reading import check_utf8
 from featcal.fingerprints import dataset_fingerprint
 from featcal.hub.connection import OFFLINE_HINT, hub_reachable, is_offline
 from featcal.hub.downloads import download_failure, gated_repo_message
@@ -36,6 +37,24 @@ def dataset_commit(dataset: Any) -> str | None:
         if is_commit(parent):
             return parent
     return None
+
+
+# The files of a local dataset folder that ``datasets`` reads as text (its card's YAML header included).
+DATASET_TEXT_SUFFIXES = frozenset({".json", ".jsonl", ".csv", ".tsv", ".txt", ".md", ".yaml", ".yml"})
+
+
+def check_dataset_folder_text(folder: Path, task: str) -> None:
+    """Refuse a local dataset folder holding a text file (:data:`DATASET_TEXT_SUFFIXES`) that is not UTF-8.
+
+    Raises:
+        InputError: naming the task, the file, the line and the byte.
+    """
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.rglob("*")):
+        hidden = any(part.startswith(".") for part in path.relative_to(folder).parts)
+        if not hidden and path.suffix.lower() in DATASET_TEXT_SUFFIXES:
+            check_utf8(path, f"Task {task!r}: the dataset file")
 
 
 def load_dataset_split(path: str, split: str, *, name: str | None = None, task: str = "?", revision: str | None = None):
@@ -60,6 +79,7 @@ def load_dataset_split(path: str, split: str, *, name: str | None = None, task: 
         DatasetInputError: The folder does not exist, ``path`` is no Hub id, the Hub cannot be reached,
             the dataset is missing, gated or private, the split is missing, the download was refused or
             cut off, or the dataset cannot be loaded.
+        InputError: a local folder holding a text file that is not UTF-8 (naming the file and line).
     """
     import datasets
     from datasets.exceptions import DatasetNotFoundError
@@ -83,6 +103,9 @@ def load_dataset_split(path: str, split: str, *, name: str | None = None, task: 
         raise DatasetInputError(
             task, path, f"Task {task!r}: the dataset folder {path} is local: a revision pins Hub datasets only."
         )
+
+    if local is not None:
+        check_dataset_folder_text(local, task)
 
     def load():
         if local is not None:

@@ -2,8 +2,10 @@
 
 Every folder featcal writes appears whole, replacing what was there (:func:`featcal.files.atomic.atomic_folder`).
 So a command checks first that what it would replace is its own kind of output: a missing or empty
-folder, or one holding only the files that kind of output has; never a file, never one of the
-command's own inputs, never a folder that holds or lies inside an input.
+folder, or one holding only the files that kind of output has (a model folder that featcal's recipe
+marks as featcal's may also hold the base's tokenizer files and generation config it was written
+with); never a file, never one of the command's own inputs, never a folder that holds or lies inside
+an input.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from featcal.errors import InvalidParameterError, OutputPathError
+from featcal.errors import FeatcalError, InvalidParameterError, OutputPathError
+from featcal.files.model_files import COMPANION_FILES
 
 # What `featcal merge` / `featcal calibrate` write, and what a folder may hold to be replaced by them.
 MODEL_FOLDER_FILES = re.compile(
@@ -75,6 +78,8 @@ def check_output_folder(
         raise OutputPathError(folder, f"The {kind} folder {folder} exists and is a file: choose another path.")
     if path.is_dir():
         foreign = sorted(p.name for p in path.iterdir() if not allowed.fullmatch(p.name))
+        if foreign and allowed is MODEL_FOLDER_FILES and _written_by_featcal(path):
+            foreign = [name for name in foreign if name not in COMPANION_FILES]
         if foreign:
             raise OutputPathError(
                 folder,
@@ -83,6 +88,17 @@ def check_output_folder(
             )
     _writable_parent(path, folder)
     return path
+
+
+def _written_by_featcal(folder: Path) -> bool:
+    """Whether ``folder`` is a model folder featcal wrote: its ``featcal_recipe.json`` reads as featcal's
+    recipe (the base's tokenizer files beside it are then featcal's copies)."""
+    from featcal.model_recipe import read_model_recipe
+
+    try:
+        return read_model_recipe(folder) is not None
+    except FeatcalError:
+        return False
 
 
 def check_output_file(path: str | Path, *, kind: str) -> Path:

@@ -14,8 +14,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from featcal.errors import InvalidParameterError, RunFolderError
+from featcal.errors import InvalidParameterError, ModelInputError, RunFolderError
 from featcal.families import get_family
+from featcal.files.reading import check_model_text_files
 from featcal.hub.downloads import resolve_model_folder
 from featcal.merging import get_method
 from featcal.runfolder.layout import RUN_CONFIG
@@ -123,22 +124,36 @@ def resolve_models(
     finite.
 
     Raises:
-        ModelInputError: when a model is missing, unreadable, not finite, of another family, or of
-            another architecture than the base.
+        ModelInputError: when a model is missing, unreadable, not finite, of another family, of another
+            architecture, configuration or tokenizer vocabulary than the base, or one expert serves two tasks
+            (two references to one folder, or to one Hub commit).
+        InputError: for a configuration or tokenizer file that is not UTF-8 text.
         HubError: when a Hub download fails for good.
     """
     from featcal.checkpoint import check_compatible
 
     base_folder = resolve_model_folder(base_ref, what="base model", cache_dir=cache_dir)
+    check_model_text_files(base_folder)
     family.check_base_folder(base_folder)
     base = family.checkpoint(base_folder, name=f"base model {base_ref}")
     base.check_finite()
     experts: dict[str, Checkpoint] = {}
+    seen: dict[Path, str] = {}  # each expert's folder, resolved -> its task
     for name in names if expert_refs is not None else ():
         ref = expert_refs[name]
         folder = resolve_model_folder(ref, what=f"expert for task {name!r}", cache_dir=cache_dir)
+        other = seen.setdefault(folder.resolve(), name)
+        if other != name:
+            given = "" if expert_refs[other] == ref else f" (as {expert_refs[other]!r} and {ref!r})"
+            raise ModelInputError(
+                ref,
+                f"Tasks {other!r} and {name!r} name one expert, {folder.resolve()}{given}: list each expert once.",
+            )
+        check_model_text_files(folder)
         experts[name] = family.checkpoint(folder, name=f"Expert for task {name!r} ({ref})")
     check_compatible(base, experts)
+    for name, expert in experts.items():  # what the shapes do not tell: another model type, vocabulary, ...
+        family.check_like_base(expert.path, base_folder, f"expert for task {name!r}")
     for expert in experts.values():
         expert.check_finite()
     return base_folder, base, experts
@@ -163,9 +178,11 @@ def merge_description(folder: str | Path) -> tuple[str | None, list[str] | None]
 
     Raises:
         ModelInputError: when the record is damaged, or describes a merge featcal cannot calibrate.
+        InputError: for a record or model file that is not UTF-8 text.
     """
     from featcal.model_recipe import read_model_recipe
 
+    check_model_text_files(Path(folder))
     recipe = read_model_recipe(folder)
     if recipe is not None:
         return recipe.base_model, list(recipe.experts.values())

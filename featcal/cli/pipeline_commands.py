@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,16 +121,19 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from featcal.merging.data import check_data_family
     from featcal.outputs import check_output_folder
     from featcal.resolve import resolve_inputs
+    from featcal.runfolder.lock import OutputLock
     from featcal.stages import check_calibration_shares, merge, merge_calibration, merge_data, save_merge
 
     spec = spec_from_args(args)
     uses_data = check_merge_data_options(args, spec)
     output = check_output_folder(args.output, kind="merged model")  # before any download
     calibration, data = None, None
-    with session(spec.device, spec.dist_timeout) as world:
+    with session(spec.device, spec.dist_timeout) as world, ExitStack() as held:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec)
+            if world.is_main:  # one writer of the folder until it is written (released after the save)
+                held.enter_context(OutputLock(output, kind="merged model"))
             check_output_folder(output, kind="merged model", inputs=inputs.local_folders())
             if uses_data:  # each task's calibration examples, read before the merge starts
                 family, params = inputs.family, spec.featcal
@@ -146,9 +149,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
                 data = merge_data(inputs, preprocessor, params, spec.seed, world=world, progress=spec.progress)
         with compute_settings(spec, inputs):
             state = merge(inputs, spec.merge_method, device, world=world, data=data, output_dtype=spec.output_dtype)
-    if not world.is_main:
-        return 0
-    folder = save_merge(inputs, spec.merge_method, state, output, calibration, output_dtype=spec.output_dtype)
+        if not world.is_main:
+            return 0
+        folder = save_merge(inputs, spec.merge_method, state, output, calibration, output_dtype=spec.output_dtype)
     print(path_line(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts)", folder))
     return 0
 
@@ -164,6 +167,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from featcal.outputs import check_output_folder
     from featcal.repairs.catalog import get_repair
     from featcal.resolve import resolve_inputs
+    from featcal.runfolder.lock import OutputLock
     from featcal.stages import calibrate
 
     choice = RepairChoice(**given_values(args, RepairChoice))
@@ -180,11 +184,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         )  # fmt: skip
     spec = spec_from_args(args)
     output = check_output_folder(args.output, kind="calibrated model", inputs=[args.merged])  # before any download
-    with session(spec.device, spec.dist_timeout) as world:
+    with session(spec.device, spec.dist_timeout) as world, ExitStack() as held:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
             inputs = resolve_inputs(spec, merged=args.merged)
             family = inputs.family
+            if world.is_main:  # one writer of the folder until it is written
+                held.enter_context(OutputLock(output, kind="calibrated model"))
             check_output_folder(output, kind="calibrated model", inputs=[*inputs.local_folders(), args.merged])
             preprocessor = family.preprocessor(inputs.base_folder)
             data = validate_datasets(

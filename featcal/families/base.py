@@ -124,8 +124,13 @@ class ModelFamily(Protocol):
     def hidden_size(self, config: Any) -> int:
         """The model's width, which chooses torch's threads on the CPU."""
 
+    def check_like_base(self, folder: Path, base_folder: Path, what: str) -> None:
+        """Refuse an expert or merged model whose configuration or tokenizer vocabulary differ from the base's
+        (:mod:`featcal.families.likeness`), naming ``what`` and both values."""
+
     def check_model_folder(self, folder: Path, base: Checkpoint | None = None) -> Checkpoint:
-        """Check a merged or calibrated model folder without loading the model; returns its tensors."""
+        """Check a merged or calibrated model folder without loading the model (against ``base``'s
+        shapes, configuration and tokenizer vocabulary when given); returns its tensors."""
 
     def load_model(self, folder: Path, base: Checkpoint | None = None) -> nn.Module:
         """A merged, calibrated or released model from its folder, checked, in float32, in eval mode."""

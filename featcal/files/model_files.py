@@ -16,3 +16,20 @@ COMPANION_FILES = (
     "generation_config.json",
     "chat_template.jinja",
 )
+# The text files of a model folder that featcal or transformers read: each must be UTF-8 (the sentencepiece
+# models are binary).
+MODEL_TEXT_FILES = (
+    MODEL_CONFIG,
+    WEIGHTS_INDEX,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+    "vocab.json",
+    "merges.txt",
+    "featcal_recipe.json",
+    "mergekit_config.yml",
+)

@@ -7,6 +7,58 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import InputError
+from featcal.files.model_files import MODEL_TEXT_FILES
+
+
+def utf8_fault(path: Path) -> tuple[int, int] | None:
+    """Where a file stops being UTF-8: the line (from 1) and the first byte that does not decode; None for
+    a file that is UTF-8 text throughout. Read line by line, so a large file costs no memory.
+
+    Raises:
+        OSError: when the file cannot be read.
+    """
+    with path.open("rb") as f:
+        for number, line in enumerate(f, 1):  # b"\n" is never part of a multi-byte UTF-8 character
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return number, line[exc.start]
+    return None
+
+
+def _not_utf8(path: Path, what: str, fault: tuple[int, int]) -> InputError:
+    line, byte = fault
+    return InputError(path, f"{what} {path} is not UTF-8 text (line {line}: byte 0x{byte:02x}): save it as UTF-8.")
+
+
+def check_utf8(path: Path, what: str) -> None:
+    """Refuse a text file featcal (or a library it calls) reads that is not UTF-8, naming its line.
+
+    Args:
+        path: The file (one that does not exist is left to its reader).
+        what: What it is, for messages (``"Task 'math': dataset file"``).
+
+    Raises:
+        InputError: naming the file, the line and the byte.
+    """
+    if not path.is_file():
+        return
+    try:
+        fault = utf8_fault(path)
+    except OSError as exc:
+        raise InputError(path, f"{what} {path} cannot be read ({exc.strerror or exc}).") from None
+    if fault is not None:
+        raise _not_utf8(path, what, fault)
+
+
+def check_model_text_files(folder: Path) -> None:
+    """Refuse a model folder whose configuration, tokenizer or recipe files are not UTF-8 text.
+
+    Raises:
+        InputError: naming the file, the line and the byte.
+    """
+    for name in MODEL_TEXT_FILES:
+        check_utf8(folder / name, "Model file")
 
 
 def read_text_input(path: Path, what: str) -> str:
@@ -17,7 +69,8 @@ def read_text_input(path: Path, what: str) -> str:
         what: What it is, for messages (``"Recipe"``).
 
     Raises:
-        InputError: for a missing file, a folder, a file that is not UTF-8 text or cannot be read.
+        InputError: for a missing file, a folder, a file that is not UTF-8 text (naming the line) or cannot
+            be read.
     """
     if path.is_dir():
         raise InputError(path, f"{what} {path} is a folder, not a file.")
@@ -26,7 +79,7 @@ def read_text_input(path: Path, what: str) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise InputError(path, f"{what} {path} is not UTF-8 text: save it as UTF-8.") from None
+        raise _not_utf8(path, what, utf8_fault(path) or (0, 0)) from None
     except OSError as exc:
         raise InputError(path, f"{what} {path} cannot be read ({exc.strerror or exc}).") from None
 

@@ -20,6 +20,7 @@ from featcal.errors import ModelInputError
 from featcal.families import family_names, get_family
 from featcal.files.hashing import config_hash
 from featcal.files.model_files import COMPANION_FILES, MODEL_CONFIG, WEIGHTS, WEIGHTS_INDEX
+from featcal.files.reading import check_model_text_files
 from featcal.model_recipe import RECIPE_FILE, ModelRecipe
 from featcal.release.manifest import MANIFEST
 from featcal.runfolder.layout import RUN_CONFIG
@@ -192,6 +193,7 @@ def read_model_folder(folder: str | Path) -> ModelFolder:
         ModelInputError: when the folder does not exist, is a release, has no (or a damaged)
             ``featcal_recipe.json``, is a model of another family (a CLIP stage folder: its run folder is
             released), has no readable ``config.json``, or lacks weights (a shard of its index included).
+        InputError: for a configuration, tokenizer or recipe file that is not UTF-8 text.
     """
     path = Path(folder).expanduser()
     if not path.is_dir():
@@ -202,6 +204,7 @@ def read_model_folder(folder: str | Path) -> ModelFolder:
             f"{path} is a release already (it has {MANIFEST}): push it with `featcal push`, or export the model "
             "folder it was made from.",
         )
+    check_model_text_files(path)
     recipe_path = path / RECIPE_FILE
     if not recipe_path.is_file():
         raise ModelInputError(

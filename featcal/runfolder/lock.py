@@ -9,6 +9,10 @@ time, command). The last holder removes the file: the writer, or a reader that f
 A process that locked a file which was removed (and perhaps created again) meanwhile lets it go and
 locks the file now at the path, so two processes never hold locks on two different files. Within one
 process the lock nests: a run that exports its release holds the lock the export asks for.
+
+A model folder that `featcal merge` or `featcal calibrate` writes (:class:`OutputLock`) takes the same
+lock, exclusive, on a file beside it (``.<name>.featcal.lock``): the folder is replaced whole when the
+command ends, so a file inside it would go with it.
 """
 
 from __future__ import annotations
@@ -45,10 +49,14 @@ class RunLock:
 
     def __init__(self, run: Path, *, shared: bool = False) -> None:
         self.run = Path(run)
-        self.path = self.run / LOCK_FILE
+        self.path = self.lock_path()
         self.shared = shared
         self._fd: int | None = None
         self._nested = False
+
+    def lock_path(self) -> Path:
+        """The file the lock is taken on."""
+        return self.run / LOCK_FILE
 
     def __enter__(self) -> RunLock:
         key = self.run.resolve()
@@ -56,7 +64,7 @@ class RunLock:
             self._nested = True
             return self
         if not self.shared:
-            self.run.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         mode = fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX
         while True:
             try:
@@ -126,6 +134,56 @@ class RunLock:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+
+
+class OutputLock(RunLock):
+    """The exclusive lock of a model folder a command writes whole (``featcal merge``, ``calibrate``
+    ``--output``), on ``.<name>.featcal.lock`` beside it, held from the inputs' check until the folder is
+    written: a second writer is refused at once and the first's folder stays whole.
+
+    Args:
+        folder: The output folder (its parent is created when it does not exist yet).
+        kind: What is written there, for messages (``"calibrated model"``).
+
+    Raises:
+        RunLockedError: on entry, when a live process writes the folder.
+    """
+
+    def __init__(self, folder: Path, *, kind: str) -> None:
+        self.kind = kind
+        self._made: list[Path] = []
+        super().__init__(folder)
+
+    def lock_path(self) -> Path:
+        return self.run.parent / f".{self.run.name}.featcal.lock"
+
+    def __enter__(self) -> OutputLock:
+        self._made = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
+        try:
+            super().__enter__()
+        except BaseException:
+            self._remove_made()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        """Remove the parent folders the lock created, when nothing was written into them."""
+        for folder in self._made:  # innermost first
+            try:
+                folder.rmdir()
+            except OSError:
+                return
+
+    def _busy_message(self, holder: dict[str, Any]) -> str:
+        return (
+            f"The {self.kind} folder {self.run} is being written by process {holder.get('pid', '?')} on "
+            f"{holder.get('host', '?')} (since {holder.get('started', '?')}): wait for it to finish, stop it, or "
+            "write another folder."
+        )
 
 
 def _is_at_path(fd: int, path: Path) -> bool:

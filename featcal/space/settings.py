@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import FeatcalError
+from featcal.files.reading import read_text_input
 
 DEFAULT_MODEL_ID = "yanggangu/wudi-featcal-b32-ta8"
 DEFAULT_BASE_MODEL_ID = "openai/clip-vit-base-patch32"
@@ -69,7 +70,7 @@ class SpaceSettings:
         config = app_dir / CONFIG_FILE
         if config.is_file():
             try:
-                values = json.loads(config.read_text(encoding="utf-8"))
+                values = json.loads(read_text_input(config, "Space settings file"))
             except json.JSONDecodeError as exc:
                 raise FeatcalError(
                     f"{config} is not valid JSON ({exc}): fix it or delete it to use the defaults."

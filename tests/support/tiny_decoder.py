@@ -125,6 +125,9 @@ class TinyDecoderFamily:
     def hidden_size(self, config: Any) -> int:
         return int(config.hidden_size)
 
+    def check_like_base(self, folder: Path, base_folder: Path, what: str) -> None:
+        """Nothing: the test family's models are built alike."""
+
     def check_model_folder(self, folder: Path, base: Checkpoint | None = None) -> Checkpoint:
         return self.checkpoint(folder)
 

@@ -68,6 +68,11 @@ class CausalLMFamily:
     def hidden_size(self, config: Any) -> int:
         return int(config.hidden_size)
 
+    def check_like_base(self, folder: Path, base_folder: Path, what: str) -> None:
+        from featcal.families.causal_lm.folders import check_lm_like_base
+
+        check_lm_like_base(folder, base_folder, what)
+
     def check_model_folder(self, folder: Path, base: Checkpoint | None = None) -> Checkpoint:
         from featcal.families.causal_lm.folders import check_lm_folder
 

@@ -10,7 +10,6 @@ code is ever run: configurations are read by transformers' own classes for the k
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -23,8 +22,10 @@ from torch import nn
 
 from featcal.checkpoint import Checkpoint, check_same_architecture, load_params
 from featcal.errors import ModelInputError
+from featcal.families.likeness import check_like_base
 from featcal.files.model_files import COMPANION_FILES, MODEL_CONFIG
 from featcal.files.model_folders import save_model_state, streamed_model_folder
+from featcal.files.reading import check_utf8
 from featcal.files.safetensors_writer import TensorWriter
 from featcal.precision import BASE_DTYPE, OUTPUT_DTYPES
 
@@ -38,7 +39,6 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
 }
-TOKENIZER_FILE = "tokenizer.json"
 SHARD_BYTES = 5 * 10**9  # save_pretrained's default shard size ("5GB")
 
 
@@ -47,7 +47,9 @@ def model_type(folder: Path) -> str:
 
     Raises:
         ModelInputError: for a folder without a readable ``config.json``.
+        InputError: for a ``config.json`` that is not UTF-8 text.
     """
+    check_utf8(folder / MODEL_CONFIG, "Model file")
     try:
         value = json.loads((folder / MODEL_CONFIG).read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
@@ -103,47 +105,20 @@ def load_config(folder: Path) -> Any:
         raise ModelInputError(str(folder), f"{folder / MODEL_CONFIG} does not read ({first}).") from None
 
 
-def tokenizer_identity(folder: Path) -> str | None:
-    """The SHA-256 of the vocabulary in a folder's ``tokenizer.json`` (its ``model`` and added tokens);
-    None for a folder without one."""
-    path = folder / TOKENIZER_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise ModelInputError(str(folder), f"{path} is not readable JSON: save the tokenizer again.") from None
-    vocabulary = {"model": data.get("model"), "added_tokens": data.get("added_tokens")}
-    return hashlib.sha256(json.dumps(vocabulary, sort_keys=True).encode()).hexdigest()
-
-
-def check_like_base(folder: Path, base_folder: Path, what: str) -> None:
-    """Refuse a model whose architecture, width, vocabulary or tokenizer differ from the base's.
+def check_lm_like_base(folder: Path, base_folder: Path, what: str) -> None:
+    """Refuse a model whose configuration (:data:`~featcal.families.likeness.LIKE_BASE_KEYS`) or tokenizer
+    vocabulary differ from the base's.
 
     Raises:
         ModelInputError: naming the model, what differs and both values.
     """
-    ours, theirs = load_config(folder), load_config(base_folder)
-    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
-        a, b = getattr(ours, key, None), getattr(theirs, key, None)
-        if a != b:
-            raise ModelInputError(
-                str(folder),
-                f"The {what} {folder} has {key} {a!r}, the base model {base_folder} {b!r}: merge and calibrate only "
-                "models fine-tuned from the same base.",
-            )
-    mine, base = tokenizer_identity(folder), tokenizer_identity(base_folder)
-    if mine is not None and base is not None and mine != base:
-        raise ModelInputError(
-            str(folder),
-            f"The {what} {folder} has another tokenizer vocabulary than the base model {base_folder}: its token "
-            "embeddings do not line up with the base's; use experts fine-tuned with the base's tokenizer.",
-        )
+    check_like_base(folder, base_folder, what, family="causal_lm", read_config=load_config, tokenizer=True)
 
 
 def check_lm_folder(folder: Path, base: Checkpoint | None = None) -> Checkpoint:
     """Check a causal-LM folder without loading the model: known architecture, safetensors weights (no
-    pickles), finite tensors, and the base's tensor shapes when ``base`` is given.
+    pickles), finite tensors, and, when ``base`` is given, the base's tensor shapes, configuration and
+    tokenizer vocabulary.
 
     Returns:
         The folder's tensors, read lazily.
@@ -157,6 +132,7 @@ def check_lm_folder(folder: Path, base: Checkpoint | None = None) -> Checkpoint:
     if base is not None:
         shapes = {key: checkpoint.shape(key) for key in checkpoint}
         check_same_architecture(base, shapes, f"The model {folder}", str(folder))
+        check_lm_like_base(folder, base.path, "model")
     return checkpoint
 
 

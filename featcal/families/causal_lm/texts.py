@@ -23,6 +23,7 @@ from featcal.data import calibration_indices, load_dataset_split
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError, ModelInputError
 from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS
+from featcal.files.reading import check_utf8
 from featcal.hub.refs import local_path
 from featcal.tasks import Task, TextFormat, format_columns
 
@@ -57,6 +58,7 @@ def load_rows(task: Task, split: str = "train") -> Any:
 
     Raises:
         DatasetInputError: the dataset cannot be loaded, or is empty.
+        InputError: a local JSON, JSON-lines or CSV file that is not UTF-8 text (naming the line).
     """
     import datasets
 
@@ -72,6 +74,8 @@ def load_rows(task: Task, split: str = "train") -> Any:
                 f"Task {task.name!r}: {spec.path} is neither a dataset folder nor a .json, .jsonl, .parquet or "
                 ".csv file.",
             )
+        if builder != "parquet":
+            check_utf8(local, f"Task {task.name!r}: the dataset file")
         try:
             rows = datasets.load_dataset(builder, data_files=str(local), split="train")
         except Exception as exc:  # datasets raises many kinds for a file it cannot parse

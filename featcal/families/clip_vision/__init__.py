@@ -70,6 +70,11 @@ class ClipVisionFamily:
     def hidden_size(self, config: Any) -> int:
         return int(config.hidden_size)
 
+    def check_like_base(self, folder: Path, base_folder: Path, what: str) -> None:
+        from featcal.families.clip_vision.folders import check_vision_like_base
+
+        check_vision_like_base(folder, base_folder, what)
+
     def check_model_folder(self, folder: Path, base: Checkpoint | None = None) -> Checkpoint:
         from featcal.families.clip_vision.folders import check_vision_folder
 

@@ -21,6 +21,7 @@ from torch import nn
 from featcal.calibration.adapters import LayerAdapter
 from featcal.checkpoint import Checkpoint, check_same_architecture, load_params
 from featcal.errors import ModelInputError
+from featcal.families.likeness import check_like_base
 from featcal.files.model_files import MODEL_CONFIG
 from featcal.files.model_folders import save_model_state, streamed_model_folder
 from featcal.files.safetensors_writer import ShardedSafetensorsWriter
@@ -105,6 +106,31 @@ def _model_type(folder: Path) -> str | None:
     return json.loads((folder / MODEL_CONFIG).read_text(encoding="utf-8")).get("model_type")
 
 
+def vision_config(folder: Path):
+    """The vision tower's configuration of a `CLIPVisionModel` or `CLIPModel` folder.
+
+    Raises:
+        ModelInputError: for a configuration transformers cannot read.
+    """
+    from transformers import CLIPVisionConfig
+
+    try:
+        return CLIPVisionConfig.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelInputError(str(folder), f"{folder / MODEL_CONFIG} does not read ({first}).") from None
+
+
+def check_vision_like_base(folder: Path, base_folder: Path, what: str) -> None:
+    """Refuse a vision tower whose configuration (:data:`~featcal.families.likeness.LIKE_BASE_KEYS`) differs
+    from the base's.
+
+    Raises:
+        ModelInputError: naming the model, what differs and both values.
+    """
+    check_like_base(folder, base_folder, what, family="clip_vision", read_config=vision_config, tokenizer=False)
+
+
 def check_vision_folder(path: str | Path, base: Checkpoint | None = None) -> Checkpoint:
     """Check a `CLIPVisionModel` folder as :func:`load_vision_folder` does, without loading the model.
 
@@ -143,6 +169,7 @@ def check_vision_folder(path: str | Path, base: Checkpoint | None = None) -> Che
     if base is not None:
         shapes = {key: checkpoint.shape(key) for key in checkpoint}
         check_same_architecture(base, shapes, f"The model {folder}", str(folder))
+        check_vision_like_base(folder, base.path, "model")
     return checkpoint
 
 

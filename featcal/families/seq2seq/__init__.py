@@ -98,6 +98,11 @@ class Seq2SeqFamily:
     def hidden_size(self, config: Any) -> int:
         return int(config.d_model)
 
+    def check_like_base(self, folder: Path, base_folder: Path, what: str) -> None:
+        from featcal.families.seq2seq.folders import check_t5_like_base
+
+        check_t5_like_base(folder, base_folder, what)
+
     def check_model_folder(self, folder: Path, base: Checkpoint | None = None) -> Checkpoint:
         from featcal.families.seq2seq.folders import check_t5_folder
 

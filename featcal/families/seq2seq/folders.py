@@ -27,6 +27,7 @@ from torch import nn
 from featcal.checkpoint import Checkpoint, check_same_architecture, load_params
 from featcal.errors import ModelInputError
 from featcal.families.causal_lm.folders import companions, model_type
+from featcal.families.likeness import check_like_base
 from featcal.files.model_files import MODEL_CONFIG
 from featcal.files.model_folders import save_model_state, streamed_model_folder
 from featcal.files.safetensors_writer import TensorWriter
@@ -113,9 +114,19 @@ def build_t5(config: Any, state: Mapping[str, torch.Tensor]) -> nn.Module:
     return model.eval()
 
 
+def check_t5_like_base(folder: Path, base_folder: Path, what: str) -> None:
+    """Refuse a T5 whose configuration (:data:`~featcal.families.likeness.LIKE_BASE_KEYS`) or tokenizer
+    vocabulary differ from the base's.
+
+    Raises:
+        ModelInputError: naming the model, what differs and both values.
+    """
+    check_like_base(folder, base_folder, what, family="seq2seq", read_config=load_config, tokenizer=True)
+
+
 def check_t5_folder(folder: Path, base: Checkpoint | None = None) -> Checkpoint:
-    """Check a T5 folder without loading the model: a T5, safetensors weights (no pickles), finite tensors, and
-    the base's tensor shapes when ``base`` is given.
+    """Check a T5 folder without loading the model: a T5, safetensors weights (no pickles), finite tensors, and,
+    when ``base`` is given, the base's tensor shapes, configuration and tokenizer vocabulary.
 
     Raises:
         ModelInputError: naming the folder and the fix.
@@ -125,6 +136,7 @@ def check_t5_folder(folder: Path, base: Checkpoint | None = None) -> Checkpoint:
     if base is not None:
         shapes = {key: checkpoint.shape(key) for key in checkpoint}
         check_same_architecture(base, shapes, f"The model {folder}", str(folder))
+        check_t5_like_base(folder, base.path, "model")
     return checkpoint
 
 
