@@ -122,6 +122,20 @@ class Checkpoint(Mapping[str, torch.Tensor]):
             finally:
                 self._open = None
 
+    def alias(self, key: str, existing: str) -> None:
+        """Read ``existing``'s tensor under the name ``key`` too (a head tied to the embedding, stored once).
+
+        Args:
+            key: The second name, which the checkpoint does not hold.
+            existing: The name the tensor is stored under.
+        """
+        self._where[key] = self._where[existing]
+        self._shapes[key] = self._shapes[existing]
+
+    def drop(self, key: str) -> None:
+        """Leave ``key`` out of the checkpoint (a stored copy of a tied tensor, read under its other name)."""
+        del self._where[key], self._shapes[key]
+
     def file_of(self, key: str) -> Path:
         """The safetensors file that holds ``key``."""
         return self.files[self._where[key][0]]
