@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from featcal.merging.regmean_solve import RegMeanSystem
 from featcal.progress import Progress
 
 Follow = Literal["experts", "merged"]
+ILL_POSED_GROWTH = 4.0  # merged weights this many times the largest expert's norm: an ill-conditioned Gram sum
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +65,10 @@ class _InputGroup:
         self.moments = SecondMoments.zeros(self.dim, device=device)
         self.gram = GramAccumulator(self.dim, 0, device=device, dtype=product_dtype(dtype))
         self.system = RegMeanSystem.empty(self.dim, out_features, device=device)
+        self.tokens = torch.zeros((), device=device, dtype=torch.float64)  # this process's tokens that weigh
+        self.counted = torch.zeros((), device=device, dtype=torch.float64)  # ... those of the tasks folded in
+        self.total = torch.zeros((), device=device, dtype=torch.float64)  # every task's, over every process
+        self.expert_norm = 0.0  # the largest Frobenius norm of the experts' stacked weights
 
     def add(self, x: torch.Tensor, token_weights: torch.Tensor | None) -> None:
         """One forward batch of inputs ``x`` ([rows, seq, d]), each token weighing its ``token_weights``
@@ -70,7 +77,9 @@ class _InputGroup:
         group = x.shape[-2] if x.dim() > 2 else 1
         if token_weights is None:
             self.gram.add(rows, None, rows.shape[0], group)
+            self.tokens += rows.shape[0]
         else:
+            self.tokens += (token_weights != 0).sum()
             root = token_weights.to(device=rows.device, dtype=rows.dtype).reshape(-1).sqrt()
             self.gram.add(rows * root.unsqueeze(1), root, root.square().sum(), group)
         if self.gram.rows >= FLUSH_TOKENS:
@@ -79,16 +88,35 @@ class _InputGroup:
     def fold(self, linears: Mapping[str, nn.Module], ratio: float, world: World) -> None:
         """End the task: its sums over every process, its Gram folded in with the expert's weights."""
         self.gram.flush(self.moments)
-        world.all_reduce_sum_(self.moments.tensors(), what="RegMean statistics")
+        tokens = self.tokens.new_zeros(()) + (self.tokens - self.counted)  # this task's, summed over processes
+        world.all_reduce_sum_([*self.moments.tensors(), tokens], what="RegMean statistics")
+        self.counted, self.total = self.tokens.clone(), self.total + tokens
         weight = torch.cat([linears[name].weight for name in self.names])
+        self.expert_norm = max(self.expert_norm, float(weight.double().norm()))
         self.system.add_task(self.moments.mean(), weight, ratio)
         self.moments.zero_()
 
-    def solved(self, linears: Mapping[str, nn.Module]) -> dict[str, torch.Tensor]:
-        """Each linear's merged weight, by ``<name>.weight``, in its own dtype."""
+    def solved(self, linears: Mapping[str, nn.Module], prefix: str) -> tuple[dict[str, torch.Tensor], Conditioning]:
+        """Each linear's merged weight, by ``<name>.weight``, in its own dtype, and how well posed its system is.
+
+        Raises:
+            FeatcalError: when the tasks' tokens are fewer than the input's dimensions: the Gram
+                matrices' sum then has rank below its size, and the regression has no one answer.
+        """
+        where = prefix + self.names[0]
+        if int(self.total) < self.dim:
+            raise FeatcalError(
+                f"RegMean cannot merge {where!r} from these calibration examples: every task's tokens together "
+                f"are {int(self.total)}, fewer than its {self.dim} input dimensions, so the sum of its Gram "
+                "matrices is singular, the regression has no one answer and its weights blow up: raise "
+                "--num-calibration-examples, or merge with a method that uses no data."
+            )
         sizes = [linears[name].out_features for name in self.names]
-        merged = self.system.solve().split(sizes)
-        return {f"{name}.weight": w.to(linears[name].weight.dtype) for name, w in zip(self.names, merged)}
+        solution = self.system.solve()
+        growth = float(solution.norm()) / max(self.expert_norm, 1e-30)
+        parts = zip(self.names, solution.split(sizes))
+        merged = {f"{name}.weight": w.to(linears[name].weight.dtype) for name, w in parts}
+        return merged, Conditioning(growth, where)
 
 
 @torch.no_grad()
@@ -134,6 +162,7 @@ def merge_layers(
     ]
     layers = adapter.layers(model)
     merged: dict[str, torch.Tensor] = {}
+    conditionings: list[Conditioning] = []
     for index in Progress(range(len(layers)), desc="RegMean: layers", unit="layers", enabled=data.progress):
         prefix = adapter.layer_prefix(index)
         layer = _materialised(layers[index], device)
@@ -144,7 +173,11 @@ def merge_layers(
             groups = _collect(model, adapter, layer, linears, stream, groups, data.batch_size, follow == "experts")
             for group in groups:
                 group.fold(linears, ratio, world)
-        solved = {key: value for group in groups or [] for key, value in group.solved(linears).items()}
+        solved: dict[str, torch.Tensor] = {}
+        for group in groups or []:
+            weights, conditioning = group.solved(linears, prefix)
+            solved.update(weights)
+            conditionings.append(conditioning)
         state = _merged_layer(layer, solved, base, experts, prefix, exclude)
         world.broadcast_(list(state.values()), what="RegMean weights")  # one merge, bit for bit, everywhere
         merged.update({prefix + name: tensor.cpu() for name, tensor in state.items()})
@@ -152,7 +185,33 @@ def merge_layers(
             load_params(layer, state, "")
             for stream in streams:
                 _advance(model, adapter, layer, stream, data.batch_size)
+    warn_ill_conditioned(conditionings)
     return merged
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """How well posed one input's RegMean system was: its solution's norm over the largest expert's (the
+    linears reading the input stacked; about 1 when the Gram matrices pin the weights down), and the first
+    linear's key."""
+
+    growth: float
+    where: str
+
+
+def warn_ill_conditioned(conditionings: Sequence[Conditioning]) -> None:
+    """Say in one line when some systems' solutions exceed :data:`ILL_POSED_GROWTH` times the experts' norm: their
+    Gram matrices' sum is ill-conditioned, and the solve amplified what the calibration tokens did not pin down."""
+    bad = [c for c in conditionings if c.growth > ILL_POSED_GROWTH]
+    if not bad:
+        return
+    worst = max(bad, key=lambda c: c.growth)
+    logger.warning(
+        "RegMean: %d of %d linear systems are ill-conditioned: their merged weights reach %.3g x the largest "
+        "expert's norm (%s); raise --num-calibration-examples or lower reduce_non_diagonal_ratio, and check the "
+        "merge's scores.",
+        len(bad), len(conditionings), worst.growth, worst.where,
+    )  # fmt: skip
 
 
 @torch.no_grad()
