@@ -8,6 +8,7 @@ rows (images and labels, texts) is the family's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from featcal.hub.retries import retry_transient
 
 if TYPE_CHECKING:
     from featcal.families.base import ModelFamily
+    from featcal.spec import RunSpec
     from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -155,6 +157,31 @@ def held_out_indices(num_rows: int, skip: int, seed: int) -> list[int]:
     """
     generator = torch.Generator().manual_seed(seed)
     return torch.randperm(num_rows, generator=generator)[skip:].tolist()
+
+
+def held_out_setting(spec: RunSpec, tasks: Sequence[Task]) -> dict[str, Any]:
+    """A run's ``held_out`` evaluation setting for the ``tasks`` whose evaluation reads the rows their calibration
+    draws from (:meth:`~featcal.tasks.DatasetSpec.evaluates_calibration_rows`): the shuffle's seed, the
+    calibration's rows that come first in it (:func:`held_out_indices` skips them), and those tasks; empty
+    when there are none (the run's evaluation is then the test split's first rows, as it always was).
+
+    Args:
+        spec: The run's options (``seed``, ``num_calibration_examples``).
+        tasks: The run's tasks.
+
+    Returns:
+        ``{"held_out": {"seed": ..., "after": ..., "tasks": [...]}}``, or ``{}``.
+    """
+    shared = [task.name for task in tasks if task.dataset.evaluates_calibration_rows()]
+    if not shared:
+        return {}
+    return {"held_out": {"seed": spec.seed, "after": spec.featcal.num_calibration_examples, "tasks": shared}}
+
+
+def held_out_record(split: str, seed: int, after: int, count: int) -> dict[str, Any]:
+    """Where a task's evaluated rows lie, as its results record it: positions ``after`` to ``after + count``
+    (end excluded) of the ``seed`` shuffle of ``split``, whose first ``after`` the calibration reads."""
+    return {"split": split, "seed": seed, "rows": [after, after + count]}
 
 
 @dataclass

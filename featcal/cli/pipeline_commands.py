@@ -214,7 +214,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                 )  # fmt: skip
             validate_datasets(family, inputs.tasks, splits=("test",))
             evaluator = family.evaluator(
-                inputs.base_folder, device, world=world, settings=family.evaluation_settings(spec)
+                inputs.base_folder, device, world=world, settings=family.evaluation_settings(spec, inputs.tasks)
             )
             model = family.load_model(Path(args.model), inputs.base) if args.model else evaluator.base_model()
         with compute_settings(spec, inputs):

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
-from featcal.data import calibration_indices, load_dataset_split
+from featcal.data import calibration_indices, held_out_indices, load_dataset_split
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError
 from featcal.tasks import Task
@@ -255,6 +256,9 @@ class TestImages:
         batch_size: Images per batch (a batch never mixes tasks).
         num_workers: Data-loading worker processes for large test sets.
         max_samples: Only the first N test images of each task.
+        held_out: The run's ``held_out`` setting (:func:`featcal.data.held_out_setting`): a task it names, whose
+            calibration reads its test split, is evaluated on the images after the calibration's in the same
+            shuffle instead.
         pin_memory: Page-locked batches.
         world: Under torchrun, this process's batches only (every ``world.size``-th batch of a task).
     """
@@ -267,13 +271,16 @@ class TestImages:
         batch_size: int,
         num_workers: int = 0,
         max_samples: int | None = None,
+        held_out: Mapping[str, Any] | None = None,
         pin_memory: bool = False,
         world: World = SINGLE,
     ) -> None:
         parts = []
         for task in tasks:
             ds = load_task_split(task, "test")
-            if max_samples is not None:
+            if held_out is not None and task.name in held_out["tasks"]:
+                ds = ds.select(held_out_indices(len(ds), int(held_out["after"]), int(held_out["seed"]))[:max_samples])
+            elif max_samples is not None:
                 ds = ds.select(range(min(max_samples, len(ds))))
             parts.append(LabelledImages(ds, task.dataset.image_column, task.dataset.label_column))
         self.index = {task.name: i for i, task in enumerate(tasks)}
