@@ -128,9 +128,13 @@ class ClipVisionFamily:
         check_images(task, dataset, split, list(rows))
 
     def check_split(self, task: Task, dataset: Any, split: str) -> None:
-        from featcal.families.clip_vision.images import check_labels
+        """The labels of every row; for the test split, every image too (decoded), so that a damaged one is named
+        by its row before any stage is written, not when an evaluation reaches it."""
+        from featcal.families.clip_vision.images import check_images, check_labels
 
         check_labels(task, dataset, split)
+        if split == "test":
+            check_images(task, dataset, split, list(range(len(dataset))))
 
     def calibration_inputs(self, task: Task, preprocessor: Any, n: int, seed: int, *, world: World) -> CalibrationBatch:
         from featcal.calibration.adapters import CalibrationBatch

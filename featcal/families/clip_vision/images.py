@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,11 +60,13 @@ def with_decoded_images(ds, column: str):
 
 # What PIL raises for an image it cannot read: garbage bytes, a truncated file, a decompression bomb.
 UNREADABLE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+PYTHON_OBJECT = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")  # "<_io.BytesIO object at 0x7f...>"
 
 
 def damaged(task: Task, split: str, row: int, reason: BaseException | str) -> DatasetInputError:
     """The error naming a row of a task's split that holds no readable image."""
     text = reason if isinstance(reason, str) else (str(reason).strip().splitlines() or [type(reason).__name__])[0]
+    text = PYTHON_OBJECT.sub("its bytes", text)  # PIL names the file object it read, not the row
     split_name = task.dataset.train_split if split == "train" else task.dataset.test_split
     return DatasetInputError(
         task.name,
