@@ -178,6 +178,22 @@ def held_out_setting(spec: RunSpec, tasks: Sequence[Task]) -> dict[str, Any]:
     return {"held_out": {"seed": spec.seed, "after": spec.featcal.num_calibration_examples, "tasks": shared}}
 
 
+def check_rows_left(task: Task, num_rows: int, after: int) -> None:
+    """Refuse a task whose evaluation reads its calibration rows when none is left after the calibration's.
+
+    Raises:
+        DatasetInputError: naming the task, its rows and the fix.
+    """
+    if num_rows <= after:
+        raise DatasetInputError(
+            task.name,
+            task.dataset.path,
+            f"Task {task.name!r}: its calibration reads the rows it is evaluated on ({task.dataset.path}), and its "
+            f"{num_rows} rows leave none after the {after} calibration rows: lower num_calibration_examples or "
+            "give it a test split of its own.",
+        )
+
+
 def held_out_record(split: str, seed: int, after: int, count: int) -> dict[str, Any]:
     """Where a task's evaluated rows lie, as its results record it: positions ``after`` to ``after + count``
     (end excluded) of the ``seed`` shuffle of ``split``, whose first ``after`` the calibration reads."""
@@ -204,13 +220,16 @@ def validate_datasets(
     allow_fewer: bool = False,
     seed: int | None = None,
     preprocessor: Any = None,
+    held_out_after: int | None = None,
 ) -> DatasetFacts:
     """Load each task's splits once, so a missing split or column, an example the family cannot read
     (a label outside the task's classes), or a train split smaller than ``calibration_examples`` fails
     before anything is written. With ``seed``, the calibration examples themselves (the first
     ``calibration_examples`` of the train split after one shuffle with ``seed``) are read too, so that a
     damaged one is named before the first stage is written; ``preprocessor`` (the base's) lets a family
-    check what it makes of them (a text family: each text's tokens against its length limit).
+    check what it makes of them (a text family: each text's tokens against its length limit). With
+    ``held_out_after`` (the run's ``num_calibration_examples``), a task whose evaluation reads its calibration
+    rows (:func:`held_out_setting`) must leave a row after that many to evaluate on.
 
     Raises:
         DatasetInputError: naming the task, the split and the fix.
@@ -223,6 +242,8 @@ def validate_datasets(
         for split in splits:
             dataset = family.load_split(task, split)
             family.check_split(task, dataset, split)
+            if split == "test" and held_out_after is not None and task.dataset.evaluates_calibration_rows():
+                check_rows_left(task, len(dataset), held_out_after)
             fingerprints.setdefault(task.name, {})[split] = dataset_fingerprint(dataset)
             commit = dataset_commit(dataset) if is_hub_id(task.dataset.path) else None
             if commit is not None:

@@ -238,6 +238,7 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
             allow_fewer=spec.allow_fewer_calibration_examples,
             seed=spec.seed,
             preprocessor=preprocessor,
+            held_out_after=spec.featcal.num_calibration_examples,
         )
         if calibrates:
             check_calibration_shares(

@@ -385,3 +385,13 @@ def test_language_model_texts_longer_than_the_model_s_positions_are_cut_at_them(
         batch = calibration_texts(task, tok, 4, 0)
     assert batch.inputs["input_ids"].shape == (4, 64)
     assert any("cut at 64 tokens" in r.getMessage() for r in caplog.records)
+
+
+def test_a_calibration_that_leaves_no_row_to_evaluate_on_is_refused_before_any_work(t5_file_run, tmp_path, capsys):
+    root, _ = t5_file_run
+    out = tmp_path / "run"
+    argv = ["run", "--data", str(root / "data.yaml"), "--base-model-id", str(root / "base"), "--output-dir", str(out)]
+    code, err = run_error(capsys, [*argv, "--num-calibration-examples", "16", "--device", "cpu"])
+    assert code == 2 and len(err) == 1, err
+    assert "alpha" in err[0] and "16 rows leave none after the 16 calibration rows" in err[0], err
+    assert not out.exists()

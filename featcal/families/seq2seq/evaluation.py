@@ -27,9 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.data import held_out_indices, held_out_record
+from featcal.data import check_rows_left, held_out_indices, held_out_record
 from featcal.distributed import SINGLE, World
-from featcal.errors import DatasetInputError
 from featcal.families.seq2seq.texts import base_tokenizer, encode_task_pairs, load_pair_split, pair_format, render_pair
 from featcal.metrics import MetricsReport, TaskMetrics, count_parameters
 from featcal.progress import Progress
@@ -159,15 +158,8 @@ class GenerationEvaluator:
         if held_out is None or task.name not in held_out["tasks"]:
             return list(range(num_rows if max_samples is None else min(max_samples, num_rows))), None
         seed, after = int(held_out["seed"]), int(held_out["after"])
+        check_rows_left(task, num_rows, after)
         indices = held_out_indices(num_rows, after, seed)[:max_samples]
-        if not indices:
-            raise DatasetInputError(
-                task.name,
-                task.dataset.path,
-                f"Task {task.name!r}: its calibration reads the rows it is evaluated on ({task.dataset.path}), and "
-                f"its {num_rows} rows leave none after the {after} calibration rows: lower num_calibration_examples "
-                "or give it a test split of its own.",
-            )
         record = held_out_record(task.dataset.evaluated_split(), seed, after, len(indices))
         if self.world.is_main:
             logger.info(
