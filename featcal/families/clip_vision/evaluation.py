@@ -323,6 +323,7 @@ class ZeroShotEvaluator:
         base_folder: The base ``CLIPModel`` folder (text tower, projections, tokenizer, image processor).
         device: Where the evaluation runs.
         world: Under torchrun, the processes that share each task's test images.
+        held_out: The run's ``held_out`` evaluation setting (:func:`featcal.data.held_out_setting`), if any.
 
     Raises:
         ModelInputError: when the base is not a complete CLIPModel with a tokenizer and image processor.

@@ -109,6 +109,7 @@ class GenerationEvaluator:
         base_folder: The base model's folder (its tokenizer reads and writes every text).
         device: Where the models generate.
         world: The processes (each generates for its part of every task).
+        held_out: The run's ``held_out`` evaluation setting (:func:`featcal.data.held_out_setting`), if any.
     """
 
     def __init__(
