@@ -149,12 +149,16 @@ def check_texts(task: Task, rows: Any, indices: Sequence[int], tokenizer: Any | 
     if tokenizer is None:
         return None
     encoded = encode_texts(tokenizer, texts, fmt)
+    limit = (
+        f"max_length {fmt.max_length} tokens: raise 'max_length' in the data file (or shorten the texts)"
+        if encoded.facts.max_length == fmt.max_length
+        else f"the model's {encoded.facts.max_length} positions (fewer than max_length): shorten the texts"
+    )
     if encoded.facts.cut == encoded.facts.texts:
         raise DatasetInputError(
             task.name,
             task.dataset.path,
-            f"Task {task.name!r}: every calibration text is longer than {encoded.facts.max_length} tokens (max_length, "
-            "or the model's positions when fewer): raise 'max_length' in the data file (or shorten the texts).",
+            f"Task {task.name!r}: every calibration text is longer than {limit}.",
         )
     weights = encoded.batch.token_weights
     if weights is not None and bool((weights.sum(1) == 0).all()):
