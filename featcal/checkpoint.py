@@ -122,6 +122,20 @@ class Checkpoint(Mapping[str, torch.Tensor]):
             finally:
                 self._open = None
 
+    def alias(self, key: str, existing: str) -> None:
+        """Read ``existing``'s tensor under the name ``key`` too (a head tied to the embedding, stored once).
+
+        Args:
+            key: The second name, which the checkpoint does not hold.
+            existing: The name the tensor is stored under.
+        """
+        self._where[key] = self._where[existing]
+        self._shapes[key] = self._shapes[existing]
+
+    def drop(self, key: str) -> None:
+        """Leave ``key`` out of the checkpoint (a stored copy of a tied tensor, read under its other name)."""
+        del self._where[key], self._shapes[key]
+
     def file_of(self, key: str) -> Path:
         """The safetensors file that holds ``key``."""
         return self.files[self._where[key][0]]
@@ -194,6 +208,34 @@ def check_compatible(base: Checkpoint, experts: Mapping[str, Checkpoint]) -> Non
     for expert in experts.values():
         shapes = {key: expert.shape(key) for key in expert}
         check_same_architecture(base, shapes, expert.name, str(expert.path))
+
+
+def read_tied_once(checkpoint: Checkpoint, aliases: Mapping[str, str]) -> None:
+    """Leave out each stored copy of a tied tensor that holds the tensor's own values, as transformers ties them
+    on load (a tied model saved with its ``lm_head.weight`` too).
+
+    Args:
+        checkpoint: The folder's tensors.
+        aliases: Each tied tensor's second name and the name ``save_pretrained`` keeps
+            (:attr:`featcal.files.model_folders.SavedLayout.aliases` of the folder's model).
+
+    Raises:
+        ModelInputError: naming the copy, when it holds other values: the configuration ties what the
+            weights keep apart.
+    """
+    for alias, kept in aliases.items():
+        if alias not in checkpoint or kept not in checkpoint:
+            continue
+        with checkpoint.reading():
+            same = torch.equal(checkpoint[alias], checkpoint[kept])
+        if not same:
+            raise ModelInputError(
+                str(checkpoint.path),
+                f"{checkpoint.name}: its configuration ties {alias!r} to {kept!r} (tie_word_embeddings), but it stores "
+                f"{alias!r} with other values: set tie_word_embeddings to false in its config.json if the head is its "
+                "own, or save the model again with save_pretrained.",
+            )
+        checkpoint.drop(alias)
 
 
 def check_finite_state(state: Mapping[str, torch.Tensor], what: str) -> None:

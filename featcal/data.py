@@ -8,6 +8,7 @@ rows (images and labels, texts) is the family's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from featcal.hub.retries import retry_transient
 
 if TYPE_CHECKING:
     from featcal.families.base import ModelFamily
+    from featcal.spec import RunSpec
     from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -180,6 +182,47 @@ def held_out_indices(num_rows: int, skip: int, seed: int) -> list[int]:
     return torch.randperm(num_rows, generator=generator)[skip:].tolist()
 
 
+def held_out_setting(spec: RunSpec, tasks: Sequence[Task]) -> dict[str, Any]:
+    """A run's ``held_out`` evaluation setting for the ``tasks`` whose evaluation reads the rows their calibration
+    draws from (:meth:`~featcal.tasks.DatasetSpec.evaluates_calibration_rows`): the shuffle's seed, the
+    calibration's rows that come first in it (:func:`held_out_indices` skips them), and those tasks; empty
+    when there are none (the run's evaluation is then the test split's first rows, as it always was).
+
+    Args:
+        spec: The run's options (``seed``, ``num_calibration_examples``).
+        tasks: The run's tasks.
+
+    Returns:
+        ``{"held_out": {"seed": ..., "after": ..., "tasks": [...]}}``, or ``{}``.
+    """
+    shared = [task.name for task in tasks if task.dataset.evaluates_calibration_rows()]
+    if not shared:
+        return {}
+    return {"held_out": {"seed": spec.seed, "after": spec.featcal.num_calibration_examples, "tasks": shared}}
+
+
+def check_rows_left(task: Task, num_rows: int, after: int) -> None:
+    """Refuse a task whose evaluation reads its calibration rows when none is left after the calibration's.
+
+    Raises:
+        DatasetInputError: naming the task, its rows and the fix.
+    """
+    if num_rows <= after:
+        raise DatasetInputError(
+            task.name,
+            task.dataset.path,
+            f"Task {task.name!r}: its calibration reads the rows it is evaluated on ({task.dataset.path}), and its "
+            f"{num_rows} rows leave none after the {after} calibration rows: lower num_calibration_examples or "
+            "give it a test split of its own.",
+        )
+
+
+def held_out_record(split: str, seed: int, after: int, count: int) -> dict[str, Any]:
+    """Where a task's evaluated rows lie, as its results record it: positions ``after`` to ``after + count``
+    (end excluded) of the ``seed`` shuffle of ``split``, whose first ``after`` the calibration reads."""
+    return {"split": split, "seed": seed, "rows": [after, after + count]}
+
+
 @dataclass
 class DatasetFacts:
     """What validation learnt about the tasks' datasets: each split's identity, and the calibration
@@ -200,13 +243,16 @@ def validate_datasets(
     allow_fewer: bool = False,
     seed: int | None = None,
     preprocessor: Any = None,
+    held_out_after: int | None = None,
 ) -> DatasetFacts:
     """Load each task's splits once, so a missing split or column, an example the family cannot read
     (a label outside the task's classes), or a train split smaller than ``calibration_examples`` fails
     before anything is written. With ``seed``, the calibration examples themselves (the first
     ``calibration_examples`` of the train split after one shuffle with ``seed``) are read too, so that a
     damaged one is named before the first stage is written; ``preprocessor`` (the base's) lets a family
-    check what it makes of them (a text family: each text's tokens against its length limit).
+    check what it makes of them (a text family: each text's tokens against its length limit). With
+    ``held_out_after`` (the run's ``num_calibration_examples``), a task whose evaluation reads its calibration
+    rows (:func:`held_out_setting`) must leave a row after that many to evaluate on.
 
     Raises:
         DatasetInputError: naming the task, the split and the fix.
@@ -219,6 +265,8 @@ def validate_datasets(
         for split in splits:
             dataset = family.load_split(task, split)
             family.check_split(task, dataset, split)
+            if split == "test" and held_out_after is not None and task.dataset.evaluates_calibration_rows():
+                check_rows_left(task, len(dataset), held_out_after)
             fingerprints.setdefault(task.name, {})[split] = dataset_fingerprint(dataset)
             commit = dataset_commit(dataset) if is_hub_id(task.dataset.path) else None
             if commit is not None:

@@ -158,7 +158,7 @@ def calibration_entry(task: Task, expert: str | None, examples: int) -> dict[str
     spec = task.dataset
     entry: dict[str, Any] = {"expert": expert, "dataset": spec.path}
     entry.update({k: v for k, v in (("config", spec.name), ("revision", spec.revision)) if v is not None})
-    entry["split"] = spec.train_split
+    entry["split"] = spec.calibration_split()
     entry.update(task.text.to_dict() if task.text is not None else {})
     entry["examples"] = int(examples)
     return entry

@@ -99,7 +99,8 @@ def run_record(spec: RunSpec, inputs: RunInputs, data: DatasetFacts | None = Non
         merge=merge_record(spec, inputs, calibration_counts),
         featcal=None if spec.skip_featcal else FeatCalRecord(spec.featcal, dict(calibration_counts or {})),
         evaluation=EvaluationRecord(
-            spec.max_eval_samples, {**inputs.family.evaluation_record(), **inputs.family.evaluation_settings(spec)}
+            spec.max_eval_samples,
+            {**inputs.family.evaluation_record(), **inputs.family.evaluation_settings(spec, inputs.tasks)},
         ),
         precision=spec.precision,
         family=inputs.family.name,
@@ -160,7 +161,7 @@ def stage_identities(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> di
     tests = [data.fingerprints[t.name].get("test") for t in inputs.tasks]
     trains = [data.fingerprints[t.name].get("train") for t in inputs.tasks]
     table = {t.name: t.to_dict() for t in inputs.tasks}
-    settings = inputs.family.evaluation_settings(spec)  # none for CLIP: its identities stay as they were
+    settings = inputs.family.evaluation_settings(spec, inputs.tasks)  # none for CLIP: its identities stay as they were
     evaluation = digest("evaluation", __version__, base, table, tests, spec.max_eval_samples, *filter(None, [settings]))
     ids = {evaluate_step(ZERO_SHOT_DIR): digest(evaluation), evaluate_step(EXPERTS_DIR): digest(evaluation, experts)}
     # A stored dtype other than the base's changes the written weights: part of the identities when set.
@@ -248,6 +249,7 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
             allow_fewer=spec.allow_fewer_calibration_examples,
             seed=spec.seed,
             preprocessor=preprocessor,
+            held_out_after=spec.featcal.num_calibration_examples,
         )
         if calibrates:
             check_calibration_shares(
@@ -257,7 +259,8 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
         if not spec.force:
             check_same_run(out, list(record.tasks), record.base_model_id)
         threads = choose_threads(spec.threads, family.hidden_size(inputs.config))
-        evaluator = family.evaluator(inputs.base_folder, device, world=world, settings=family.evaluation_settings(spec))
+        settings = family.evaluation_settings(spec, inputs.tasks)
+        evaluator = family.evaluator(inputs.base_folder, device, world=world, settings=settings)
         # A merged model to start from is checked before the folder is touched (and read when needed).
         if spec.skip_ta:
             family.check_model_folder(Path(spec.ta_model_path), inputs.base)

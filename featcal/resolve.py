@@ -194,6 +194,25 @@ def merge_description(folder: str | Path) -> tuple[str | None, list[str] | None]
     return None, None
 
 
+def check_recorded_base(base_ref: str, merged: Path) -> None:
+    """Refuse a base folder that a merged folder's record names and that is gone, saying which file named it.
+
+    Raises:
+        ModelInputError: naming the folder, the record and ``--base-model-id``.
+    """
+    from featcal.hub.refs import local_path
+    from featcal.model_recipe import MERGEKIT_FILE, RECIPE_FILE
+
+    local = local_path(base_ref)
+    if local is not None and not local.exists():
+        record = merged / (RECIPE_FILE if (merged / RECIPE_FILE).is_file() else MERGEKIT_FILE)
+        raise ModelInputError(
+            base_ref,
+            f"The base model folder {base_ref} does not exist; it is the base that {record} records: name the base "
+            "with --base-model-id (a folder or a Hub id), which overrides it.",
+        )
+
+
 def check_data_covers_merge(table_experts: Sequence[str], merged: Sequence[str], data: str, folder: str) -> None:
     """Refuse a data file that misses an expert of the merge, or names one the merge does not have.
 
@@ -244,6 +263,8 @@ def resolve_inputs(spec: RunSpec, *, need_experts: bool = True, merged: str | Pa
     if not base_ref:
         hint = "" if merged is None else f" and the merged folder {merged} records none"
         raise InvalidParameterError("base_model_id", None, f"a Hub id or folder, since the task table names none{hint}")
+    if merged is not None and base_ref == described_base and not (spec.base_model_id or table.base_model):
+        check_recorded_base(base_ref, Path(merged))
     local = Path(base_ref).expanduser()
     base_ref = str(local.resolve()) if local.exists() else base_ref
     refs = (

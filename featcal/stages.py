@@ -88,7 +88,7 @@ def merge_calibration(
         record["datasets"] = {
             t.name: {
                 "dataset": t.dataset.path,
-                "split": t.dataset.train_split,
+                "split": t.dataset.calibration_split(),
                 "fingerprint": fingerprints[t.name]["train"],
             }
             for t in tasks

@@ -45,7 +45,27 @@ class DatasetSpec:
     label_column: str = "label"
     revision: str | None = None
 
+    def is_one_file(self) -> bool:
+        """Whether the dataset is one local ``.json``, ``.jsonl``, ``.parquet`` or ``.csv`` file: every split
+        at once (``datasets`` names its rows ``train``, whatever split a task table gives)."""
+        local = local_path(self.path)
+        return local is not None and local.is_file()
 
+    def evaluates_calibration_rows(self) -> bool:
+        """Whether evaluation reads the rows calibration draws from: one file, or one split named for both (its
+        evaluated rows are then held out of the calibration's shuffle, :func:`featcal.data.held_out_indices`)."""
+        return self.is_one_file() or self.train_split == self.test_split
+
+    def calibration_split(self) -> str:
+        """The split calibration reads, by the name ``datasets`` gives it (``train`` for one file)."""
+        return "train" if self.is_one_file() else self.train_split
+
+    def evaluated_split(self) -> str:
+        """The split evaluation reads, by the name ``datasets`` gives it (``train`` for one file)."""
+        return "train" if self.is_one_file() else self.test_split
+
+
+DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")  # a text task's dataset as one local file
 DEFAULT_FAMILY = "clip_vision"  # the model family of a task whose entry names none
 GLUE_IDS = ("nyu-mll/glue", "glue")  # GLUE's Hub id, and its legacy alias (FusionBench's)
 GLUE_CONFIGS = (
@@ -351,6 +371,17 @@ def _parse_pair_fields(entry: Mapping[str, Any], where: str) -> TextPairFormat:
                 f"{where}: {key!r} is not a valid template: {value!r} (write '{{{{' for a literal brace)."
             ) from None
     labels = entry.get("labels", [])
+    unquoted = (
+        [word for word in labels if isinstance(word, (bool, int, float)) or word is None]
+        if isinstance(labels, list)
+        else []
+    )
+    if unquoted:
+        raise FeatcalError(
+            f"{where}: 'labels' must list words, but the file gives {unquoted!r}, {type(unquoted[0]).__name__} values "
+            "(YAML reads unquoted yes, no, true, off, numbers and null so): quote each word, e.g. "
+            'labels: ["yes", "no"].'
+        )
     if not isinstance(labels, list) or not all(isinstance(word, str) and word.strip() for word in labels):
         raise FeatcalError(f"{where}: 'labels' must list the words of the class ids, in id order.")
     if labels and (len(labels) < 2 or len(set(labels)) != len(labels)):

@@ -274,11 +274,12 @@ def test_the_card_metadata_names_the_model_s_kind_license_and_no_local_folder(re
     assert "training texts per task used for calibration" in text and "images" not in text
     data_rows = [line for line in text.splitlines() if line.startswith("| `Llama-tiny_")]
     assert data_rows == [
-        f"| `Llama-tiny_{name}` (local folder) | `{name}.jsonl` (local folder) | `train` | `{{query}} {{response}}` "
+        f"| `Llama-tiny_{name}` (local folder) | `{name}.jsonl` (local file) | `train` | `{{query}} {{response}}` "
         "| `all` | 16 | 8 |"
         for name in EXPERTS
     ]
-    assert "No result of this model was measured by featcal" in text and "lm_eval --model hf" in text
+    assert "No result of this model folder was measured by featcal" in text and "lm_eval --model hf" in text
+    assert "does not evaluate language models" not in text  # it does, in a run or `featcal evaluate`
     assert "task_arithmetic" in text and "merge_method: task_arithmetic" in text  # the merge in mergekit's words
     assert "none was given" not in text
 
@@ -352,7 +353,9 @@ def test_featcal_calibrate_keeps_a_mergekit_merge_s_configuration_and_the_card_q
         "base_model": "local:base",
         "models": [{"model": f"local:Llama-tiny_{n}", "parameters": {"weight": 0.3}} for n in EXPERTS],
     }
-    assert "local folders named by their folder name" in card.text and str(zoo) not in (out / "README.md").read_text()
+    assert (
+        "local folders and files named by their name" in card.text and str(zoo) not in (out / "README.md").read_text()
+    )
     assert "mergekit" in card.data.tags
 
 

@@ -50,7 +50,9 @@ def test_a_t5_run_writes_every_stage_and_its_scores(run) -> None:
     for stage in ("ta", "featcal-ta"):
         metrics = json.loads((run / stage / "metrics.json").read_text())
         assert metrics["cls"]["metric"] == "exact_match" and metrics["reg"]["metric"] == "spearman"
-        assert metrics["cls"]["num_samples"] == 16
+        # the file's 16 rows less the 8 the calibration read: positions 8 to 15 of the seed-42 shuffle
+        assert metrics["cls"]["num_samples"] == 8
+        assert metrics["cls"]["held_out"] == {"split": "train", "seed": 42, "rows": [8, 16]}
         assert metrics["average"]["accuracy"] == pytest.approx(
             (metrics["cls"]["accuracy"] + metrics["reg"]["accuracy"]) / 2
         )
@@ -194,7 +196,7 @@ def test_two_processes_give_one_process_results(run, tasks_file, tmp_path) -> No
     scores = [json.loads((folder / "ta" / "metrics.json").read_text()) for folder in (run, out)]
     for task in ("cls", "reg"):
         assert scores[0][task]["accuracy"] == scores[1][task]["accuracy"]
-        assert scores[0][task]["num_samples"] == scores[1][task]["num_samples"] == 16
+        assert scores[0][task]["num_samples"] == scores[1][task]["num_samples"] == 8  # held out of the 16
 
 
 @pytest.mark.parametrize("what", ["run", "release", "--suite glue8"])

@@ -354,9 +354,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                 run = check_metrics_output(
                     output, inputs=[*inputs.local_folders(), *files, *datasets, *([args.model] if args.model else [])]
                 )  # fmt: skip
-            validate_datasets(family, inputs.tasks, splits=("test",))
+            validate_datasets(
+                family, inputs.tasks, splits=("test",), held_out_after=spec.featcal.num_calibration_examples
+            )
             evaluator = family.evaluator(
-                inputs.base_folder, device, world=world, settings=family.evaluation_settings(spec)
+                inputs.base_folder, device, world=world, settings=family.evaluation_settings(spec, inputs.tasks)
             )
             model = family.load_model(Path(args.model), inputs.base) if args.model else evaluator.base_model()
         with compute_settings(spec, inputs):

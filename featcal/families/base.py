@@ -189,10 +189,12 @@ class ModelFamily(Protocol):
         """The evaluation of models of this family against the base in ``base_folder``, with the run's
         :meth:`evaluation_settings`."""
 
-    def evaluation_settings(self, spec: RunSpec) -> Mapping[str, Any]:
+    def evaluation_settings(self, spec: RunSpec, tasks: Sequence[Task] = ()) -> Mapping[str, Any]:
         """What the family's evaluations depend on besides the test data and ``max_eval_samples``, from the
-        run's options (a language model: the held-out rows' shuffle, the greedy answers' length, the harness's
-        tasks); recorded in ``run_config.json`` and part of every evaluation's identity. Empty for CLIP."""
+        run's options and its ``tasks`` (a language model: the held-out rows' shuffle, the greedy answers' length,
+        the harness's tasks; a T5: the shuffle holding out the evaluated rows of tasks whose calibration reads
+        their test split); recorded in ``run_config.json`` and part of every evaluation's identity. Empty for
+        CLIP."""
 
     def evaluation_record(self) -> Mapping[str, Any]:
         """What a run records of how it evaluated, besides ``max_eval_samples`` (CLIP's image processor)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from featcal.merging.regmean_solve import RegMeanSystem
 from featcal.progress import Progress
 
 Follow = Literal["experts", "merged"]
+ILL_POSED_GROWTH = 4.0  # merged weights this many times the largest expert's norm: an ill-conditioned Gram sum
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,6 +70,10 @@ class _InputGroup:
         self.moments = SecondMoments.zeros(self.dim, device=device)
         self.gram = GramAccumulator(self.dim, 0, device=device, dtype=product_dtype(dtype))
         self.system = RegMeanSystem.empty(self.dim, out_features, device=device)
+        self.tokens = torch.zeros((), device=device, dtype=torch.float64)  # this process's tokens that weigh
+        self.counted = torch.zeros((), device=device, dtype=torch.float64)  # ... those of the tasks folded in
+        self.total = torch.zeros((), device=device, dtype=torch.float64)  # every task's, over every process
+        self.expert_norm = 0.0  # the largest Frobenius norm of the experts' stacked weights
 
     def add(self, x: torch.Tensor, token_weights: torch.Tensor | None) -> None:
         """One forward batch of inputs ``x`` ([rows, seq, d]), each token weighing its ``token_weights``
@@ -75,7 +82,9 @@ class _InputGroup:
         group = x.shape[-2] if x.dim() > 2 else 1
         if token_weights is None:
             self.gram.add(rows, None, rows.shape[0], group)
+            self.tokens += rows.shape[0]
         else:
+            self.tokens += (token_weights != 0).sum()
             root = token_weights.to(device=rows.device, dtype=rows.dtype).reshape(-1).sqrt()
             self.gram.add(rows * root.unsqueeze(1), root, root.square().sum(), group)
         if self.gram.rows >= FLUSH_TOKENS:
@@ -85,21 +94,43 @@ class _InputGroup:
         """End the task: its sums over every process, its Gram (the mean of x xᵀ, or with ``summed`` their
         sum) folded in with the expert's weights."""
         self.gram.flush(self.moments)
-        world.all_reduce_sum_(self.moments.tensors(), what="RegMean statistics")
+        tokens = self.tokens.new_zeros(()) + (self.tokens - self.counted)  # this task's, summed over processes
+        world.all_reduce_sum_([*self.moments.tensors(), tokens], what="RegMean statistics")
+        self.counted, self.total = self.tokens.clone(), self.total + tokens
         weight = torch.cat([linears[name].weight for name in self.names])
+        self.expert_norm = max(self.expert_norm, float(weight.double().norm()))
         self.system.add_task(self.moments.sum_xx if summed else self.moments.mean(), weight, ratio)
         self.moments.zero_()
 
-    def solved(self, linears: Mapping[str, nn.Module], around: StateDict | None = None) -> dict[str, torch.Tensor]:
-        """Each linear's merged weight, by ``<name>.weight``, in its own dtype: the system's solution, or with
-        ``around`` (the layer's tensors by their names in it) the update from its weights (LOT's)."""
+    def solved(
+        self, linears: Mapping[str, nn.Module], prefix: str, around: StateDict | None = None
+    ) -> tuple[dict[str, torch.Tensor], Conditioning | None]:
+        """Each linear's merged weight, by ``<name>.weight``, in its own dtype, and how well posed RegMean's
+        system is; with ``around`` (the layer's tensors by their names in it) the pseudo-inverse update from
+        its weights instead (LOT's, well posed by construction: no conditioning).
+
+        Raises:
+            FeatcalError: for RegMean's system, when the tasks' tokens are fewer than the input's dimensions:
+                the Gram matrices' sum then has rank below its size, and the regression has no one answer.
+        """
+        where = prefix + self.names[0]
         sizes = [linears[name].out_features for name in self.names]
-        if around is None:
-            solution = self.system.solve()
-        else:
+        if around is not None:
             solution = self.system.solve_update(torch.cat([around[f"{name}.weight"] for name in self.names]))
-        merged = solution.split(sizes)
-        return {f"{name}.weight": w.to(linears[name].weight.dtype) for name, w in zip(self.names, merged)}
+            conditioning = None
+        else:
+            if int(self.total) < self.dim:
+                raise FeatcalError(
+                    f"RegMean cannot merge {where!r} from these calibration examples: every task's tokens together "
+                    f"are {int(self.total)}, fewer than its {self.dim} input dimensions, so the sum of its Gram "
+                    "matrices is singular, the regression has no one answer and its weights blow up: raise "
+                    "--num-calibration-examples, or merge with a method that uses no data."
+                )
+            solution = self.system.solve()
+            conditioning = Conditioning(float(solution.norm()) / max(self.expert_norm, 1e-30), where)
+        parts = zip(self.names, solution.split(sizes))
+        merged = {f"{name}.weight": w.to(linears[name].weight.dtype) for name, w in parts}
+        return merged, conditioning
 
 
 @torch.no_grad()
@@ -150,6 +181,7 @@ def merge_layers(
     ]
     layers = adapter.layers(model)
     merged: dict[str, torch.Tensor] = {}
+    conditionings: list[Conditioning] = []
     for index in Progress(range(len(layers)), desc="RegMean: layers", unit="layers", enabled=data.progress):
         prefix = adapter.layer_prefix(index)
         layer = _materialised(layers[index], device)
@@ -161,7 +193,12 @@ def merge_layers(
             for group in groups:
                 group.fold(linears, ratio, world, summed=around is not None)
         anchor = None if around is None else _layer_tensors(layer, around, prefix, device)
-        solved = {key: value for group in groups or [] for key, value in group.solved(linears, anchor).items()}
+        solved: dict[str, torch.Tensor] = {}
+        for group in groups or []:
+            weights, conditioning = group.solved(linears, prefix, anchor)
+            solved.update(weights)
+            if conditioning is not None:
+                conditionings.append(conditioning)
         state = _merged_layer(layer, solved, base, experts if others is None else others, prefix, exclude)
         world.broadcast_(list(state.values()), what="RegMean weights")  # one merge, bit for bit, everywhere
         merged.update({prefix + name: tensor.cpu() for name, tensor in state.items()})
@@ -169,7 +206,33 @@ def merge_layers(
             load_params(layer, state, "")
             for stream in streams:
                 _advance(model, adapter, layer, stream, data.batch_size)
+    warn_ill_conditioned(conditionings)
     return merged
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """How well posed one input's RegMean system was: its solution's norm over the largest expert's (the
+    linears reading the input stacked; about 1 when the Gram matrices pin the weights down), and the first
+    linear's key."""
+
+    growth: float
+    where: str
+
+
+def warn_ill_conditioned(conditionings: Sequence[Conditioning]) -> None:
+    """Say in one line when some systems' solutions exceed :data:`ILL_POSED_GROWTH` times the experts' norm: their
+    Gram matrices' sum is ill-conditioned, and the solve amplified what the calibration tokens did not pin down."""
+    bad = [c for c in conditionings if c.growth > ILL_POSED_GROWTH]
+    if not bad:
+        return
+    worst = max(bad, key=lambda c: c.growth)
+    logger.warning(
+        "RegMean: %d of %d linear systems are ill-conditioned: their merged weights reach %.3g x the largest "
+        "expert's norm (%s); raise --num-calibration-examples or lower reduce_non_diagonal_ratio, and check the "
+        "merge's scores.",
+        len(bad), len(conditionings), worst.growth, worst.where,
+    )  # fmt: skip
 
 
 @torch.no_grad()

@@ -38,7 +38,7 @@ from featcal.runfolder.reader import RunFolder, read_run
 from featcal.runfolder.record import PROCESSES
 from featcal.runfolder.timings import timing_label
 from featcal.sweep.report import SWEEP_DIR, SWEEP_PLOT, read_sweep
-from featcal.tasks import Task
+from featcal.tasks import DATA_FILE_SUFFIXES, Task
 
 if TYPE_CHECKING:
     from featcal.families.base import ModelFamily
@@ -91,7 +91,7 @@ def card_data(run: RunFolder, *, model_name: str, license: str) -> ModelCardData
             dataset_type=t.dataset.path if is_hub_id(t.dataset.path) else t.name,
             dataset_name=t.name,
             dataset_config=t.dataset.name,
-            dataset_split=evaluated_split(t, run.max_eval_samples),
+            dataset_split=evaluated_split(t, run.max_eval_samples, run.record.evaluation.details.get("held_out")),
             metric_type=metric,
             metric_name=metric,
             metric_value=float(released.metrics[t.name]["accuracy"]),
@@ -112,8 +112,23 @@ def card_data(run: RunFolder, *, model_name: str, license: str) -> ModelCardData
     )
 
 
-def evaluated_split(task: Task, max_eval_samples: int | None) -> str:
-    """The split the accuracy was measured on, in ``datasets`` slicing notation when it was a prefix."""
+def evaluated_split(task: Task, max_eval_samples: int | None, held_out: Mapping[str, Any] | None = None) -> str:
+    """The split the accuracy was measured on, in ``datasets`` slicing notation when it was a prefix; for a task
+    whose evaluated rows were held out of the calibration's (``held_out``: the run's recorded shuffle, naming
+    such tasks), the split read and where the rows lie in that shuffle.
+
+    Args:
+        task: The task.
+        max_eval_samples: The run's limit on the rows evaluated (None: all).
+        held_out: The run's ``evaluation.held_out`` setting (seed, the calibration's rows, the tasks), if any.
+
+    Returns:
+        E.g. ``validation[:16]``, or ``train (positions 8+ of the seed-42 shuffle)``.
+    """
+    if held_out and task.name in held_out.get("tasks", ()):
+        first = int(held_out["after"])
+        last = f"-{first + max_eval_samples - 1}" if max_eval_samples else "+"
+        return f"{task.dataset.evaluated_split()} (positions {first}{last} of the seed-{held_out['seed']} shuffle)"
     split = task.dataset.test_split
     return f"{split}[:{max_eval_samples}]" if max_eval_samples else split
 
@@ -129,7 +144,7 @@ def _reference(row: ResultRow) -> str:
 
 def _link(ref: str | None, kind: str, commit: str | None = None) -> str:
     """A Hub id as a link to its page, or to the files of the ``commit`` it was read at (named beside it);
-    a local folder (a path or ``local:<name>``) by its name only."""
+    a local folder or data file (a path or ``local:<name>``) by its name only."""
     if not ref:
         return "–"
     if is_hub_id(ref):
@@ -140,7 +155,7 @@ def _link(ref: str | None, kind: str, commit: str | None = None) -> str:
             return f"[{repo_id}]({url})"
         return f"[{repo_id}]({url}/tree/{at}) at `{at[:12]}`"
     name = ref[len(LOCAL_MARK) :] if is_published_local(ref) else local_name(ref)
-    return f"`{name}` (local folder)"
+    return f"`{name}` (local {'file' if Path(name).suffix.lower() in DATA_FILE_SUFFIXES else 'folder'})"
 
 
 def _environment(
@@ -265,7 +280,7 @@ def _context(
                 "dataset": published_ref(t.dataset.path),
                 "dataset_commit": run.record.commit_of("datasets", t.name) or t.dataset.revision,
                 "config": t.dataset.name,
-                "test_split": evaluated_split(t, run.max_eval_samples),
+                "test_split": evaluated_split(t, run.max_eval_samples, run.record.evaluation.details.get("held_out")),
                 "classes": len(t.classnames),
                 "expert": published_ref(run.experts.get(t.name)),
                 "expert_commit": run.record.commit_of("models", run.experts.get(t.name)),

@@ -161,7 +161,7 @@ class CausalLMFamily:
             raise TypeError("a language model's evaluator needs its settings (evaluation_settings)")
         return HeldOutEvaluator(base_folder, device, world=world, settings=settings)
 
-    def evaluation_settings(self, spec: RunSpec) -> Mapping[str, Any]:
+    def evaluation_settings(self, spec: RunSpec, tasks: Sequence[Task] = ()) -> Mapping[str, Any]:
         """The held-out rows' shuffle, the greedy answers' length and the harness's tasks
         (:class:`~featcal.families.causal_lm.settings.LMEvaluationSettings`)."""
         from featcal.families.causal_lm.settings import evaluation_settings

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.data import held_out_indices
+from featcal.data import held_out_indices, held_out_record
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError, ModelInputError
 from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS
@@ -110,11 +110,7 @@ def held_out_rows(
             f"{max(world.size, 1)} needed): lower num_calibration_examples.",
         )
     share = indices[world.part(len(indices))]
-    record = {
-        "split": task.dataset.train_split,
-        "seed": settings.seed,
-        "rows": [settings.held_out_after, settings.held_out_after + len(indices)],
-    }
+    record = held_out_record(task.dataset.calibration_split(), settings.seed, settings.held_out_after, len(indices))
     return HeldOutRows(tuple(render_text(task, rows[int(i)]) for i in share), len(indices), record)
 
 

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.checkpoint import Checkpoint, check_same_architecture, load_params
+from featcal.checkpoint import Checkpoint, check_same_architecture, load_params, read_tied_once
 from featcal.errors import ModelInputError
 from featcal.families.likeness import check_like_base
 from featcal.files.model_files import COMPANION_FILES, MODEL_CONFIG
-from featcal.files.model_folders import save_model_state, streamed_model_folder
+from featcal.files.model_folders import save_model_state, saved_layout, streamed_model_folder
 from featcal.files.reading import check_utf8
 from featcal.files.safetensors_writer import TensorWriter
 from featcal.precision import BASE_DTYPE, OUTPUT_DTYPES
@@ -78,8 +78,16 @@ def check_architecture_known(folder: Path) -> str:
 
 
 def lm_checkpoint(folder: str | Path, name: str | None = None) -> Checkpoint:
-    """The tensors of a causal-LM folder, keyed as its ``*ForCausalLM`` state dict keys them, read lazily."""
-    return Checkpoint(folder, name=name, part="language model")
+    """The tensors of a causal-LM folder, keyed as its ``*ForCausalLM`` state dict keys them, read lazily; a tied
+    tensor once, as transformers reads it (:func:`~featcal.checkpoint.read_tied_once`).
+
+    Raises:
+        ModelInputError: for a configuration that does not read, or a stored copy of a tied tensor with values
+            of its own.
+    """
+    checkpoint = Checkpoint(folder, name=name, part="language model")
+    read_tied_once(checkpoint, saved_layout(meta_model(load_config(Path(folder)))).aliases)
+    return checkpoint
 
 
 def model_class(config: Any) -> type[nn.Module]:

@@ -25,12 +25,13 @@ from featcal.errors import DatasetInputError, ModelInputError
 from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS
 from featcal.files.reading import check_utf8
 from featcal.hub.refs import local_path
-from featcal.tasks import Task, TextFormat, format_columns
+from featcal.tasks import DATA_FILE_SUFFIXES, Task, TextFormat, format_columns
 
 logger = logging.getLogger(__name__)
 
 # A local data file's suffix -> the datasets builder that reads it.
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+NO_POSITION_LIMIT = int(1e30)  # transformers' own "no limit" for a tokenizer's model_max_length
+FILE_BUILDERS = dict(zip(DATA_FILE_SUFFIXES, ("json", "json", "parquet", "csv")))
 
 
 def load_text_split(task: Task, split: str = "train") -> Any:
@@ -152,12 +153,16 @@ def check_texts(task: Task, rows: Any, indices: Sequence[int], tokenizer: Any | 
     if tokenizer is None:
         return None
     encoded = encode_texts(tokenizer, texts, fmt)
+    limit = (
+        f"max_length {fmt.max_length} tokens: raise 'max_length' in the data file (or shorten the texts)"
+        if encoded.facts.max_length == fmt.max_length
+        else f"the model's {encoded.facts.max_length} positions (fewer than max_length): shorten the texts"
+    )
     if encoded.facts.cut == encoded.facts.texts:
         raise DatasetInputError(
             task.name,
             task.dataset.path,
-            f"Task {task.name!r}: every calibration text is longer than max_length {fmt.max_length} tokens: raise "
-            "'max_length' in the data file (or shorten the texts).",
+            f"Task {task.name!r}: every calibration text is longer than {limit}.",
         )
     weights = encoded.batch.token_weights
     if weights is not None and bool((weights.sum(1) == 0).all()):
@@ -180,7 +185,8 @@ class EncodedTexts:
 
 def encode_texts(tokenizer: Any, texts: Sequence[tuple[str, str]], fmt: TextFormat) -> EncodedTexts:
     """``(prompt, response)`` pairs as one calibration batch, right-padded to the longest (at most
-    ``fmt.max_length`` tokens).
+    ``fmt.max_length`` tokens, and at most the model's positions: the tokenizer's ``model_max_length``, which
+    :func:`base_tokenizer` sets to them).
 
     Every token of a text weighs 1 and padding 0; with ``weigh: response`` the prompt's tokens weigh 0
     too (a token belongs to the response when it starts at or after the response's first character).
@@ -196,7 +202,8 @@ def encode_texts(tokenizer: Any, texts: Sequence[tuple[str, str]], fmt: TextForm
     whole = [prompt + response for prompt, response in texts]
     full = tokenizer(whole, add_special_tokens=True, truncation=False)["input_ids"]
     longest = max(len(ids) for ids in full)
-    length = min(longest, fmt.max_length)
+    limit = min(fmt.max_length, tokenizer.model_max_length)  # the model's positions, when fewer
+    length = min(longest, limit)
     encoded = tokenizer(
         whole,
         add_special_tokens=True,
@@ -214,7 +221,7 @@ def encode_texts(tokenizer: Any, texts: Sequence[tuple[str, str]], fmt: TextForm
         in_response = (offsets[..., 0] >= starts) & (offsets[..., 1] > offsets[..., 0])
         weights = weights * in_response.to(torch.float32)
     cut = sum(len(ids) > length for ids in full)
-    facts = TextFacts(texts=len(texts), cut=cut, max_length=fmt.max_length, longest=longest)
+    facts = TextFacts(texts=len(texts), cut=cut, max_length=limit, longest=longest)
     batch = CalibrationBatch({INPUT_IDS: encoded[INPUT_IDS]}, {ATTENTION_MASK: mask}, weights)
     return EncodedTexts(batch, facts)
 
@@ -241,7 +248,8 @@ def calibration_texts(
     encoded = encode_texts(tokenizer, [render_text(task, rows[int(i)]) for i in indices], _text_format(task))
     if encoded.facts.cut and world.is_main:
         logger.info(
-            "Task %s: %d of %d calibration texts cut at max_length %d tokens (the longest has %d)",
+            "Task %s: %d of %d calibration texts cut at %d tokens (max_length, or the model's positions when fewer; "
+            "the longest has %d)",
             task.name,
             encoded.facts.cut,
             encoded.facts.texts,
@@ -283,4 +291,14 @@ def base_tokenizer(base_folder: Path) -> Any:
     tokenizer.padding_side = "right"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    # the model's positions, which no text is read past (:func:`encode_texts`); none: no limit but max_length
+    tokenizer.model_max_length = model_positions(base_folder) or NO_POSITION_LIMIT
     return tokenizer
+
+
+def model_positions(folder: Path) -> int | None:
+    """The positions a model folder's configuration gives its model (``max_position_embeddings``), if any."""
+    from featcal.families.causal_lm.folders import load_config
+
+    positions = getattr(load_config(folder), "max_position_embeddings", None)
+    return int(positions) if isinstance(positions, int) and positions > 0 else None

@@ -133,9 +133,13 @@ class ClipVisionFamily:
         check_images(task, dataset, split, list(rows))
 
     def check_split(self, task: Task, dataset: Any, split: str) -> None:
-        from featcal.families.clip_vision.images import check_labels
+        """The labels of every row; for the test split, every image too (decoded), so that a damaged one is named
+        by its row before any stage is written, not when an evaluation reaches it."""
+        from featcal.families.clip_vision.images import check_images, check_labels
 
         check_labels(task, dataset, split)
+        if split == "test":
+            check_images(task, dataset, split, list(range(len(dataset))))
 
     def calibration_inputs(self, task: Task, preprocessor: Any, n: int, seed: int, *, world: World) -> CalibrationBatch:
         from featcal.calibration.adapters import CalibrationBatch
@@ -158,11 +162,15 @@ class ClipVisionFamily:
     ) -> ZeroShotEvaluator:
         from featcal.families.clip_vision.evaluation import ZeroShotEvaluator
 
-        return ZeroShotEvaluator(base_folder, device, world=world)
+        return ZeroShotEvaluator(base_folder, device, world=world, held_out=(settings or {}).get("held_out"))
 
-    def evaluation_settings(self, spec: RunSpec) -> Mapping[str, Any]:
-        """None: a CLIP evaluation depends on the test images and ``max_eval_samples`` alone."""
-        return {}
+    def evaluation_settings(self, spec: RunSpec, tasks: Sequence[Task] = ()) -> Mapping[str, Any]:
+        """The shuffle that holds the evaluated images out of the calibration's, when some task's calibration reads
+        its test split (one split named for both): the seed, the calibration's images that come first, and those
+        tasks. None else: a CLIP evaluation then depends on the test images and ``max_eval_samples`` alone."""
+        from featcal.data import held_out_setting
+
+        return held_out_setting(spec, tasks)
 
     def evaluation_record(self) -> Mapping[str, Any]:
         from featcal.families.clip_vision.evaluation import IMAGE_PROCESSOR

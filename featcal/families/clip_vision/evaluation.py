@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -242,14 +243,17 @@ class ZeroShotClassifier:
         batch_size: int | None = None,
         num_workers: int = 0,
         max_samples: int | None = None,
+        held_out: Mapping[str, Any] | None = None,
     ) -> TestImages:
-        """The tasks' test images behind one loader, pinned when this classifier is on CUDA."""
+        """The tasks' test images behind one loader, pinned when this classifier is on CUDA (``held_out``: see
+        :class:`TestImages`)."""
         return TestImages(
             tasks,
             processor,
             batch_size=batch_size or default_eval_batch_size(self.device),
             num_workers=num_workers,
             max_samples=max_samples,
+            held_out=held_out,
             pin_memory=self.device.type == "cuda",
             world=self.world,
         )
@@ -319,14 +323,23 @@ class ZeroShotEvaluator:
         base_folder: The base ``CLIPModel`` folder (text tower, projections, tokenizer, image processor).
         device: Where the evaluation runs.
         world: Under torchrun, the processes that share each task's test images.
+        held_out: The run's ``held_out`` evaluation setting (:func:`featcal.data.held_out_setting`), if any.
 
     Raises:
         ModelInputError: when the base is not a complete CLIPModel with a tokenizer and image processor.
     """
 
-    def __init__(self, base_folder: str | Path, device: torch.device | str, *, world: World = SINGLE) -> None:
+    def __init__(
+        self,
+        base_folder: str | Path,
+        device: torch.device | str,
+        *,
+        world: World = SINGLE,
+        held_out: Mapping[str, Any] | None = None,
+    ) -> None:
         clip, tokenizer, self.processor = load_base_clip(base_folder, device)
         self.classifier = ZeroShotClassifier(clip, tokenizer, device, world=world)
+        self.held_out = held_out  # the run's shuffle holding test images out of the calibration's, if any
 
     def base_model(self) -> nn.Module:
         """The base's own vision tower (evaluate it before :meth:`prepare`, which drops it)."""
@@ -341,7 +354,12 @@ class ZeroShotEvaluator:
     ) -> TestImages:
         """The tasks' test images behind one loader (see :meth:`ZeroShotClassifier.test_images`)."""
         return self.classifier.test_images(
-            tasks, self.processor, batch_size=batch_size, num_workers=num_workers, max_samples=max_samples
+            tasks,
+            self.processor,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            max_samples=max_samples,
+            held_out=self.held_out,
         )
 
     def evaluate(self, model: nn.Module, tasks: Sequence[Task], *, data: TestImages, progress: bool) -> MetricsReport:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
-from featcal.data import calibration_indices, load_dataset_split
+from featcal.data import calibration_indices, held_out_indices, load_dataset_split
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError
 from featcal.tasks import Task
@@ -58,11 +60,13 @@ def with_decoded_images(ds, column: str):
 
 # What PIL raises for an image it cannot read: garbage bytes, a truncated file, a decompression bomb.
 UNREADABLE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+PYTHON_OBJECT = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")  # "<_io.BytesIO object at 0x7f...>"
 
 
 def damaged(task: Task, split: str, row: int, reason: BaseException | str) -> DatasetInputError:
     """The error naming a row of a task's split that holds no readable image."""
     text = reason if isinstance(reason, str) else (str(reason).strip().splitlines() or [type(reason).__name__])[0]
+    text = PYTHON_OBJECT.sub("its bytes", text)  # PIL names the file object it read, not the row
     split_name = task.dataset.train_split if split == "train" else task.dataset.test_split
     return DatasetInputError(
         task.name,
@@ -255,6 +259,9 @@ class TestImages:
         batch_size: Images per batch (a batch never mixes tasks).
         num_workers: Data-loading worker processes for large test sets.
         max_samples: Only the first N test images of each task.
+        held_out: The run's ``held_out`` setting (:func:`featcal.data.held_out_setting`): a task it names, whose
+            calibration reads its test split, is evaluated on the images after the calibration's in the same
+            shuffle instead.
         pin_memory: Page-locked batches.
         world: Under torchrun, this process's batches only (every ``world.size``-th batch of a task).
     """
@@ -267,13 +274,16 @@ class TestImages:
         batch_size: int,
         num_workers: int = 0,
         max_samples: int | None = None,
+        held_out: Mapping[str, Any] | None = None,
         pin_memory: bool = False,
         world: World = SINGLE,
     ) -> None:
         parts = []
         for task in tasks:
             ds = load_task_split(task, "test")
-            if max_samples is not None:
+            if held_out is not None and task.name in held_out["tasks"]:
+                ds = ds.select(held_out_indices(len(ds), int(held_out["after"]), int(held_out["seed"]))[:max_samples])
+            elif max_samples is not None:
                 ds = ds.select(range(min(max_samples, len(ds))))
             parts.append(LabelledImages(ds, task.dataset.image_column, task.dataset.label_column))
         self.index = {task.name: i for i, task in enumerate(tasks)}

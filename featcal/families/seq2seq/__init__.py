@@ -180,12 +180,17 @@ class Seq2SeqFamily:
     ) -> GenerationEvaluator:
         from featcal.families.seq2seq.evaluation import GenerationEvaluator
 
-        return GenerationEvaluator(base_folder, device, world=world)
+        return GenerationEvaluator(base_folder, device, world=world, held_out=(settings or {}).get("held_out"))
 
-    def evaluation_settings(self, spec: RunSpec) -> Mapping[str, Any]:
-        """None: a T5 evaluation depends on the test pairs and ``max_eval_samples`` alone (its generation settings
-        are FusionBench's, fixed, and recorded by :meth:`evaluation_record`)."""
-        return {}
+    def evaluation_settings(self, spec: RunSpec, tasks: Sequence[Task] = ()) -> Mapping[str, Any]:
+        """The shuffle that holds the evaluated rows out of the calibration's, when some task's calibration reads
+        its test split (one local file, or one split named for both): the seed, the calibration's rows that come
+        first, and those tasks. None else: a T5 evaluation then depends on the test pairs and
+        ``max_eval_samples`` alone (its generation settings are FusionBench's, fixed, and recorded by
+        :meth:`evaluation_record`)."""
+        from featcal.data import held_out_setting
+
+        return held_out_setting(spec, tasks)
 
     def evaluation_record(self) -> Mapping[str, Any]:
         from featcal.families.seq2seq.evaluation import GENERATION

@@ -17,14 +17,17 @@ over the processes, and the numbers read for Spearman's ρ gathered.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from featcal.data import check_rows_left, held_out_indices, held_out_record
 from featcal.distributed import SINGLE, World
 from featcal.families.seq2seq.texts import base_tokenizer, encode_task_pairs, load_pair_split, pair_format, render_pair
 from featcal.metrics import MetricsReport, TaskMetrics, count_parameters
@@ -32,6 +35,7 @@ from featcal.progress import Progress
 from featcal.tasks import Task
 
 GENERATION = {"max_length": 10, "do_sample": False, "num_beams": 1}  # FusionBench's model.generate(..., max_length=10)
+logger = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 32  # FusionBench's GLUE evaluation batch
 
 
@@ -80,11 +84,14 @@ def exact_match(predictions: Sequence[str], targets: Sequence[str]) -> int:
 
 @dataclass(frozen=True)
 class TaskPairs:
-    """One task's test pairs, this process's part of them, and how many the task has in all."""
+    """One task's test pairs, this process's part of them, how many the task has in all, and where they lie when
+    they are held out of the calibration's rows (:func:`~featcal.data.held_out_record`; None: the test split's
+    first rows)."""
 
     pairs: list[tuple[str, str]]
     total: int
     start: int
+    held_out: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,12 +109,21 @@ class GenerationEvaluator:
         base_folder: The base model's folder (its tokenizer reads and writes every text).
         device: Where the models generate.
         world: The processes (each generates for its part of every task).
+        held_out: The run's ``held_out`` evaluation setting (:func:`featcal.data.held_out_setting`), if any.
     """
 
-    def __init__(self, base_folder: str | Path, device: torch.device | str, *, world: World = SINGLE) -> None:
+    def __init__(
+        self,
+        base_folder: str | Path,
+        device: torch.device | str,
+        *,
+        world: World = SINGLE,
+        held_out: Mapping[str, Any] | None = None,
+    ) -> None:
         self.base_folder = Path(base_folder)
         self.device = torch.device(device)
         self.world = world
+        self.held_out = held_out
         self.tokenizer = base_tokenizer(self.base_folder)
 
     def base_model(self) -> nn.Module:
@@ -121,15 +137,38 @@ class GenerationEvaluator:
     def test_data(
         self, tasks: Sequence[Task], *, batch_size: int | None, num_workers: int, max_samples: int | None
     ) -> TestPairs:
-        """Each task's test pairs (its first ``max_samples``, or all), this process's part of them."""
+        """Each task's test pairs (its first ``max_samples``, or all), this process's part of them; for a task whose
+        calibration reads its test split, the rows after the calibration's in the same shuffle instead.
+
+        Raises:
+            DatasetInputError: when such a task has no row left after the calibration's.
+        """
         out = {}
         for task in tasks:
             rows = load_pair_split(task, "test")
-            count = len(rows) if max_samples is None else min(max_samples, len(rows))
-            part = self.world.part(count)
-            pairs = [render_pair(task, rows[i]) for i in range(part.start, part.stop)]
-            out[task.name] = TaskPairs(pairs, count, part.start)
+            indices, record = self.test_rows(task, len(rows), max_samples)
+            part = self.world.part(len(indices))
+            pairs = [render_pair(task, rows[int(i)]) for i in indices[part.start : part.stop]]
+            out[task.name] = TaskPairs(pairs, len(indices), part.start, record)
         return TestPairs(out, batch_size or DEFAULT_BATCH_SIZE)
+
+    def test_rows(self, task: Task, num_rows: int, max_samples: int | None) -> tuple[list[int], dict[str, Any] | None]:
+        """The rows of ``task``'s test split it is evaluated on, and where they lie when held out of the
+        calibration's (None: the split's first rows), said in one line."""
+        held_out = self.held_out
+        if held_out is None or task.name not in held_out["tasks"]:
+            return list(range(num_rows if max_samples is None else min(max_samples, num_rows))), None
+        seed, after = int(held_out["seed"]), int(held_out["after"])
+        check_rows_left(task, num_rows, after)
+        indices = held_out_indices(num_rows, after, seed)[:max_samples]
+        record = held_out_record(task.dataset.evaluated_split(), seed, after, len(indices))
+        if self.world.is_main:
+            logger.info(
+                "Task %r: calibration reads positions 0-%d of the seed-%d shuffle of %s, evaluation positions %d-%d "
+                "(held out of the calibration).",
+                task.name, after - 1, seed, task.dataset.path, after, after + len(indices) - 1,
+            )  # fmt: skip
+        return indices, record
 
     def evaluate(self, model: nn.Module, tasks: Sequence[Task], *, data: TestPairs, progress: bool) -> MetricsReport:
         results = {task.name: self.evaluate_task(model, task, data=data, progress=progress) for task in tasks}
@@ -185,4 +224,5 @@ class GenerationEvaluator:
         else:
             self.world.all_reduce_sum_([sums], what="the evaluation")
             score = float(sums[0]) / own.total if own.total else 0.0
-        return TaskMetrics(score, float(sums[1] / sums[2]) if sums[2] else math.nan, own.total, {"metric": fmt.metric})
+        extra = {"metric": fmt.metric, **({"held_out": dict(own.held_out)} if own.held_out else {})}
+        return TaskMetrics(score, float(sums[1] / sums[2]) if sums[2] else math.nan, own.total, extra)

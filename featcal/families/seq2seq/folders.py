@@ -7,10 +7,17 @@ calibrated folder, so each loads with ``AutoModelForSeq2SeqLM``/``AutoTokenizer`
 float16 (transformers keeps it in float32 there, ``_keep_in_fp32_modules``), and FLAN-T5 is released in
 float32.
 
-transformers 5 ties a freshly built T5's LM head to its embedding whatever its configuration says, and unties
-it on load when the checkpoint holds a head of its own. A FLAN-T5 (T5 v1.1) has its own head (its original
-configuration says ``tie_word_embeddings: false``, which transformers 5 records as ``scale_decoder_outputs:
-false``); featcal builds such models with their own head too (:func:`has_own_head`). No folder's code is run.
+transformers 5's ``T5Config`` sets ``tie_word_embeddings: true`` whatever it is given, and records what an older
+configuration's ``tie_word_embeddings: false`` meant (T5 v1.1, FLAN-T5) as ``scale_decoder_outputs: false``: the
+decoder's output is not multiplied by ``d_model ** -0.5`` before the LM head. The head is tied to the shared
+embedding on load unless the checkpoint stores ``lm_head.weight`` with other values than ``shared.weight``. So a
+folder's two facts are read as transformers reads them: the scaling from its configuration
+(:func:`scales_decoder_outputs`), the tie from its tensors (:func:`stores_own_head`), never from a key list alone.
+featcal keys a model with an LM head (``lm_head.weight``) when transformers loads it untied, and when its outputs
+are not rescaled (the tied head then read under both names: such a model is written with its head, which
+transformers 5 ties again on load and transformers 4 reads with the ``tie_word_embeddings: false`` its release
+says); else without one, a stored copy equal to the embedding left out (:func:`has_own_head`). Every model of
+one merge has the same form (a folder of another is refused naming it). No folder's code is run.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch
 from torch import nn
 
 from featcal.checkpoint import Checkpoint, check_same_architecture, load_params
-from featcal.errors import ModelInputError
+from featcal.errors import FeatcalError, ModelInputError
 from featcal.families.causal_lm.folders import companions, model_type
 from featcal.families.likeness import check_like_base
 from featcal.files.model_files import MODEL_CONFIG
@@ -37,6 +44,9 @@ MODEL_CLASS = "T5ForConditionalGeneration"
 ADAPTER_CONFIG = "adapter_config.json"  # what marks a LoRA (PEFT) adapter's folder
 SHARD_BYTES = 5 * 10**9  # save_pretrained's default shard size ("5GB")
 STORED_DTYPE = torch.float32
+HEAD, EMBEDDING = "lm_head.weight", "shared.weight"
+OWN_HEAD = "an LM head of its own, lm_head.weight"
+TIED_HEAD = "its LM head tied to the shared embedding and its decoder outputs rescaled"
 
 
 def check_t5_folder_kind(folder: Path) -> str:
@@ -60,13 +70,23 @@ def check_t5_folder_kind(folder: Path) -> str:
 
 
 def t5_checkpoint(folder: str | Path, name: str | None = None) -> Checkpoint:
-    """The tensors of a T5 folder, keyed as its model's state dict keys them, read lazily.
+    """The tensors of a T5 folder, keyed as its model's state dict keys them, read lazily: with
+    ``lm_head.weight`` when :func:`has_own_head` says so (the shared embedding's tensor when none is stored), else
+    without it (a stored copy of the embedding left out, as transformers ties it).
 
     Raises:
-        ModelInputError: for a LoRA adapter's folder or a model that is not a T5.
+        ModelInputError: for a LoRA adapter's folder, a model that is not a T5, or a configuration that does
+            not read.
     """
-    check_t5_folder_kind(Path(folder))
-    return Checkpoint(folder, name=name, part="encoder-decoder")
+    config = load_config(Path(folder))  # checks first that the folder holds a whole T5
+    checkpoint = Checkpoint(folder, name=name, part="encoder-decoder")
+    own = not scales_decoder_outputs(config) or stores_own_head(checkpoint)
+    if own and HEAD not in checkpoint and EMBEDDING in checkpoint:
+        checkpoint.alias(HEAD, EMBEDDING)
+    elif not own and HEAD in checkpoint:
+        checkpoint.drop(HEAD)
+    checkpoint.part = f"encoder-decoder ({OWN_HEAD if own else TIED_HEAD})"
+    return checkpoint
 
 
 def load_config(folder: Path) -> Any:
@@ -85,31 +105,55 @@ def load_config(folder: Path) -> Any:
         raise ModelInputError(str(folder), f"{folder / MODEL_CONFIG} does not read ({first}).") from None
 
 
+def scales_decoder_outputs(config: Any) -> bool:
+    """Whether ``T5ForConditionalGeneration.forward`` multiplies the decoder's output by ``d_model ** -0.5`` before
+    the LM head (T5 v1.0), as transformers 5's ``T5Config`` records it (``scale_decoder_outputs``)."""
+    return bool(getattr(config, "scale_decoder_outputs", True))
+
+
+def stores_own_head(checkpoint: Checkpoint) -> bool:
+    """Whether transformers 5 loads the checkpoint with an LM head of its own: it stores ``lm_head.weight`` with
+    other values than ``shared.weight`` (transformers ties the two otherwise, whatever the configuration says)."""
+    if HEAD not in checkpoint or EMBEDDING not in checkpoint:
+        return False
+    with checkpoint.reading():
+        return not torch.equal(checkpoint[HEAD], checkpoint[EMBEDDING])
+
+
 def has_own_head(config: Any) -> bool:
-    """Whether the models of ``config`` have an LM head of their own (FLAN-T5), not the shared embedding (T5)."""
-    return not getattr(config, "scale_decoder_outputs", True) or not getattr(config, "tie_word_embeddings", True)
+    """Whether featcal keys the models of ``config`` with an LM head (``lm_head.weight``): when their decoder
+    outputs are not rescaled, or when the folder ``config`` was read from stores a head of its own."""
+    if not scales_decoder_outputs(config):
+        return True
+    source = Path(getattr(config, "name_or_path", "") or "")
+    try:
+        return bool(str(source)) and source.is_dir() and stores_own_head(Checkpoint(source))
+    except FeatcalError:  # a configuration read from a folder without weights
+        return False
 
 
-def _untie(model: nn.Module) -> nn.Module:
-    """``model`` with an LM head of its own, when its configuration says so."""
-    if has_own_head(model.config) and model.lm_head.weight is model.shared.weight:
+def _untie(model: nn.Module, own_head: bool) -> nn.Module:
+    """``model`` with an LM head of its own when ``own_head``."""
+    if own_head and model.lm_head.weight is model.shared.weight:
         model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight))
     return model
 
 
-def meta_model(config: Any) -> nn.Module:
-    """The model of ``config`` on the meta device: its state dict's keys, shapes and dtypes, no memory."""
+def meta_model(config: Any, own_head: bool) -> nn.Module:
+    """The model of ``config`` on the meta device (with an LM head of its own when ``own_head``): its state dict's
+    keys, shapes and dtypes, no memory."""
     from transformers import T5ForConditionalGeneration
 
     with torch.device("meta"):
-        return _untie(T5ForConditionalGeneration(config))
+        return _untie(T5ForConditionalGeneration(config), own_head)
 
 
 def build_t5(config: Any, state: Mapping[str, torch.Tensor]) -> nn.Module:
-    """A model of ``config`` holding ``state`` (float32, eval mode)."""
+    """A model of ``config`` holding ``state`` (float32, eval mode), with an LM head of its own when ``state``
+    has one."""
     from transformers import T5ForConditionalGeneration
 
-    model = _untie(T5ForConditionalGeneration(config))
+    model = _untie(T5ForConditionalGeneration(config), HEAD in state)
     model.load_state_dict(dict(state), strict=False)
     return model.eval()
 
@@ -160,7 +204,7 @@ def save_t5(state: Mapping[str, torch.Tensor], config: Any, folder: Path) -> Pat
     """Write ``state`` as a model folder of ``config`` (float32, sharded as ``save_pretrained`` shards), with the
     tokenizer files and generation config of the folder ``config`` was read from (the base's), atomically."""
     return save_model_state(
-        meta_model(config),
+        meta_model(config, HEAD in state),
         state,
         folder,
         max_shard_bytes=SHARD_BYTES,
@@ -173,8 +217,9 @@ def save_t5(state: Mapping[str, torch.Tensor], config: Any, folder: Path) -> Pat
 def streamed_t5(config: Any, folder: Path) -> Iterator[TensorWriter]:
     """A model folder of ``config`` written tensor by tensor (float32, sharded), with the base's tokenizer files
     and generation config, appearing whole when the block ends."""
+    model = meta_model(config, has_own_head(config))
     with streamed_model_folder(
-        meta_model(config), folder, max_shard_bytes=SHARD_BYTES, dtype=STORED_DTYPE, companions=companions(config)
+        model, folder, max_shard_bytes=SHARD_BYTES, dtype=STORED_DTYPE, companions=companions(config)
     ) as writer:
         yield writer
 
@@ -184,10 +229,11 @@ def t5_skeleton(config: Any, merged: Checkpoint, device: torch.device) -> nn.Mod
     encoder and decoder blocks on the meta device."""
     from transformers import T5ForConditionalGeneration
 
-    meta = meta_model(config)
+    own_head = HEAD in merged
+    meta = meta_model(config, own_head)
     shallow = copy.deepcopy(config)
     shallow.num_layers = shallow.num_decoder_layers = 0
-    model = _untie(T5ForConditionalGeneration(shallow)).to(device)
+    model = _untie(T5ForConditionalGeneration(shallow), own_head).to(device)
     load_params(model, merged, "")
     model.config = config
     model.encoder.block.extend(meta.encoder.block)

@@ -193,7 +193,41 @@ def check_pairs(task: Task, rows: Any, indices: Sequence[int], tokenizer: Any | 
                 "the data.",
             )
         pairs.append(pair)
-    return None if tokenizer is None else encode_task_pairs(task, tokenizer, pairs).facts
+    if tokenizer is None:
+        return None
+    check_label_words(task, tokenizer)
+    return encode_task_pairs(task, tokenizer, pairs).facts
+
+
+def check_label_words(task: Task, tokenizer: Any) -> None:
+    """Refuse ``labels`` words the tokenizer cannot spell: a word with the unknown token in its tokens, or two
+    words with the same tokens, would give classes targets the model cannot tell apart.
+
+    Raises:
+        DatasetInputError: naming the task, the words and the fix.
+    """
+    words = pair_format(task).labels
+    if not words:
+        return
+    spelled = [tuple(tokenizer(word, add_special_tokens=False)["input_ids"]) for word in words]
+    unknown = [
+        w for w, ids in zip(words, spelled) if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids
+    ]
+    if unknown:
+        raise DatasetInputError(
+            task.name,
+            task.dataset.path,
+            f"Task {task.name!r}: the label word(s) {unknown} are not in the base's tokenizer vocabulary (they "
+            f"become {tokenizer.unk_token!r}): use words the tokenizer knows.",
+        )
+    same = [w for i, w in enumerate(words) if spelled[i] in spelled[:i]]
+    if same:
+        raise DatasetInputError(
+            task.name,
+            task.dataset.path,
+            f"Task {task.name!r}: the label word(s) {same} have the same tokens as another class's word in the base's "
+            "tokenizer, so their targets are one: use words the tokenizer spells apart.",
+        )
 
 
 def calibration_pairs(
