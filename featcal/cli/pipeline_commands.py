@@ -17,7 +17,7 @@ from featcal.calibration.params import GROUP as FEATCAL
 from featcal.cli.common import format_results, path_line, show_progress
 from featcal.cli.options import add_options, add_spec_options, command, given_values
 from featcal.cli.suites import SuiteChoice
-from featcal.repairs.options import DEFAULT_REPAIR, RepairChoice
+from featcal.repairs.options import DEFAULT_REPAIR, SURGERY_NAME, RepairChoice
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
 
 if TYPE_CHECKING:
@@ -168,8 +168,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     choice = RepairChoice(**given_values(args, RepairChoice))
     repair = get_repair(choice.method)
+    if choice.evaluate and repair.name != SURGERY_NAME:
+        raise InvalidParameterError(
+            "evaluate", True, f"given only with --method {SURGERY_NAME}, whose result is no model folder: "
+            "evaluate a repaired model folder with `featcal evaluate --model DIR`",
+        )  # fmt: skip
     if not repair.uses_data:
         return repair_folder(args, repair, choice.repair_params)
+    if repair.name == SURGERY_NAME:
+        from featcal.cli.surgery import surgery_folder
+
+        return surgery_folder(args, repair, choice.repair_params, evaluate=choice.evaluate)
     if repair.name != DEFAULT_REPAIR:
         return lot_folder(args, repair, choice.repair_params)
     if choice.repair_params:
@@ -451,7 +460,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     command(p, cmd_merge)
 
     p = subparsers.add_parser(
-        "calibrate", help="calibrate a merged model folder with FeatCal (or repair it: --method svc, --method lot)"
+        "calibrate", help="calibrate a merged model folder with FeatCal (or repair it: --method svc, lot, surgery)"
     )
     p.add_argument(
         "--merged",
