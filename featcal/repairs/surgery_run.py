@@ -89,14 +89,18 @@ def evaluate_surgery(
     """Accuracy per task of the merge with each task's module applied to its embeddings, and without.
 
     Returns:
-        Per task: ``accuracy`` (with the module) and ``accuracy_without`` (the merge alone).
+        Per task: ``accuracy`` and ``loss`` (mean cross-entropy) with the module, ``accuracy_without`` and
+        ``loss_without`` of the merge alone.
     """
     out: dict[str, dict[str, float]] = {}
     for task in tasks:
         feature_map = SurgeryFeatures(modules, task.name, classifier.device)
         with_modules = classifier.evaluate_task(merged, task, images=images, progress=False, features=feature_map)
         without = classifier.evaluate_task(merged, task, images=images, progress=False)
-        out[task.name] = {"accuracy": with_modules.accuracy, "accuracy_without": without.accuracy}
+        out[task.name] = {
+            "accuracy": with_modules.accuracy, "loss": with_modules.loss,
+            "accuracy_without": without.accuracy, "loss_without": without.loss,
+        }  # fmt: skip
     return out
 
 
