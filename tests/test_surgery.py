@@ -55,12 +55,12 @@ def test_the_loss_curve_and_modules_match_fusionbench_s_to_float32_rounding() ->
     params = {k: GOLDEN[k] for k in ("rank", "steps", "learning_rate", "batch_size")}
     classifier = ZeroShotEvaluator(F / "base", "cpu").classifier
     result, cost = run_surgery(classifier, merged, experts, pixels, params, seed=seed, batch_size=4)
-    assert torch.allclose(torch.tensor(result.losses), torch.tensor(GOLDEN["losses"]), rtol=1e-5, atol=0)
+    assert torch.allclose(torch.tensor(result.losses), torch.tensor(GOLDEN["losses"]), rtol=2e-6, atol=0)
     assert result.losses[-1] != result.losses[0]  # it trained
     expected = load_file(F / "expected" / "fusionbench_surgery_modules.safetensors")
     assert sorted(result.modules) == sorted(expected)
     for key, value in expected.items():
-        assert torch.allclose(result.modules[key], value, rtol=1e-4, atol=1e-7), key
+        assert (result.modules[key] - value).abs().max() <= 1e-5 * value.abs().max(), key  # equal, measured
     assert cost["seconds"] > 0 and cost["peak_host_rss_gib"] > 0
 
 
