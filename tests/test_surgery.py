@@ -206,7 +206,8 @@ def test_evaluate_with_another_repair_is_refused(clip, tmp_path, capsys) -> None
     assert not out.exists()
 
 
-def test_surgery_on_a_causal_lm_merge_is_refused_in_one_line_before_any_work(tmp_path, capsys) -> None:
+def llama_data(tmp_path: Path) -> dict:
+    """A tiny Llama base and two experts, with their texts: the ``--data`` file's content."""
     base = save_model(tmp_path / "base", seed=0)
     tokenizer().save_pretrained(tmp_path / "base")
     data = {"max_length": 16, "experts": {}}
@@ -218,16 +219,39 @@ def test_surgery_on_a_causal_lm_merge_is_refused_in_one_line_before_any_work(tmp
         rows = "".join(json.dumps({"query": words[2 * j], "response": words[2 * j + 1]}) + "\n" for j in range(20))
         (tmp_path / f"{name}.jsonl").write_text(rows)
         data["experts"][str(expert)] = {"dataset": f"{name}.jsonl", "text": "{query} {response}"}
-    (tmp_path / "data.yaml").write_text(json.dumps(data))
+    return data
+
+
+def t5_data(tmp_path: Path) -> dict:
+    """A tiny T5 base and two experts, with their examples: the ``--data`` file's content."""
+    from tests.support import tiny_t5
+
+    base = tiny_t5.save_model(tmp_path / "base", seed=0)
+    data = {"max_length": 32, "experts": {}}
+    for i, name in enumerate(("sst", "nli")):
+        tiny_t5.save_model(tmp_path / f"t5-tiny_glue-{name}", seed=10 + i, base=base)
+        rows = [{"sentence": text, "label": j % 2} for j, (text, _) in enumerate(tiny_t5.pairs(20 + i))]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        data["experts"][str(tmp_path / f"t5-tiny_glue-{name}")] = {
+            "dataset": f"{name}.jsonl", "input": "classify: {sentence}", "target": "{label}", "labels": ["w1", "w2"],
+        }  # fmt: skip
+    return data
+
+
+@pytest.mark.parametrize(("family", "build"), [("causal_lm", llama_data), ("seq2seq", t5_data)])
+def test_surgery_on_a_language_model_merge_is_refused_in_one_line_before_any_work(
+    tmp_path, capsys, family, build
+) -> None:
+    (tmp_path / "data.yaml").write_text(json.dumps(build(tmp_path)))
     common = ["--data", str(tmp_path / "data.yaml"), "--device", "cpu"]
-    assert (
-        main(["-q", "merge", *common, "--base-model-id", str(tmp_path / "base"), "--output", str(tmp_path / "ta")]) == 0
-    )
+    merge = ["-q", "merge", *common, "--base-model-id", str(tmp_path / "base"), "--output", str(tmp_path / "ta")]
+    assert main(merge) == 0
     out = tmp_path / "out"
     code, err = run_error(capsys, ["calibrate", "--method", "surgery", *common, "--merged", str(tmp_path / "ta"),
                                    "--output", str(out)])  # fmt: skip
     assert code == 2 and len(err) == 1, err
-    assert "--method 'surgery' is invalid" in err[0] and "family causal_lm: featcal, lot or svc" in err[0]
+    assert "--method 'surgery' is invalid: it must be a repair defined for " in err[0]
+    assert f"(family {family}; `featcal methods` lists the repairs): surgery trains its modules on a CLIP" in err[0]
     assert not out.exists()
 
 

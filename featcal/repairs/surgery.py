@@ -66,8 +66,9 @@ def check_surgery_family(family: ModelFamily) -> None:
     """
     if family.name not in SURGERY_FAMILIES:
         raise InvalidParameterError(
-            "method", SURGERY.name, f"a repair defined for {family.title} models (family {family.name}: featcal, "
-            f"lot or svc): {SURGERY.name} trains its modules on a CLIP vision merge's image embeddings only",
+            "method", SURGERY.name, f"a repair defined for {family.title} models (family {family.name}; `featcal "
+            f"methods` lists the repairs): {SURGERY.name} trains its modules on a CLIP vision merge's image "
+            "embeddings only",
         )  # fmt: skip
 
 

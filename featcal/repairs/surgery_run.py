@@ -88,6 +88,13 @@ def evaluate_surgery(
 ) -> dict[str, dict[str, float]]:
     """Accuracy per task of the merge with each task's module applied to its embeddings, and without.
 
+    Args:
+        classifier: The zero-shot classifier holding the tasks' heads.
+        merged: The merged vision tower.
+        modules: The trained modules (``{task}.down``, ``{task}.up``).
+        tasks: The tasks, each evaluated on its test images.
+        images: The tasks' test images (the evaluator's ``test_data``).
+
     Returns:
         Per task: ``accuracy`` and ``loss`` (mean cross-entropy) with the module, ``accuracy_without`` and
         ``loss_without`` of the merge alone.
@@ -113,6 +120,14 @@ def save_surgery(
     output: str | Path,
 ) -> Path:
     """Write the output folder (atomically): the modules, the recipe and the report.
+
+    Args:
+        inputs: The run's resolved inputs (family, base, experts).
+        merged_folder: The merge the modules were trained on (its record is kept in the recipe).
+        recorded: Surgery's hyper-parameters and calibration draw, as the recipe records them.
+        result: The trained modules.
+        report: What ``surgery_report.json`` holds.
+        output: The folder to write.
 
     Returns:
         The folder.
