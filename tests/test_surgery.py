@@ -54,7 +54,7 @@ def test_the_loss_curve_and_modules_match_fusionbench_s_to_float32_rounding() ->
     }
     params = {k: GOLDEN[k] for k in ("rank", "steps", "learning_rate", "batch_size")}
     classifier = ZeroShotEvaluator(F / "base", "cpu").classifier
-    result, cost = run_surgery(classifier, merged, experts, pixels, params, seed=seed, batch_size=4)
+    result, cost = run_surgery(classifier, merged, experts.__getitem__, pixels, params, seed=seed, batch_size=4)
     assert torch.allclose(torch.tensor(result.losses), torch.tensor(GOLDEN["losses"]), rtol=2e-6, atol=0)
     assert result.losses[-1] != result.losses[0]  # it trained
     expected = load_file(F / "expected" / "fusionbench_surgery_modules.safetensors")

@@ -378,13 +378,13 @@ def surgery_folder(args: argparse.Namespace, repair: Repair, params: dict[str, A
         evaluator = family.evaluator(inputs.base_folder, device, world=world, settings=family.evaluation_settings(spec))
         with compute_settings(spec, inputs):
             merged = family.load_model(Path(args.merged), inputs.base)
-            experts = {t.name: family.build_model(inputs.config, inputs.experts[t.name]) for t in inputs.tasks}
             pixels = {
                 t.name: family.calibration_inputs(t, preprocessor, n, seed, world=world).inputs[PIXELS]
                 for t in inputs.tasks
             }
             result, cost = run_surgery(
-                evaluator.classifier, merged, experts, pixels, resolved, seed=seed,
+                evaluator.classifier, merged, lambda name: family.build_model(inputs.config, inputs.experts[name]),
+                pixels, resolved, seed=seed,
                 batch_size=spec.featcal.calibration_batch_size,
             )  # fmt: skip
             report: dict[str, Any] = {**cost, "loss_first_step": result.losses[0], "loss_last_step": result.losses[-1]}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ class SurgeryFeatures:
 def run_surgery(
     classifier: Any,
     merged: nn.Module,
-    experts: Mapping[str, nn.Module],
+    experts: Callable[[str], nn.Module],
     pixels: Mapping[str, torch.Tensor],
     params: Mapping[str, Any],
     *,
@@ -66,7 +66,8 @@ def run_surgery(
     Args:
         classifier: The zero-shot classifier whose projection embeds the images.
         merged: The merged vision tower.
-        experts: Each task's expert tower, by task name.
+        experts: ``experts(task)``: that task's expert tower, built when called; each is embedded and
+            dropped before the next is built, so one expert at a time is in memory.
         pixels: Each task's calibration images (FeatCal's draw), by task name.
         params: Surgery's resolved hyper-parameters.
         seed: The calibration seed (initial modules and batch orders).
@@ -77,7 +78,7 @@ def run_surgery(
     """
     start = time.perf_counter()
     merged_features = {task: embeddings(classifier, merged, pixels[task], batch_size) for task in pixels}
-    expert_features = {task: embeddings(classifier, experts[task], pixels[task], batch_size) for task in pixels}
+    expert_features = {task: embeddings(classifier, experts(task), pixels[task], batch_size) for task in pixels}
     result = train_surgery(merged_features, expert_features, seed=seed, **params)
     cost = {"seconds": time.perf_counter() - start, "peak_host_rss_gib": host_peak_bytes() / GIB}
     return result, cost
