@@ -40,6 +40,8 @@ for command in ("run", "calibrate"):
     CHANGES[command] = (CHANGES[command][0] | {"--stream-storage"}, CHANGES[command][1])
 # the repair a calibrate applies, FeatCal by default or SVC, and the hyper-parameters of SVC (docs/repairs.md)
 CHANGES["calibrate"] = (CHANGES["calibrate"][0] | {"--method", "--repair-param"}, CHANGES["calibrate"][1])
+# Representation Surgery's output is evaluated by calibrate itself: its modules are no model (docs/repairs.md)
+CHANGES["calibrate"] = (CHANGES["calibrate"][0] | {"--evaluate"}, CHANGES["calibrate"][1])
 
 # Commands added since, with the options they list: running generated code, opt-in (docs/code-eval.md)
 ADDED_COMMANDS = {

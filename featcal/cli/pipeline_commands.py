@@ -17,7 +17,7 @@ from featcal.calibration.params import GROUP as FEATCAL
 from featcal.cli.common import format_results, path_line, show_progress
 from featcal.cli.options import add_options, add_spec_options, command, given_values
 from featcal.cli.suites import SuiteChoice
-from featcal.repairs.options import DEFAULT_REPAIR, RepairChoice
+from featcal.repairs.options import DEFAULT_REPAIR, SURGERY_NAME, RepairChoice
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
 
 if TYPE_CHECKING:
@@ -172,8 +172,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     choice = RepairChoice(**given_values(args, RepairChoice))
     repair = get_repair(choice.method)
+    if choice.evaluate and repair.name != SURGERY_NAME:
+        raise InvalidParameterError(
+            "evaluate", True, f"given only with --method {SURGERY_NAME}, whose result is no model folder: "
+            "evaluate a repaired model folder with `featcal evaluate --model DIR`",
+        )  # fmt: skip
     if not repair.uses_data:
         return repair_folder(args, repair, choice.repair_params)
+    if repair.name == SURGERY_NAME:
+        return surgery_folder(args, repair, choice.repair_params, evaluate=choice.evaluate)
     if repair.name != DEFAULT_REPAIR:
         return lot_folder(args, repair, choice.repair_params)
     if choice.repair_params:
@@ -328,6 +335,82 @@ def lot_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any])
     return 0
 
 
+def surgery_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any], *, evaluate: bool) -> int:
+    """Train each task's module on FeatCal's calibration draw (``-n``, ``--seed``) of the tasks, write the
+    modules, recipe and report to ``--output``, and evaluate them with ``--evaluate``; one process.
+
+    Raises:
+        InvalidParameterError: for a FeatCal parameter, a bad hyper-parameter, or a family other than CLIP.
+        ModelInputError: for a folder calibrated already, or a model that does not fit.
+        DatasetInputError: for a task without a train split (or, with ``--evaluate``, a test split).
+        FeatcalError: under torchrun with more than one process.
+    """
+    from featcal.calibration.params import FeatCalParams
+    from featcal.data import validate_datasets
+    from featcal.errors import InvalidParameterError
+    from featcal.families.clip_vision.adapter import PIXELS
+    from featcal.outputs import check_output_folder
+    from featcal.repairs.apply import check_uncalibrated
+    from featcal.repairs.surgery import check_surgery_family
+    from featcal.repairs.surgery_run import evaluate_surgery, run_surgery, save_surgery
+    from featcal.resolve import resolve_inputs
+    from featcal.stages import merge_calibration
+
+    values = given_values(args)
+    featcal_only = [n for n in values if n in FeatCalParams.__dataclass_fields__ and n not in CALIBRATION_DRAW]
+    if featcal_only:
+        raise InvalidParameterError(
+            featcal_only[0], values[featcal_only[0]], f"given only with --method featcal: {repair.name} reads "
+            "FeatCal's calibration draw (--num-calibration-examples, --seed) but none of its parameters",
+        )  # fmt: skip
+    resolved = repair.resolved_params(**params)
+    spec = spec_from_args(args)
+    output = check_output_folder(args.output, kind="repair output", inputs=[args.merged])  # before any download
+    with one_process(spec, repair) as world:
+        check_uncalibrated(args.merged, repair)
+        inputs = resolve_inputs(spec, merged=args.merged)
+        family = inputs.family
+        check_surgery_family(family)
+        check_output_folder(output, kind="repair output", inputs=[*inputs.local_folders(), args.merged])
+        preprocessor = family.preprocessor(inputs.base_folder)
+        n, seed = spec.featcal.num_calibration_examples, spec.seed
+        facts = validate_datasets(
+            family, inputs.tasks, splits=("train", "test") if evaluate else ("train",), calibration_examples=n,
+            allow_fewer=spec.allow_fewer_calibration_examples, seed=seed, preprocessor=preprocessor,
+        )  # fmt: skip
+        family.check_model_folder(Path(args.merged), inputs.base)
+        draw = merge_calibration(spec.featcal, seed, facts.calibration_counts, facts.fingerprints, inputs.tasks)
+        device = world.compute_device(spec.device)
+        evaluator = family.evaluator(inputs.base_folder, device, world=world, settings=family.evaluation_settings(spec))
+        with compute_settings(spec, inputs):
+            merged = family.load_model(Path(args.merged), inputs.base)
+            pixels = {
+                t.name: family.calibration_inputs(t, preprocessor, n, seed, world=world).inputs[PIXELS]
+                for t in inputs.tasks
+            }
+            result, cost = run_surgery(
+                evaluator.classifier, merged, lambda name: family.build_model(inputs.config, inputs.experts[name]),
+                pixels, resolved, seed=seed,
+                batch_size=spec.featcal.calibration_batch_size,
+            )  # fmt: skip
+            report: dict[str, Any] = {**cost, "loss_first_step": result.losses[0], "loss_last_step": result.losses[-1]}
+            if evaluate:
+                evaluator.prepare(inputs.tasks)
+                images = evaluator.test_data(
+                    inputs.tasks, batch_size=spec.eval_batch_size, num_workers=spec.eval_num_workers,
+                    max_samples=spec.max_eval_samples,
+                )  # fmt: skip
+                report["accuracy"] = evaluate_surgery(
+                    evaluator.classifier, merged, result.modules, inputs.tasks, images
+                )
+    folder = save_surgery(inputs, args.merged, {**resolved, "calibration": draw}, result, report, output)
+    print(path_line(f"Representation Surgery modules ({len(inputs.tasks)} tasks)", folder))
+    if evaluate:
+        for task, acc in report["accuracy"].items():
+            print(f"{task}: accuracy {acc['accuracy']:.4f} (merge alone {acc['accuracy_without']:.4f})")
+    return 0
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from contextlib import nullcontext
 
@@ -459,7 +542,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     command(p, cmd_merge)
 
     p = subparsers.add_parser(
-        "calibrate", help="calibrate a merged model folder with FeatCal (or repair it: --method svc, --method lot)"
+        "calibrate", help="calibrate a merged model folder with FeatCal (or repair it: --method svc, lot, surgery)"
     )
     p.add_argument(
         "--merged",

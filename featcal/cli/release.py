@@ -13,6 +13,9 @@ from featcal.release.options import CardOptions, CommitOptions
 
 def run_export(args: argparse.Namespace) -> int:
     from featcal.release.export import export_release
+    from featcal.repairs.surgery_run import check_releasable
+
+    check_releasable(args.run_dir)  # a Representation Surgery output holds no model
 
     given = given_values(args, CardOptions)
     card = CardOptions(**given)
@@ -45,6 +48,9 @@ def run_card(args: argparse.Namespace) -> int:
 
 def run_push(args: argparse.Namespace) -> int:
     from featcal.release.push import push_release
+    from featcal.repairs.surgery_run import check_releasable
+
+    check_releasable(args.path)  # a Representation Surgery output holds no model
 
     hub, commit = HubOptions(**given_values(args, HubOptions)), CommitOptions(**given_values(args, CommitOptions))
     result = push_release(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,8 +172,19 @@ class ZeroShotClassifier:
         return F.normalize(self.clip.visual_projection(pooled), dim=-1)
 
     @torch.no_grad()
-    def logits(self, vision_model: nn.Module, pixel_values: torch.Tensor, task: Task) -> torch.Tensor:
-        return self.clip.logit_scale.exp() * self.image_embeddings(vision_model, pixel_values) @ self.head(task).T
+    def logits(
+        self,
+        vision_model: nn.Module,
+        pixel_values: torch.Tensor,
+        task: Task,
+        features: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Scaled cosine logits against ``task``'s head; ``features`` maps the normalised image embeddings
+        first (a Representation Surgery module), its result used as it is."""
+        embedded = self.image_embeddings(vision_model, pixel_values)
+        if features is not None:
+            embedded = features(embedded)
+        return self.clip.logit_scale.exp() * embedded @ self.head(task).T
 
     @torch.no_grad()
     def evaluate_task(
@@ -187,6 +198,7 @@ class ZeroShotClassifier:
         max_samples: int | None = None,
         progress: bool = True,
         images: TestImages | None = None,
+        features: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> TaskMetrics:
         """Accuracy, mean cross-entropy and image count of ``vision_model`` on ``task``'s test split.
 
@@ -200,6 +212,7 @@ class ZeroShotClassifier:
             max_samples: Only the first N test images (not needed with ``images``).
             progress: Show a progress bar.
             images: The run's test images, whose loader is shared by every evaluation of the run.
+            features: Maps the image embeddings before the head (see :meth:`logits`).
 
         Returns:
             The task's result.
@@ -219,7 +232,7 @@ class ZeroShotClassifier:
         with Progress(desc=f"Evaluating {task.name}", total=total, unit="images", leave=False, enabled=progress) as bar:
             for pixels, labels in images.batches(task):
                 labels = labels.to(self.device, non_blocking=True)
-                logits = self.logits(vision_model, pixels, task)
+                logits = self.logits(vision_model, pixels, task, features)
                 loss_total += F.cross_entropy(logits, labels, reduction="sum").double()
                 correct_total += (logits.argmax(-1) == labels).sum()
                 seen += labels.numel()
