@@ -415,6 +415,14 @@ def test_an_output_holding_what_featcal_did_not_write_is_still_refused(lm, tmp_p
 # --- two writers, one output ----------------------------------------------------------------------
 
 
+def _read_or_empty(path: Path) -> str:
+    """A lock file's text, or "" while it does not exist."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
 @pytest.mark.parametrize("command", ["calibrate", "merge"])
 def test_a_second_writer_of_one_output_is_refused_and_the_first_s_result_stays(lm, tmp_path, command) -> None:
     """Two real processes: the first is stopped (SIGSTOP) while it holds the output's lock; the second is
@@ -426,10 +434,12 @@ def test_a_second_writer_of_one_output_is_refused_and_the_first_s_result_stays(l
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not lock.exists() and first.poll() is None and time.monotonic() < deadline:
+        # the holder's record is written after its flock is taken: the file alone may exist a moment before
+        while f'"pid": {first.pid},' not in _read_or_empty(lock) and first.poll() is None:
+            assert time.monotonic() < deadline, "the first writer never took the lock"
             time.sleep(0.001)
         os.kill(first.pid, signal.SIGSTOP)
-        assert lock.exists(), "the first writer never took the lock"
+        assert f'"pid": {first.pid},' in _read_or_empty(lock), "the first writer never took the lock"
         second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         os.kill(first.pid, signal.SIGCONT)
         err = [line for line in second.stderr.splitlines() if line.strip()]
