@@ -31,6 +31,7 @@ COMMAND_MODULES = (
     "featcal.cli.release",
     "featcal.cli.space",
     "featcal.cli.demo",
+    "featcal.cli.architectures",
 )
 
 
