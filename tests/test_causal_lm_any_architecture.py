@@ -27,6 +27,7 @@ from featcal.calibration.adapters import CalibrationBatch
 from featcal.calibration.driver import featcal_calibrate
 from featcal.calibration.params import FeatCalParams
 from featcal.cli import main
+from featcal.families import get_family
 from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS, DecoderAdapter
 from featcal.families.causal_lm.architectures import known, probe, table
 from featcal.families.causal_lm.shape import UnsupportedArchitecture, build_model, describe, tiny_config
@@ -95,6 +96,10 @@ def test_the_recorded_list_covers_every_causal_lm_of_the_installed_transformers(
     assert {"llama", "mistral", "qwen2", "qwen3", "gemma2", *REPRESENTATIVE} <= set(SUPPORTED)
     for model_type in ("mixtral", "qwen3_moe", "gpt_oss"):
         assert "mixture-of-experts" in recorded[model_type].refused, model_type
+    # the family claims the decoder-only ones, refused or not: a Mixtral folder is refused with its reason, while
+    # BERT's and BART's LM heads are no causal LM of featcal's
+    types = get_family("causal_lm").model_types
+    assert {"llama", "mixtral", "mamba"} <= set(types) and not {"bert", "bart"} & set(types)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss", "mamba", "bart", "llama"])

@@ -35,9 +35,9 @@ class CausalLMFamily:
 
     name = "causal_lm"
     title = "causal language model"
-    # Every causal-LM model type of the installed transformers, as probed (:mod:`.architectures`): a folder of a
-    # refused one is the family's, and refused with its reason.
-    model_types = tuple(known())
+    # Every decoder-only causal-LM model type of the installed transformers, as probed (:mod:`.architectures`):
+    # a folder of a refused one is the family's, and refused with its reason.
+    model_types = tuple(t for t, a in known().items() if a.decoder_only)
     noun = "text"
     output_dtypes = ("base", "float32")  # the base's dtype (bfloat16 for most LMs), or float32
     head_point = "last token's final norm"

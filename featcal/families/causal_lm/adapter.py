@@ -45,20 +45,23 @@ class _Stem(nn.Module):
     positions), run in the model's own decoder forward, which stops at layer 0's input. A copy holds copies
     of those children (an expert's stem) and runs them in the same decoder."""
 
-    def __init__(self, decoder: nn.Module, shape: DecoderShape) -> None:
+    def __init__(self, model: nn.Module, shape: DecoderShape) -> None:
         super().__init__()
         self.shape = shape
-        self.decoder = _Shared(decoder)
+        self.model = _Shared(model)
+        decoder = shape.stack.decoder(model)
         for name in shape.stem:
             self.add_module(name, decoder.get_submodule(name))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        decoder = self.decoder.value
+        model = self.model.value
+        decoder = self.shape.stack.decoder(model)
         own = {name: decoder.get_submodule(name) for name in self.shape.stem}
         try:
             for name in self.shape.stem:
                 setattr(decoder, name, self.get_submodule(name))
-            calls = layer_calls(decoder, self.shape.stack, self.shape.returns_tuple, last=0, input_ids=input_ids)
+            stack, as_tuple = self.shape.stack, self.shape.returns_tuple
+            calls = layer_calls(decoder, stack, as_tuple, last=0, config=model.config, input_ids=input_ids)
         finally:
             for name, module in own.items():
                 setattr(decoder, name, module)
@@ -115,7 +118,7 @@ class DecoderAdapter:
 
     def stem(self, model: nn.Module) -> nn.Module:
         shape = self.shape(model)
-        return _Stem(shape.stack.decoder(model), shape)
+        return _Stem(model, shape)
 
     def stem_parts(self) -> dict[str, str]:
         shape = self._known()
@@ -133,6 +136,7 @@ class DecoderAdapter:
             shape.stack.decoder(model),
             shape.stack,
             shape.returns_tuple,
+            config=model.config,
             inputs_embeds=hidden,
             attention_mask=batch.context.get(ATTENTION_MASK),
         )

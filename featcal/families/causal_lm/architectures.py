@@ -14,6 +14,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+# How a refusal of a model type that is no decoder-only LM ends (shape.py words them so).
+ENCODER_DECODER, ENCODER = "an encoder-decoder", "an encoder's layers"
 KNOWN_FILE = Path(__file__).with_name("architectures.json")
 
 
@@ -28,6 +30,12 @@ class Architecture:
     @property
     def supported(self) -> bool:
         return self.refused is None
+
+    @property
+    def decoder_only(self) -> bool:
+        """Whether it is a decoder-only LM at all (refused ones included): not an encoder-decoder, nor an
+        encoder's layers with an LM head (BERT's)."""
+        return self.refused is None or not self.refused.endswith((ENCODER_DECODER, ENCODER))
 
 
 def probe(model_type: str, model_class: str) -> Architecture:

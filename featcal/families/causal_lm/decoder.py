@@ -91,6 +91,22 @@ def standing_in(decoder: nn.Module, layers: str, last: int, as_tuple: bool) -> I
         setattr(decoder, layers, original)
 
 
+@contextmanager
+def reading_config(decoder: nn.Module, config: Any) -> Iterator[None]:
+    """Within the block, ``decoder`` reads ``config`` when its own configuration counts fewer layers than
+    ``config`` (a skeleton built without its layers keeps the full configuration on the model only)."""
+    own = getattr(decoder, "config", None)
+    fewer = getattr(own, "num_hidden_layers", None) != getattr(config, "num_hidden_layers", None)
+    if config is None or own is None or own is config or not fewer:
+        yield
+        return
+    decoder.config = config
+    try:
+        yield
+    finally:
+        decoder.config = own
+
+
 def run_until(decoder: nn.Module, **inputs: Any) -> None:
     """Run ``decoder``'s forward until its stand-in layer that stops it (:func:`standing_in`)."""
     try:

@@ -269,9 +269,7 @@ def lm_skeleton(config: Any, merged: Checkpoint, device: torch.device) -> nn.Mod
         shallow.layer_types = []
     model = model_class(config)(shallow).to(device)
     load_params(model, merged, "")
-    for module in model.modules():  # the decoder's forward runs as many layers as its configuration says
-        if getattr(module, "config", None) is shallow:
-            module.config = config
+    model.config = config
     getattr(stack.decoder(model), stack.layers).extend(layers)
     return model.eval()
 

@@ -31,7 +31,16 @@ import torch
 from torch import nn
 
 from featcal.errors import FeatcalError
-from featcal.families.causal_lm.decoder import Stack, find_stack, layer_index, run_until, same_calls, standing_in
+from featcal.families.causal_lm.architectures import ENCODER, ENCODER_DECODER
+from featcal.families.causal_lm.decoder import (
+    Stack,
+    find_stack,
+    layer_index,
+    reading_config,
+    run_until,
+    same_calls,
+    standing_in,
+)
 from featcal.families.causal_lm.norms import NormForm, module_eps, norm_form
 
 # Tiny widths for a probe: attribute -> value, set where a configuration has the attribute (an int there).
@@ -63,7 +72,7 @@ RECURRENT = ("mamba", "ssm", "rwkv", "lstm", "recurrent", "mixer")  # class name
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 PROBE_LENGTHS = (7, 4)  # two right-padded examples
 CHAIN_TOLERANCE = 1e-4
-TINY_PARAMETERS = 4_000_000  # a probe's model at most: seconds on a CPU
+TINY_PARAMETERS = 16_000_000  # a probe's model at most: seconds on a CPU
 
 
 class UnsupportedArchitecture(FeatcalError):
@@ -189,7 +198,9 @@ def _odd_module(name: str, module: nn.Module) -> str:
     if any(word in kind.lower() for word in RECURRENT):
         return f"state-space or recurrent block ({name}: {kind})"
     if any(p.dim() == 3 for p in params.values()):
-        return f"mixture-of-experts layer: experts stored as 3-D parameters ({name}: {kind})"
+        if "expert" in f"{name} {kind}".lower():
+            return f"mixture-of-experts layer: experts stored as 3-D parameters ({name}: {kind})"
+        return f"{kind} with 3-D parameters ({name}), no nn.Linear"
     if isinstance(module, nn.Embedding):
         return f"embedding inside its layers ({name}: {kind})"
     listed = ", ".join(f"{n} {tuple(p.shape)}" for n, p in params.items())
@@ -240,7 +251,7 @@ def _describe(config: Any) -> DecoderShape | UnsupportedArchitecture:
 
 def _probe(config: Any, model_type: str) -> DecoderShape:
     if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedArchitecture(model_type, "an encoder-decoder")
+        raise UnsupportedArchitecture(model_type, ENCODER_DECODER)
     with torch.device("meta"):
         size = sum(p.numel() for p in build_model(config).parameters())
     if size > TINY_PARAMETERS:
@@ -256,7 +267,7 @@ def _probe(config: Any, model_type: str) -> DecoderShape:
     decoder = stack.decoder(model)
     if not {"input_ids", "inputs_embeds"} <= set(inspect.signature(decoder.forward).parameters):
         raise UnsupportedArchitecture(
-            model_type, f"its layers are run by {type(decoder).__name__}, which reads no token ids: an encoder's layers"
+            model_type, f"its layers are run by {type(decoder).__name__}, which reads no token ids: {ENCODER}"
         )
     layers = getattr(decoder, stack.layers)
     for index, layer in enumerate(layers):
@@ -369,12 +380,14 @@ def _per_layer(
 
 
 def layer_calls(
-    decoder: nn.Module, stack: Stack, as_tuple: bool, last: int | None = None, **inputs: Any
+    decoder: nn.Module, stack: Stack, as_tuple: bool, last: int | None = None, config: Any = None, **inputs: Any
 ) -> list[tuple[torch.Tensor, Any]]:
     """What the decoder's own forward on ``inputs`` hands its layers up to ``last`` (all: None):
-    ``(hidden states, (args, kwargs))`` by index (a layer returning a tuple when ``as_tuple``)."""
+    ``(hidden states, (args, kwargs))`` by index (a layer returning a tuple when ``as_tuple``). ``config``:
+    the model's configuration, which the decoder reads instead of its own where its own counts fewer layers
+    than it holds (a skeleton built without layers, which were added after)."""
     count = len(getattr(decoder, stack.layers)) if last is None else last + 1
-    with standing_in(decoder, stack.layers, count - 1, as_tuple) as calls:
+    with reading_config(decoder, config), standing_in(decoder, stack.layers, count - 1, as_tuple) as calls:
         run_until(decoder, **inputs)
     return [calls[i] for i in range(count)]
 
