@@ -57,6 +57,8 @@ def regmean_plusplus(
     Returns:
         The merged state dict, with the base's keys and dtypes, on the CPU.
     """
+    # An adapter that reads the model's layout from the model (the causal LMs') learns it from the skeleton.
+    data.adapter.stem(data.skeleton(torch.device("meta")))
     prefixes = tuple(data.adapter.stem_parts().values())
     stem = {
         key: mean_of_experts(experts, key).to(base[key].dtype) if base[key].is_floating_point() else base[key].clone()

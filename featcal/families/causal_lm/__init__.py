@@ -1,4 +1,4 @@
-"""The causal-LM family: decoder-only language models (Llama, Mistral, Qwen2, Qwen3, Gemma-2), text tasks.
+"""The causal-LM family: decoder-only language models (``featcal architectures`` lists them), text tasks.
 
 Everything featcal knows of causal LMs lives in this package: model folders (:mod:`.folders`), the
 calibration's adapter (:mod:`.adapter`), calibration texts (:mod:`.texts`), merges made by mergekit
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcal.families.base import ReleaseParts
+from featcal.families.causal_lm.architectures import known
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,9 @@ class CausalLMFamily:
 
     name = "causal_lm"
     title = "causal language model"
-    model_types = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+    # Every decoder-only causal-LM model type of the installed transformers, as probed (:mod:`.architectures`):
+    # a folder of a refused one is the family's, and refused with its reason.
+    model_types = tuple(t for t, a in known().items() if a.decoder_only)
     noun = "text"
     output_dtypes = ("base", "float32")  # the base's dtype (bfloat16 for most LMs), or float32
     head_point = "last token's final norm"

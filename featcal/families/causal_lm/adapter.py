@@ -1,138 +1,161 @@
-"""The calibration's view of a decoder-only causal LM of transformers 5: Llama, Mistral, Qwen2, Qwen3, Gemma-2.
+"""The calibration's view of a decoder-only causal LM of transformers 5, whatever its architecture.
 
-Layer 0's input is the token embedding (Gemma-2's scaling is inside its embedding module). Each layer
-runs with its batch's context: the causal mask built from the examples' padding (a sliding-window
-mask for the layers that have one), the positions and the rotary embeddings, all made by the model's
-own functions, so that the chain of layers equals the model's own forward. Per layer the RMSNorms,
-q/k/v (one group: they read one input), ``o_proj``, gate/up (one group) and ``down_proj`` are solved;
-Qwen3's per-head ``q_norm``/``k_norm`` keep their merged values, as do the final norm and the LM head.
+Nothing here names an architecture: where the layers, the stem and the final norm are, and whether the
+layers read arguments of their own, come from :func:`~featcal.families.causal_lm.shape.describe` (a tiny
+model of the configuration, probed once); what a layer solves comes from the layer itself (every
+``nn.Linear``, and every normalisation that is a direct child of the layer, its form found by running it:
+:mod:`.norms`); which linears read one input and form one group, and in which order they run, the
+calibration's hooks find (:func:`featcal.calibration.layer_state.plan_layer`).
+
+Layer 0's input and each layer's arguments (masks built from the examples' padding, a sliding-window mask
+for the layers that have one, positions, rotary embeddings) are what the model's own decoder hands its
+layers (:mod:`.decoder`), so the chain of layers equals the model's own forward. Norms inside a block (q/k
+norms) keep their merged values, as do the final norm and the LM head.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
 
 from featcal.calibration.adapters import CalibrationBatch, Normalization, TokenWeighting
+from featcal.families.causal_lm.decoder import Call, layer_index
+from featcal.families.causal_lm.shape import DecoderShape, describe, layer_calls, layer_parts, norm_kind
 
 INPUT_IDS = "input_ids"  # the stem's input
 ATTENTION_MASK = "attention_mask"  # 1 for a token, 0 for padding: what every layer's mask is built from
-FULL, SLIDING = "full_attention", "sliding_attention"
-# The solved submodules of a decoder layer, by name; Gemma-2 adds its two feed-forward norms.
-CALIBRATED = (
-    "input_layernorm",
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "post_attention_layernorm",
-    "pre_feedforward_layernorm",
-    "post_feedforward_layernorm",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+
+
+class _Shared:
+    """A reference a deep copy shares instead of copying (the model a stem runs in)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo: dict) -> _Shared:
+        return self
 
 
 class _Stem(nn.Module):
-    """The token embedding: the input of decoder layer 0."""
+    """What the decoder runs before layer 0: its children holding tensors (the token embedding, learned
+    positions), run in the model's own decoder forward, which stops at layer 0's input. A copy holds copies
+    of those children (an expert's stem) and runs them in the same decoder."""
 
-    def __init__(self, embed_tokens: nn.Module) -> None:
+    def __init__(self, model: nn.Module, shape: DecoderShape) -> None:
         super().__init__()
-        self.embed_tokens = embed_tokens
+        self.shape = shape
+        self.model = _Shared(model)
+        decoder = shape.stack.decoder(model)
+        for name in shape.stem:
+            self.add_module(name, decoder.get_submodule(name))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        model = self.model.value
+        decoder = self.shape.stack.decoder(model)
+        own = {name: decoder.get_submodule(name) for name in self.shape.stem}
+        try:
+            for name in self.shape.stem:
+                setattr(decoder, name, self.get_submodule(name))
+            stack, as_tuple = self.shape.stack, self.shape.returns_tuple
+            calls = layer_calls(decoder, stack, as_tuple, last=0, config=model.config, input_ids=input_ids)
+        finally:
+            for name, module in own.items():
+                setattr(decoder, name, module)
+        return calls[0][0]
 
 
 @dataclass(frozen=True)
 class DecoderContext:
-    """What every layer of one forward batch reads: its attention masks by layer type, the positions and
-    the rotary embeddings ``(cos, sin)``."""
+    """What the layers of one forward batch read besides their hidden states: each layer's arguments by
+    index, or one set for every layer (``shared``)."""
 
-    masks: dict[str, Any]
-    positions: torch.Tensor
-    rotary: tuple[torch.Tensor, torch.Tensor]
-
-
-def _rms_normalize(eps: float):
-    """An RMSNorm's normalisation without its scale, in float32 as transformers computes it."""
-
-    def normalize(x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-    return normalize
-
-
-def _layer_type(layer: nn.Module) -> str:
-    """Which of a batch's masks a decoder layer reads. transformers 5 keeps the type on the layer's
-    attention (``self_attn.layer_type``: Qwen2/3, Gemma-2), not on the decoder layer; layers without one
-    (Llama, Mistral) read the full-attention mask, which for Mistral is its sliding-window one."""
-    attention = getattr(layer, "self_attn", None)
-    return getattr(attention, "layer_type", None) or getattr(layer, "attention_type", None) or FULL
+    calls: tuple[Call, ...]
+    shared: bool
 
 
 class DecoderAdapter:
-    """A ``*ForCausalLM`` of transformers 5 whose decoder is ``model.model`` (see the module docstring).
+    """A ``*ForCausalLM`` of transformers 5 (see the module docstring).
 
     Checkpoint keys are the ``ForCausalLM``'s own (``model.layers.0.self_attn.q_proj.weight``).
+
+    Args:
+        shape: The architecture's :class:`~featcal.families.causal_lm.shape.DecoderShape`; None: described
+            from each model's configuration when the adapter first sees the model.
     """
+
+    def __init__(self, shape: DecoderShape | None = None) -> None:
+        self._fixed = shape
+        self._shapes: WeakKeyDictionary[nn.Module, DecoderShape] = WeakKeyDictionary()
+        self._last = shape
+
+    def shape(self, model: nn.Module) -> DecoderShape:
+        """``model``'s :class:`~featcal.families.causal_lm.shape.DecoderShape`.
+
+        Raises:
+            UnsupportedArchitecture: for a model the calibration cannot run.
+        """
+        shape = self._fixed or self._shapes.get(model)
+        if shape is None:
+            shape = self._shapes[model] = describe(model.config)
+        self._last = shape
+        return shape
+
+    def _known(self) -> DecoderShape:
+        if self._last is None:
+            raise RuntimeError("the adapter has seen no model yet: call layers(model) or stem(model) first")
+        return self._last
 
     def tower(self, model: nn.Module) -> nn.Module:
         return model
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
-        return model.model.layers
+        stack = self.shape(model).stack
+        return getattr(stack.decoder(model), stack.layers)
 
     def stem(self, model: nn.Module) -> nn.Module:
-        return _Stem(model.model.embed_tokens)
+        shape = self.shape(model)
+        return _Stem(model, shape)
 
     def stem_parts(self) -> dict[str, str]:
-        return {"embed_tokens": "model.embed_tokens."}
+        shape = self._known()
+        return {name: shape.stack.prefix(name) for name in shape.stem}
 
     def layer_prefix(self, index: int) -> str:
-        return f"model.layers.{index}."
+        return f"{self._known().stack.prefix(self._known().stack.layers)}{index}."
 
     def run_stem(self, stem: nn.Module, batch: CalibrationBatch) -> torch.Tensor:
         return stem(batch.inputs[INPUT_IDS])
 
     def layer_context(self, model: nn.Module, batch: CalibrationBatch, hidden: torch.Tensor) -> DecoderContext:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        config = model.config
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        attention_mask = batch.context.get(ATTENTION_MASK)
-        kwargs = {
-            "config": config,
-            "inputs_embeds": hidden,
-            "attention_mask": attention_mask,
-            "cache": None,
-            "position_ids": positions,
-        }
-        types = set(getattr(config, "layer_types", None) or [FULL])
-        masks: dict[str, Any] = {}
-        if FULL in types:  # Mistral's layers have no type, and slide all when it has a window
-            sliding_everywhere = config.model_type == "mistral" and getattr(config, "sliding_window", None)
-            builder = create_sliding_window_causal_mask if sliding_everywhere else create_causal_mask
-            masks[FULL] = builder(**kwargs)
-        if SLIDING in types:
-            masks[SLIDING] = create_sliding_window_causal_mask(**kwargs)
-        return DecoderContext(masks, positions, model.model.rotary_emb(hidden, positions))
+        shape = self.shape(model)
+        calls = layer_calls(
+            shape.stack.decoder(model),
+            shape.stack,
+            shape.returns_tuple,
+            config=model.config,
+            inputs_embeds=hidden,
+            attention_mask=batch.context.get(ATTENTION_MASK),
+        )
+        if shape.per_layer:
+            return DecoderContext(tuple(call for _, call in calls), shared=False)
+        return DecoderContext((calls[0][1],), shared=True)
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, context: DecoderContext) -> torch.Tensor:
-        mask = context.masks[_layer_type(layer)]
-        out = layer(hidden, attention_mask=mask, position_ids=context.positions, position_embeddings=context.rotary)
+        args, kwargs = context.calls[0 if context.shared else layer_index(layer)]
+        out = layer(hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     def head(self, model: nn.Module) -> nn.Module:
-        return model.model.norm
+        shape = self.shape(model)
+        return shape.stack.decoder(model).get_submodule(shape.head) if shape.head else nn.Identity()
 
     def head_prefix(self) -> str:
-        return "model.norm."
+        shape = self._known()
+        return shape.stack.prefix(shape.head) if shape.head else ""
 
     def run_head(self, head: nn.Module, hidden: torch.Tensor, batch: CalibrationBatch) -> torch.Tensor:
         """The final norm of each example's last token (the one the next token is predicted from)."""
@@ -145,18 +168,17 @@ class DecoderAdapter:
         return head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
 
     def calibrated_modules(self, layer: nn.Module) -> dict[str, nn.Module]:
-        modules = dict(layer.named_modules())
-        return {name: modules[name] for name in CALIBRATED if name in modules}
+        solved, _ = layer_parts(layer)
+        idle = self._last.idle if self._last is not None else frozenset()
+        return {name: module for name, module in solved.items() if name not in idle}
 
     def normalization(self, module: nn.Module) -> Normalization | None:
         if isinstance(module, nn.Linear):
             return None
-        kind = type(module).__name__
-        if not kind.endswith("RMSNorm"):
-            raise TypeError(f"{kind} is neither an nn.Linear nor an RMSNorm")
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        # Gemma's RMSNorm scales by (1 + weight), its weight starting at zero.
-        return Normalization(_rms_normalize(float(eps)), has_bias=False, scale_offset=1.0 if "Gemma" in kind else 0.0)
+        form = norm_kind(module)
+        if form is None:
+            raise TypeError(f"{type(module).__name__} is neither an nn.Linear nor a normalisation of a known form")
+        return form.normalization()
 
     def token_weighting(self, module_name: str, layer_index: int, num_layers: int, seq_len: int) -> TokenWeighting:
         return TokenWeighting("ones", None)  # padding weighs 0 through the batch's own token weights

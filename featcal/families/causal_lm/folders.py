@@ -1,6 +1,7 @@
 """Causal-LM model folders: checked, read lazily, loaded, built from state dicts and written.
 
-A folder is a ``save_pretrained`` folder of one of the architectures in :data:`ARCHITECTURES`
+A folder is a ``save_pretrained`` folder of an architecture featcal calibrates (``featcal architectures``:
+:mod:`.architectures`)
 (safetensors only, one file or shards with an index). The base's tokenizer files and generation
 config travel with every merged and calibrated folder, so each loads with
 ``AutoModelForCausalLM``/``AutoTokenizer`` and runs in ``pipeline("text-generation")``. No folder's
@@ -22,6 +23,7 @@ from torch import nn
 
 from featcal.checkpoint import Checkpoint, check_same_architecture, load_params, read_tied_once
 from featcal.errors import ModelInputError
+from featcal.families.causal_lm.architectures import known
 from featcal.families.likeness import check_like_base
 from featcal.files.model_files import COMPANION_FILES, MODEL_CONFIG
 from featcal.files.model_folders import save_model_state, saved_layout, streamed_model_folder
@@ -31,14 +33,6 @@ from featcal.precision import BASE_DTYPE, OUTPUT_DTYPES
 
 logger = logging.getLogger(__name__)
 
-# model_type -> the transformers class featcal loads it with (decoder layers at model.model.layers).
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-}
 SHARD_BYTES = 5 * 10**9  # save_pretrained's default shard size ("5GB")
 
 
@@ -62,19 +56,38 @@ def model_type(folder: Path) -> str:
 
 
 def check_architecture_known(folder: Path) -> str:
-    """The folder's model type, when featcal calibrates it.
+    """The folder's model type, when featcal calibrates it (as :mod:`.architectures` records).
 
     Raises:
-        ModelInputError: naming the model type and the ones featcal knows.
+        ModelInputError: naming the model type and why it is refused, or that it is no causal LM featcal knows.
     """
     kind = model_type(folder)
-    if kind not in ARCHITECTURES:
+    architecture = known().get(kind)
+    if architecture is None:
         raise ModelInputError(
             str(folder),
-            f"{folder} holds a {kind!r} model; featcal calibrates causal LMs of the types "
-            f"{', '.join(sorted(ARCHITECTURES))}.",
+            f"{folder} holds a {kind!r} model, no causal-LM architecture of the installed transformers: "
+            "`featcal architectures` lists those featcal calibrates.",
+        )
+    if not architecture.supported:
+        raise ModelInputError(
+            str(folder), f"{folder}: featcal cannot calibrate {kind!r} models: {architecture.refused}."
         )
     return kind
+
+
+def check_architecture_runs(folder: Path, config: Any) -> None:
+    """Refuse a configuration whose layers the calibration cannot run (its tiny model, probed once).
+
+    Raises:
+        ModelInputError: naming the folder, the model type and the layer or module kind.
+    """
+    from featcal.families.causal_lm.shape import UnsupportedArchitecture, describe
+
+    try:
+        describe(config)
+    except UnsupportedArchitecture as exc:
+        raise ModelInputError(str(folder), f"{folder}: {exc}") from None
 
 
 def lm_checkpoint(folder: str | Path, name: str | None = None) -> Checkpoint:
@@ -94,7 +107,7 @@ def model_class(config: Any) -> type[nn.Module]:
     """The ``*ForCausalLM`` class of a configuration's model type."""
     import transformers
 
-    return getattr(transformers, ARCHITECTURES[config.model_type])
+    return getattr(transformers, known()[config.model_type].model_class)
 
 
 def load_config(folder: Path) -> Any:
@@ -107,10 +120,12 @@ def load_config(folder: Path) -> Any:
 
     check_architecture_known(folder)
     try:
-        return AutoConfig.from_pretrained(str(folder))
+        config = AutoConfig.from_pretrained(str(folder))
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelInputError(str(folder), f"{folder / MODEL_CONFIG} does not read ({first}).") from None
+    check_architecture_runs(folder, config)
+    return config
 
 
 def check_lm_like_base(folder: Path, base_folder: Path, what: str) -> None:
@@ -228,7 +243,10 @@ def streamed_lm(config: Any, folder: Path, *, output_dtype: str = BASE_DTYPE) ->
 def lm_skeleton(config: Any, merged: Checkpoint, device: torch.device) -> nn.Module:
     """The merged model with its embedding, final norm, LM head and rotary embedding on ``device`` (read
     from ``merged``) and its decoder layers on the meta device."""
-    layers = meta_model(config).model.layers
+    from featcal.families.causal_lm.shape import describe
+
+    stack = describe(config).stack
+    layers = getattr(stack.decoder(meta_model(config)), stack.layers)
     shallow = copy.deepcopy(config)
     shallow.num_hidden_layers = 0
     if getattr(shallow, "layer_types", None) is not None:
@@ -236,7 +254,7 @@ def lm_skeleton(config: Any, merged: Checkpoint, device: torch.device) -> nn.Mod
     model = model_class(config)(shallow).to(device)
     load_params(model, merged, "")
     model.config = config
-    model.model.layers.extend(layers)
+    getattr(stack.decoder(model), stack.layers).extend(layers)
     return model.eval()
 
 
