@@ -28,9 +28,10 @@ from featcal.calibration.driver import featcal_calibrate
 from featcal.calibration.params import FeatCalParams
 from featcal.cli import main
 from featcal.families import get_family
-from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS, DecoderAdapter
-from featcal.families.causal_lm.architectures import known, probe, table
-from featcal.families.causal_lm.shape import UnsupportedArchitecture, build_model, describe, tiny_config
+from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS, DecoderAdapter, describe
+from featcal.families.causal_lm.architectures import known, table
+from featcal.families.causal_lm.shape import UnsupportedArchitecture, build_model, tiny_config
+from featcal.families.causal_lm.survey import probe
 from tests.support.tiny_decoder import encode, texts
 
 SUPPORTED = sorted(t for t, a in known().items() if a.supported)
@@ -354,10 +355,10 @@ def test_featcal_merge_of_a_mixture_of_experts_base_is_refused_before_any_work(t
 
 def test_featcal_architectures_prints_the_code_s_list(monkeypatch, capsys) -> None:
     """The command prints :func:`table` of the probes (here of three model types, to keep it short)."""
-    import featcal.families.causal_lm.architectures as architectures
+    import featcal.families.causal_lm.survey as survey
 
     sample = [probe(t, known()[t].model_class) for t in ("llama", "mixtral", "phi3")]
-    monkeypatch.setattr(architectures, "installed", lambda: sample)
+    monkeypatch.setattr(survey, "installed", lambda: sample)
     assert main(["architectures"]) == 0
     out = capsys.readouterr().out
     assert out.strip() == table(sample)

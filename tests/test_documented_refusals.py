@@ -204,7 +204,7 @@ LM = [
     Refusal("a model type featcal does not calibrate",
             lambda c: (_edit_json(c.expert_copy() / "config.json", lambda d: d.update(model_type="gpt2")),
                        c.merge())[-1],
-            "holds a 'gpt2' model"),
+            "featcal cannot calibrate 'gpt2' models"),
     Refusal("with pickle weights only", lambda c: (_pickle_only(c.expert_copy()), c.merge())[-1], "pytorch_model.bin"),
     Refusal("with non-finite tensors", lambda c: (_nan(c.expert_copy()), c.merge())[-1], "not finite"),
     Refusal("whose tensors' shapes differ", lambda c: c.calibrate(_shrink(c.merged_copy())), "down_proj"),

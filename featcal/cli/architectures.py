@@ -21,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_architectures(args: argparse.Namespace) -> int:
-    from featcal.families.causal_lm.architectures import installed, known, table
+    from featcal.families.causal_lm.architectures import known, table
+    from featcal.families.causal_lm.survey import installed
 
     print(table(list(known().values()) if args.recorded else installed()))
     return 0

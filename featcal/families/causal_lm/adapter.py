@@ -1,10 +1,11 @@
 """The calibration's view of a decoder-only causal LM of transformers 5, whatever its architecture.
 
 Nothing here names an architecture: where the layers, the stem and the final norm are, and whether the
-layers read arguments of their own, come from :func:`~featcal.families.causal_lm.shape.describe` (a tiny
-model of the configuration, probed once); what a layer solves comes from the layer itself (every
-``nn.Linear``, and every normalisation that is a direct child of the layer, its form found by running it:
-:mod:`.norms`); which linears read one input and form one group, and in which order they run, the
+layers read arguments of their own, come from :func:`describe` (a tiny model of the configuration, probed
+once by :func:`~featcal.families.causal_lm.shape.probe`, its chain of layers checked against its own
+forward); what a layer solves comes from the layer itself (every ``nn.Linear``, and every normalisation
+that is a direct child of the layer, its form found by running it: :mod:`.norms`); which linears read one
+input and form one group, and in which order they run, the
 calibration's hooks find (:func:`featcal.calibration.layer_state.plan_layer`).
 
 Layer 0's input and each layer's arguments (masks built from the examples' padding, a sliding-window mask
@@ -24,10 +25,20 @@ from torch import nn
 
 from featcal.calibration.adapters import CalibrationBatch, Normalization, TokenWeighting
 from featcal.families.causal_lm.decoder import Call, layer_index
-from featcal.families.causal_lm.shape import DecoderShape, describe, layer_calls, layer_parts, norm_kind
+from featcal.families.causal_lm.shape import (
+    DecoderShape,
+    UnsupportedArchitecture,
+    first_line,
+    layer_calls,
+    layer_parts,
+    norm_kind,
+    probe,
+    tiny_config,
+)
 
 INPUT_IDS = "input_ids"  # the stem's input
 ATTENTION_MASK = "attention_mask"  # 1 for a token, 0 for padding: what every layer's mask is built from
+CHAIN_TOLERANCE = 1e-4  # the layers run one by one against the model's forward, relative to its largest value
 
 
 class _Shared:
@@ -182,3 +193,70 @@ class DecoderAdapter:
 
     def token_weighting(self, module_name: str, layer_index: int, num_layers: int, seq_len: int) -> TokenWeighting:
         return TokenWeighting("ones", None)  # padding weighs 0 through the batch's own token weights
+
+
+def describe(config: Any) -> DecoderShape:
+    """The :class:`~featcal.families.causal_lm.shape.DecoderShape` of ``config``'s architecture, from a tiny
+    model of it whose layers, run one by one by :class:`DecoderAdapter`, must give its own forward back
+    (cached per configuration).
+
+    Args:
+        config: A transformers configuration of a ``*ForCausalLM``.
+
+    Returns:
+        Where its layers, stem and head are, and how its layers read their arguments.
+
+    Raises:
+        UnsupportedArchitecture: naming the model type and what the calibration cannot solve or run.
+    """
+    key = type(config).__name__ + config.to_json_string(use_diff=False)
+    if key not in _DESCRIBED:
+        _DESCRIBED[key] = _describe(config)
+    found = _DESCRIBED[key]
+    if isinstance(found, UnsupportedArchitecture):
+        raise found
+    return found
+
+
+_DESCRIBED: dict[str, DecoderShape | UnsupportedArchitecture] = {}
+
+
+def _describe(config: Any) -> DecoderShape | UnsupportedArchitecture:
+    model_type = str(getattr(config, "model_type", type(config).__name__))
+    try:
+        with torch.no_grad():
+            shape, model, ids, mask = probe(tiny_config(config), model_type)
+            _check_chain(model, shape, ids, mask, model_type)
+            return shape
+    except UnsupportedArchitecture as exc:
+        return exc
+    except Exception as exc:  # noqa: BLE001 - whatever a tiny model of it raises is why it is refused
+        return UnsupportedArchitecture(model_type, f"a tiny model of it does not run ({first_line(exc)})")
+
+
+def _check_chain(model: nn.Module, shape: DecoderShape, ids, mask, model_type: str) -> None:
+    """The layers run one by one, as the calibration runs them, give the model's own forward back."""
+    decoder = shape.stack.decoder(model)
+    captured: dict[str, torch.Tensor] = {}
+    target = decoder.get_submodule(shape.head) if shape.head else None
+    if target is None:
+        expected = decoder(input_ids=ids, attention_mask=mask, use_cache=False)[0]
+    else:
+        handle = target.register_forward_pre_hook(lambda _m, args: captured.__setitem__("x", args[0]))
+        try:
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+        finally:
+            handle.remove()
+        expected = captured["x"]
+    adapter = DecoderAdapter(shape)
+    batch = CalibrationBatch({INPUT_IDS: ids}, {ATTENTION_MASK: mask})
+    hidden = adapter.run_stem(adapter.stem(model), batch)
+    context = adapter.layer_context(model, batch, hidden)
+    for layer in adapter.layers(model):
+        hidden = adapter.run_layer(layer, hidden, context)
+    real = mask.bool()
+    gap = (hidden[real] - expected[real]).abs().max().item()
+    if not gap <= CHAIN_TOLERANCE * max(1.0, expected[real].abs().max().item()):
+        raise UnsupportedArchitecture(
+            model_type, f"its layers run one by one do not give its forward back (largest difference {gap:.2e})"
+        )

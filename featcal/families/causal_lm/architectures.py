@@ -1,8 +1,8 @@
 """Which causal-LM architectures of the installed transformers featcal calibrates, found by probing each.
 
 Every ``model_type`` of transformers' causal-LM mapping (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) is built at
-a tiny width from its default configuration and described by :func:`~.shape.describe`: supported, or
-refused with the reason. :data:`KNOWN_FILE` keeps the result as data (``architectures.json``, written by
+a tiny width from its default configuration and described (:mod:`.survey`): supported, or refused with the
+reason. :data:`KNOWN_FILE` keeps the result as data (``architectures.json``, written by
 :func:`write_known`), so that a folder's model type is recognised, and a refused one refused with its
 reason, without importing torch; a test requires it to equal what the probes find.
 """
@@ -10,7 +10,6 @@ reason, without importing torch; a test requires it to equal what the probes fin
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,40 +37,6 @@ class Architecture:
         return self.refused is None or not self.refused.endswith((ENCODER_DECODER, ENCODER))
 
 
-def probe(model_type: str, model_class: str) -> Architecture:
-    """``model_type`` probed from its default configuration."""
-    from transformers import AutoConfig
-
-    from featcal.families.causal_lm.shape import UnsupportedArchitecture, describe
-
-    try:
-        config = AutoConfig.for_model(model_type)
-    except Exception as exc:  # noqa: BLE001 - a configuration transformers cannot build is a refusal
-        return Architecture(model_type, model_class, f"its default configuration does not build ({type(exc).__name__})")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            describe(config)
-        except UnsupportedArchitecture as exc:
-            return Architecture(model_type, model_class, exc.reason)
-    return Architecture(model_type, model_class)
-
-
-def installed() -> list[Architecture]:
-    """Every causal-LM model type of the installed transformers, probed, by model type."""
-    import logging
-
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    quiet = logging.getLogger("transformers")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        return [probe(t, c) for t, c in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())]
-    finally:
-        quiet.setLevel(level)
-
-
 def known() -> dict[str, Architecture]:
     """The architectures as :data:`KNOWN_FILE` records them, by model type (no torch imported)."""
     entries = json.loads(KNOWN_FILE.read_text(encoding="utf-8"))
@@ -97,9 +62,3 @@ def table(architectures: list[Architecture]) -> str:
     lines.append(f"refused ({len(refused)}):")
     lines += [f"  {a.model_type:<{width}}  {a.refused}" for a in refused]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # python -m featcal.families.causal_lm.architectures: rewrite the recorded list
-    found = installed()
-    write_known(found)
-    print(table(found))

@@ -82,7 +82,7 @@ def check_architecture_runs(folder: Path, config: Any) -> None:
     Raises:
         ModelInputError: naming the folder, the model type and the layer or module kind.
     """
-    from featcal.families.causal_lm.shape import UnsupportedArchitecture, describe
+    from featcal.families.causal_lm.adapter import UnsupportedArchitecture, describe
 
     try:
         describe(config)
@@ -243,7 +243,7 @@ def streamed_lm(config: Any, folder: Path, *, output_dtype: str = BASE_DTYPE) ->
 def lm_skeleton(config: Any, merged: Checkpoint, device: torch.device) -> nn.Module:
     """The merged model with its embedding, final norm, LM head and rotary embedding on ``device`` (read
     from ``merged``) and its decoder layers on the meta device."""
-    from featcal.families.causal_lm.shape import describe
+    from featcal.families.causal_lm.adapter import describe
 
     stack = describe(config).stack
     layers = getattr(stack.decoder(meta_model(config)), stack.layers)

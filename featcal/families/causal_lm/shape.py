@@ -1,6 +1,6 @@
 """What the calibration needs of a causal LM's architecture, found by running a tiny model of it.
 
-:func:`describe` builds a model of the configuration at a tiny width (same layer count, layer types and
+:func:`probe` builds a model of the configuration at a tiny width (same layer count, layer types and
 options, random weights), runs its own forward on a right-padded batch and records:
 
 - where its decoder layers are (the one ``nn.ModuleList`` of ``num_hidden_layers`` layers holding
@@ -13,7 +13,8 @@ options, random weights), runs its own forward on a right-padded batch and recor
 - whether the layers read the same arguments (masks, positions, rotary embeddings) or each its own
   (a sliding-window layer's mask): then a layer's ``layer_idx`` says which.
 
-It then runs the layers one by one, as the calibration does, and requires the model's own forward back.
+:func:`featcal.families.causal_lm.adapter.describe` then runs the layers one by one, as the calibration does,
+and requires the model's own forward back.
 An architecture is refused, in one line naming it and the layer or module kind, when a layer holds a
 parameter of another kind (mixture-of-experts experts stored as 3-D tensors, convolutions, recurrent or
 state-space blocks, a norm of another form), a solved submodule reads some of the tokens only (routed
@@ -71,7 +72,6 @@ TINY_WIDTHS = {
 RECURRENT = ("mamba", "ssm", "rwkv", "lstm", "recurrent", "mixer")  # class names of such blocks
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 PROBE_LENGTHS = (7, 4)  # two right-padded examples
-CHAIN_TOLERANCE = 1e-4
 TINY_PARAMETERS = 16_000_000  # a probe's model at most: seconds on a CPU
 
 
@@ -90,7 +90,7 @@ class UnsupportedArchitecture(FeatcalError):
 
 @dataclass(frozen=True)
 class DecoderShape:
-    """What :func:`describe` found of an architecture (see the module docstring).
+    """What :func:`probe` found of an architecture (see the module docstring).
 
     Attributes:
         stack: Where the decoder layers are (``model`` / ``layers``).
@@ -152,7 +152,8 @@ def build_model(config: Any, attention: str | None = None) -> nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs).eval()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception as one line: its type and its message's first line."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
@@ -210,46 +211,16 @@ def _odd_module(name: str, module: nn.Module) -> str:
     )
 
 
-def _config_key(config: Any) -> str:
-    return type(config).__name__ + config.to_json_string(use_diff=False)
-
-
-def describe(config: Any) -> DecoderShape:
-    """The :class:`DecoderShape` of ``config``'s architecture, from a tiny model of it (cached per configuration).
-
-    Args:
-        config: A transformers configuration of a ``*ForCausalLM``.
+def probe(config: Any, model_type: str) -> tuple[DecoderShape, nn.Module, torch.Tensor, torch.Tensor]:
+    """Build a model of ``config`` (already tiny: :func:`tiny_config`) and describe it (see the module docstring).
 
     Returns:
-        Where its layers, stem and head are, and how its layers read their arguments.
+        Its shape, the model, and the right-padded batch it was run on (token ids and attention mask), for
+        the check that its layers run one by one give its forward back.
 
     Raises:
         UnsupportedArchitecture: naming the model type and what the calibration cannot solve or run.
     """
-    key = _config_key(config)
-    if key not in _DESCRIBED:
-        _DESCRIBED[key] = _describe(config)
-    found = _DESCRIBED[key]
-    if isinstance(found, UnsupportedArchitecture):
-        raise found
-    return found
-
-
-_DESCRIBED: dict[str, DecoderShape | UnsupportedArchitecture] = {}
-
-
-def _describe(config: Any) -> DecoderShape | UnsupportedArchitecture:
-    model_type = str(getattr(config, "model_type", type(config).__name__))
-    try:
-        with torch.no_grad():
-            return _probe(tiny_config(config), model_type)
-    except UnsupportedArchitecture as exc:
-        return exc
-    except Exception as exc:  # noqa: BLE001 - whatever a tiny model of it raises is why it is refused
-        return UnsupportedArchitecture(model_type, f"a tiny model of it does not run ({_first_line(exc)})")
-
-
-def _probe(config: Any, model_type: str) -> DecoderShape:
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedArchitecture(model_type, ENCODER_DECODER)
     with torch.device("meta"):
@@ -280,9 +251,7 @@ def _probe(config: Any, model_type: str) -> DecoderShape:
     idle = _idle(layers, fired, inputs, ids.shape, model_type)
     as_tuple = isinstance(inputs.get("output"), tuple)
     per_layer = _per_layer(decoder, stack, ids, mask, layers, as_tuple, model_type)
-    shape = DecoderShape(stack, stem, head, per_layer, idle, as_tuple)
-    _check_chain(model, shape, ids, mask, model_type)
-    return shape
+    return DecoderShape(stack, stem, head, per_layer, idle, as_tuple), model, ids, mask
 
 
 def _run_recorded(model: nn.Module, decoder: nn.Module, stack: Stack, ids: torch.Tensor, mask: torch.Tensor):
@@ -390,34 +359,3 @@ def layer_calls(
     with reading_config(decoder, config), standing_in(decoder, stack.layers, count - 1, as_tuple) as calls:
         run_until(decoder, **inputs)
     return [calls[i] for i in range(count)]
-
-
-def _check_chain(model: nn.Module, shape: DecoderShape, ids, mask, model_type: str) -> None:
-    """The layers run one by one, as the calibration runs them, give the model's own forward back."""
-    from featcal.calibration.adapters import CalibrationBatch
-    from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS, DecoderAdapter
-
-    decoder = shape.stack.decoder(model)
-    captured: dict[str, torch.Tensor] = {}
-    target = decoder.get_submodule(shape.head) if shape.head else None
-    if target is None:
-        expected = decoder(input_ids=ids, attention_mask=mask, use_cache=False)[0]
-    else:
-        handle = target.register_forward_pre_hook(lambda _m, args: captured.__setitem__("x", args[0]))
-        try:
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
-        finally:
-            handle.remove()
-        expected = captured["x"]
-    adapter = DecoderAdapter(shape)
-    batch = CalibrationBatch({INPUT_IDS: ids}, {ATTENTION_MASK: mask})
-    hidden = adapter.run_stem(adapter.stem(model), batch)
-    context = adapter.layer_context(model, batch, hidden)
-    for layer in adapter.layers(model):
-        hidden = adapter.run_layer(layer, hidden, context)
-    real = mask.bool()
-    gap = (hidden[real] - expected[real]).abs().max().item()
-    if not gap <= CHAIN_TOLERANCE * max(1.0, expected[real].abs().max().item()):
-        raise UnsupportedArchitecture(
-            model_type, f"its layers run one by one do not give its forward back (largest difference {gap:.2e})"
-        )
