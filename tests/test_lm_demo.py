@@ -124,6 +124,9 @@ def test_demo_lm5_prints_the_table_and_featcal_beats_task_arithmetic(tiny_lm_zoo
         return 100 * sum(report[task]["exact_match"] for task in tasks) / len(tasks)
 
     experts, merged, calibrated = exact_match("experts"), exact_match("ta"), exact_match("featcal-ta")
+    average = next(line for line in printed.splitlines() if line.startswith("average exact match %"))
+    shown = [float(cell) for cell in average.split("%")[1].split()]
+    assert shown[1:4] == pytest.approx([experts, merged, calibrated], abs=0.006), average  # printed to 2 digits
     assert experts - merged >= TINY_MIN_TA_LOSS, (experts, merged)
     assert calibrated - merged >= TINY_MIN_FEATCAL_GAIN, (merged, calibrated)
 
@@ -135,3 +138,18 @@ def test_demo_refuses_an_unknown_zoo_in_one_line(capsys) -> None:
 
 def test_tasks_by_name_lists_the_five_tasks() -> None:
     assert list(TASKS_BY_NAME) == ["add", "reverse", "cipher", "brackets", "format"]
+
+
+def test_the_table_s_average_exact_match_row_needs_every_task_s_exact_match() -> None:
+    from featcal.cli.common import format_losses
+    from featcal.metrics import MetricsReport, TaskMetrics
+
+    def report(*matches: float | None) -> MetricsReport:
+        results = {
+            f"t{i}": TaskMetrics(None, 1.0, 4, {} if m is None else {"exact_match": m}) for i, m in enumerate(matches)
+        }
+        return MetricsReport.from_results(results)
+
+    rows = format_losses({"a": report(0.25, 0.5), "b": report(1.0, 0.0)}).splitlines()
+    assert rows[-1].split() == ["average", "exact", "match", "%", "37.50", "50.00"]
+    assert "average exact match" not in format_losses({"a": report(0.25, None)})
