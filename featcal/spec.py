@@ -131,7 +131,7 @@ class RunSpec:
     )  # fmt: skip
     eval_batch_size: int | None = option(
         None, help="test examples per batch (default: images 256 on CUDA, 16 on the CPU; texts 16 on CUDA, 4 on the "
-        "CPU; T5 pairs 32)", group=EVALUATION, metavar="B", ge=1,
+        "CPU, 100 there for models narrower than 256; T5 pairs 32)", group=EVALUATION, metavar="B", ge=1,
     )  # fmt: skip
     eval_num_workers: int = option(
         default_factory=default_eval_workers, help="data-loading workers (default: min(8, CPUs))",

@@ -117,6 +117,7 @@ def test_demo_lm5_prints_the_table_and_featcal_beats_task_arithmetic(tiny_lm_zoo
     for column in ("base", "expert", "TA", "TA+FeatCal"):
         assert column in printed.splitlines()[1]
     assert "exact match" in printed and (out / "release" / "model.safetensors").is_file()
+    assert f"trained with torch's {torch.backends.cpu.get_cpu_capability()} CPU kernels" in printed.splitlines()[0]
 
     def exact_match(stage: str) -> float:
         report = json.loads((out / stage / "metrics.json").read_text())
@@ -153,3 +154,12 @@ def test_the_table_s_average_exact_match_row_needs_every_task_s_exact_match() ->
     rows = format_losses({"a": report(0.25, 0.5), "b": report(1.0, 0.0)}).splitlines()
     assert rows[-1].split() == ["average", "exact", "match", "%", "37.50", "50.00"]
     assert "average exact match" not in format_losses({"a": report(0.25, None)})
+
+
+def test_a_small_language_model_is_evaluated_in_large_batches_on_the_cpu() -> None:
+    from featcal.families.causal_lm.evaluation import SMALL_MODEL_TEXT_BATCH, default_text_batch_size
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_text_batch_size(cpu, LMZooConfig.lm5().hidden) == SMALL_MODEL_TEXT_BATCH == 100  # the demo's
+    assert default_text_batch_size(cpu, 3072) == default_text_batch_size(cpu) == 4  # a real model's memory
+    assert default_text_batch_size(cuda, 64) == default_text_batch_size(cuda, 3072) == 16
