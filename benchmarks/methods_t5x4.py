@@ -20,10 +20,11 @@ from methods_lm5 import zoo_benchmark
 from featcal.demo.t5_tasks import T5_TASKS_BY_NAME, vocabulary
 from featcal.demo.t5_training import PairBatches, greedy_exact_match, train_t5
 from featcal.demo.t5_zoo import T5ZooConfig, build_t5_zoo, expert_rows, split_rows, t5_run_spec
+from featcal.metrics import task_score
 
 
 def _exact_match(report: dict, tasks: tuple[str, ...]) -> dict[str, float]:
-    per_task = {task: 100 * report[task]["accuracy"] for task in tasks}  # a seq2seq task's score: exact match
+    per_task = {task: 100 * task_score(report[task]) for task in tasks}  # a seq2seq task's score: exact match
     return {**per_task, "average": sum(per_task.values()) / len(per_task)}
 
 

@@ -33,6 +33,11 @@ RESERVED_TASK_NAMES = frozenset({AVERAGE, MODEL_INFO, RUN_ID, CALIBRATION_EXAMPL
 EXACT_MATCH = "exact_match"
 # The keys that make an entry of metrics.json a task's result (its accuracy, or its loss alone).
 RESULT_KEYS = ("accuracy", "loss")
+# A task whose result names its metric (``"metric"``: a T5 task's exact match or Spearman's ρ) stores its score
+# under that metric's name instead of ``accuracy``; files written before that kept it under ``accuracy``, and
+# read alike (:func:`task_score`).
+METRIC = "metric"
+SCORE_METRICS = ("exact_match", "spearman")
 
 
 def count_parameters(model: nn.Module) -> dict[str, float | int]:
@@ -57,12 +62,32 @@ class TaskMetrics:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {} if self.accuracy is None else {"accuracy": self.accuracy}
+        """The task's entry of ``metrics.json``: its score under ``accuracy``, or under its metric's name."""
+        data: dict[str, Any] = {} if self.accuracy is None else {score_key(self.extra): self.accuracy}
         data["loss"] = self.loss
         if self.num_samples is not None:
             data["num_samples"] = self.num_samples
         data.update(self.extra)
         return data
+
+
+def score_key(entry: Mapping[str, Any]) -> str:
+    """Where a task's result stores its score: under its metric's name when it names one of
+    :data:`SCORE_METRICS`, else under ``accuracy``."""
+    metric = entry.get(METRIC)
+    return metric if metric in SCORE_METRICS else "accuracy"
+
+
+def task_score(entry: Any) -> float | None:
+    """A task's score from its ``metrics.json`` entry (or the average's accuracy): the value under
+    :func:`score_key`, else under ``accuracy`` (files written before T5 scores had their metric's name);
+    None when it has neither."""
+    if not isinstance(entry, Mapping):
+        return None
+    for key in dict.fromkeys((score_key(entry), "accuracy")):
+        if entry.get(key) is not None:
+            return float(entry[key])
+    return None
 
 
 def is_task_result(value: Any) -> bool:
@@ -163,12 +188,12 @@ class MetricsReport:
             if key in RESERVED_TASK_NAMES - {LM_EVAL}:
                 continue
             if key != LM_EVAL and is_task_result(value):
-                accuracy = value.get("accuracy")
+                score = score_key(value)
                 tasks[key] = TaskMetrics(
-                    None if accuracy is None else float(accuracy),
+                    task_score(value),
                     float(value.get("loss", math.nan)),
                     value.get("num_samples"),
-                    {k: v for k, v in value.items() if k not in (*RESULT_KEYS, "num_samples")},
+                    {k: v for k, v in value.items() if k not in (*RESULT_KEYS, score, "num_samples")},
                 )
             else:
                 extra[key] = value

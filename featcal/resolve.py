@@ -235,14 +235,56 @@ def check_data_covers_merge(table_experts: Sequence[str], merged: Sequence[str],
         )
 
 
-def resolve_inputs(spec: RunSpec, *, need_experts: bool = True, merged: str | Path | None = None) -> RunInputs:
+# How to give each family's tasks to `featcal evaluate` (the hint of :func:`check_model_family`).
+EVALUATE_TASKS_HINT = {
+    "clip_vision": "--suite SUITE (`featcal tasks`) or --tasks-file FILE of image tasks",
+    "causal_lm": "--tasks-file FILE whose tasks say `family: causal_lm` (docs/causal-lm.md) and --base-model-id BASE",
+    "seq2seq": "--tasks-file FILE whose tasks say `family: seq2seq` (docs/seq2seq.md) and --base-model-id BASE, "
+    "or --suite glue8 for FLAN-T5-base",
+}
+
+
+def check_model_family(folder: str | Path, family: ModelFamily, source: str) -> None:
+    """Refuse a model folder (``featcal evaluate --model``) of another family than the tasks', before the
+    tasks' base is looked for (or downloaded). A folder whose family cannot be read is left to the family's
+    own checks, which word what is wrong with it.
+
+    Args:
+        folder: The model folder.
+        family: The tasks' family.
+        source: Where the tasks come from, in words (``the suite ta8``).
+
+    Raises:
+        InvalidParameterError: naming the folder's family and what to pass.
+    """
+    from featcal.errors import ModelInputError
+    from featcal.families import family_of_folder
+
+    try:
+        own = family_of_folder(folder)
+    except ModelInputError:
+        return
+    if own.name != family.name:
+        hint = EVALUATE_TASKS_HINT.get(own.name, f"tasks of family {own.name}")
+        raise InvalidParameterError(
+            "model", str(folder), f"a model of the tasks' family: it holds a {own.title} ({own.name}), while "
+            f"{source} holds {family.title} tasks ({family.name}); pass its tasks with {hint}",
+        )  # fmt: skip
+
+
+def resolve_inputs(
+    spec: RunSpec, *, need_experts: bool = True, merged: str | Path | None = None, model: str | Path | None = None
+) -> RunInputs:
     """Tasks, base and experts of a run spec, validated before anything is written.
 
     With ``merged`` (``featcal calibrate``'s merged folder), a base the spec does not name is the one the
     folder records (:func:`merge_description`), and a data file must list exactly the experts it merged.
+    With ``model`` (``featcal evaluate``'s model folder), that folder must be of the tasks' family
+    (:func:`check_model_family`).
 
     Raises:
-        InvalidParameterError: for tasks, a base or an expert pattern that cannot be used.
+        InvalidParameterError: for tasks, a base or an expert pattern that cannot be used, or a model of
+            another family than the tasks'.
         ModelInputError: as :func:`resolve_models`.
     """
     if spec.data is not None:
@@ -255,6 +297,12 @@ def resolve_inputs(spec: RunSpec, *, need_experts: bool = True, merged: str | Pa
         names = spec.tasks or (list(task_table(spec.tasks_file, replace=True).tasks) if spec.tasks_file else None)
     tasks = table.select(names)
     family = tasks_family(tasks)
+    if model is not None:
+        source = (
+            f"the data file {spec.data}" if spec.data is not None
+            else f"the tasks file {spec.tasks_file}" if spec.tasks_file else f"the suite {spec.suite}"
+        )  # fmt: skip
+        check_model_family(model, family, source)
     check_output_dtype(family, spec.output_dtype)
     described_base, described_experts = merge_description(merged) if merged is not None else (None, None)
     if spec.data is not None and described_experts is not None and need_experts:

@@ -92,12 +92,14 @@ class RunSpec:
         metavar="FILE",
     )  # fmt: skip
     data: str | None = option(
-        None, help="calibration texts of each expert of a language-model merge (YAML: experts -> dataset and text "
-        "format; docs/causal-lm.md): the tasks, one per expert, instead of tasks-file and suite", group=TASKS,
+        None, help="calibration data of each expert of a causal-LM or T5 merge (YAML: experts -> dataset and text "
+        "format, or input/target templates; docs/causal-lm.md, docs/seq2seq.md): the tasks, one per expert, "
+        "instead of tasks-file and suite", group=TASKS,
         metavar="FILE",
     )  # fmt: skip
     base_model_id: str | None = option(
-        None, help="base CLIPModel, Hub id or folder (default: the backbone's, openai/clip-vit-base-patch32 for b32)",
+        None, help="base model, Hub id or folder, of the tasks' family: a CLIPModel (image tasks), a causal LM or a "
+        "T5 (default: the suite backbone's, openai/clip-vit-base-patch32 for b32; a data file's: needed)",
         group=TASKS, metavar="ID_OR_DIR",
     )  # fmt: skip
     expert_model_format: str | None = option(
@@ -128,8 +130,9 @@ class RunSpec:
         group=FEATCAL, choices=STREAM_STORAGES,
     )  # fmt: skip
     eval_batch_size: int | None = option(
-        None, help="test examples per batch (default 256 on CUDA, 16 on the CPU)", group=EVALUATION, metavar="B", ge=1
-    )
+        None, help="test examples per batch (default: images 256 on CUDA, 16 on the CPU; texts 16 on CUDA, 4 on the "
+        "CPU, 100 there for models narrower than 256; T5 pairs 32)", group=EVALUATION, metavar="B", ge=1,
+    )  # fmt: skip
     eval_num_workers: int = option(
         default_factory=default_eval_workers, help="data-loading workers (default: min(8, CPUs))",
         group=EVALUATION, metavar="W", ge=0,
@@ -158,7 +161,7 @@ class RunSpec:
         group=RUNTIME, choices=PRECISIONS,
     )  # fmt: skip
     threads: int | None = option(
-        None, help="torch CPU threads (default: 1 for vision towers narrower than 256, else one per core)",
+        None, help="torch CPU threads (default: 1 for models narrower than 256, else one per core)",
         group=RUNTIME, metavar="N", ge=1,
     )  # fmt: skip
     seed: int = option(42, help="seed of the calibration shuffle", group=RUNTIME, ge=0, le=2**32 - 1)

@@ -4,8 +4,8 @@ torch starts one intra-op thread per core. On models of ViT-B size that is what 
 small models of tests, demos and experiments each matmul is too small to share, and the threads spend
 their time synchronising: calibrating the tiny test fixture took 20–73 s with torch's threads on a
 busy 2-core machine against 1.4 s with one (``benchmarks/threads_small_models.py`` measures it). So
-unless told otherwise, a run on a vision tower narrower than :data:`SMALL_MODEL_HIDDEN_SIZE` uses one
-thread, and any other run keeps torch's choice.
+unless told otherwise, a run on a model (a vision tower, a language model, a T5) narrower than
+:data:`SMALL_MODEL_HIDDEN_SIZE` uses one thread, and any other run keeps torch's choice.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SMALL_MODEL_HIDDEN_SIZE = 256  # vision towers narrower than this run on one thread by default
+SMALL_MODEL_HIDDEN_SIZE = 256  # models narrower than this run on one thread by default
 
 
 def choose_threads(requested: int | None, hidden_size: int) -> int:
@@ -26,7 +26,7 @@ def choose_threads(requested: int | None, hidden_size: int) -> int:
 
     Args:
         requested: The user's ``--threads``, or None for the default.
-        hidden_size: The vision tower's width.
+        hidden_size: The model's width (a vision tower's, a language model's hidden size, a T5's d_model).
 
     Returns:
         ``requested`` when given; else 1 for a model narrower than :data:`SMALL_MODEL_HIDDEN_SIZE`,

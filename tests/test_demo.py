@@ -365,3 +365,30 @@ def test_demo_command_prints_the_table(tiny_zoo, tmp_path, capsys, device):
     experts, merged, calibrated = average("experts"), average("ta"), average("featcal-ta")
     assert experts - merged >= TINY_MIN_TA_LOSS, (experts, merged)
     assert calibrated - merged >= TINY_MIN_FEATCAL_GAIN, (merged, calibrated)
+
+
+def test_the_zoo_trains_on_one_thread_whatever_the_caller_s_and_one_of_another_count_is_rebuilt(micro_zoo, monkeypatch):
+    from safetensors.torch import load_file
+
+    from featcal.threads import torch_threads
+
+    cache, marker = micro_zoo.parent.parent, micro_zoo / "zoo.json"
+    info = json.loads(marker.read_text())
+    assert info["torch_threads"] == 1 and info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    before = load_file(micro_zoo / "experts" / "colors" / "model.safetensors")
+    seen = []
+    real = zoo_module._build_into
+
+    def counting(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(zoo_module, "_build_into", counting)
+    marker.write_text(json.dumps({**info, "torch_threads": 2}))  # as a two-thread build of before recorded it
+    with torch_threads(2):
+        assert build_zoo(MICRO, cache_dir=cache, progress=False) == micro_zoo
+        assert torch.get_num_threads() == 2  # the caller's count, restored
+    assert seen == [1]  # not reused: rebuilt, on one thread
+    assert json.loads(marker.read_text())["torch_threads"] == 1
+    after = load_file(micro_zoo / "experts" / "colors" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)

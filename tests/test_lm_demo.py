@@ -117,6 +117,7 @@ def test_demo_lm5_prints_the_table_and_featcal_beats_task_arithmetic(tiny_lm_zoo
     for column in ("base", "expert", "TA", "TA+FeatCal"):
         assert column in printed.splitlines()[1]
     assert "exact match" in printed and (out / "release" / "model.safetensors").is_file()
+    assert f"trained with torch's {torch.backends.cpu.get_cpu_capability()} CPU kernels" in printed.splitlines()[0]
 
     def exact_match(stage: str) -> float:
         report = json.loads((out / stage / "metrics.json").read_text())
@@ -124,6 +125,9 @@ def test_demo_lm5_prints_the_table_and_featcal_beats_task_arithmetic(tiny_lm_zoo
         return 100 * sum(report[task]["exact_match"] for task in tasks) / len(tasks)
 
     experts, merged, calibrated = exact_match("experts"), exact_match("ta"), exact_match("featcal-ta")
+    average = next(line for line in printed.splitlines() if line.startswith("average exact match %"))
+    shown = [float(cell) for cell in average.split("%")[1].split()]
+    assert shown[1:4] == pytest.approx([experts, merged, calibrated], abs=0.006), average  # printed to 2 digits
     assert experts - merged >= TINY_MIN_TA_LOSS, (experts, merged)
     assert calibrated - merged >= TINY_MIN_FEATCAL_GAIN, (merged, calibrated)
 
@@ -135,3 +139,27 @@ def test_demo_refuses_an_unknown_zoo_in_one_line(capsys) -> None:
 
 def test_tasks_by_name_lists_the_five_tasks() -> None:
     assert list(TASKS_BY_NAME) == ["add", "reverse", "cipher", "brackets", "format"]
+
+
+def test_the_table_s_average_exact_match_row_needs_every_task_s_exact_match() -> None:
+    from featcal.cli.common import format_losses
+    from featcal.metrics import MetricsReport, TaskMetrics
+
+    def report(*matches: float | None) -> MetricsReport:
+        results = {
+            f"t{i}": TaskMetrics(None, 1.0, 4, {} if m is None else {"exact_match": m}) for i, m in enumerate(matches)
+        }
+        return MetricsReport.from_results(results)
+
+    rows = format_losses({"a": report(0.25, 0.5), "b": report(1.0, 0.0)}).splitlines()
+    assert rows[-1].split() == ["average", "exact", "match", "%", "37.50", "50.00"]
+    assert "average exact match" not in format_losses({"a": report(0.25, None)})
+
+
+def test_a_small_language_model_is_evaluated_in_large_batches_on_the_cpu() -> None:
+    from featcal.families.causal_lm.evaluation import SMALL_MODEL_TEXT_BATCH, default_text_batch_size
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_text_batch_size(cpu, LMZooConfig.lm5().hidden) == SMALL_MODEL_TEXT_BATCH == 100  # the demo's
+    assert default_text_batch_size(cpu, 3072) == default_text_batch_size(cpu) == 4  # a real model's memory
+    assert default_text_batch_size(cuda, 64) == default_text_batch_size(cuda, 3072) == 16

@@ -53,8 +53,10 @@ def test_a_t5_run_writes_every_stage_and_its_scores(run) -> None:
         # the file's 16 rows less the 8 the calibration read: positions 8 to 15 of the seed-42 shuffle
         assert metrics["cls"]["num_samples"] == 8
         assert metrics["cls"]["held_out"] == {"split": "train", "seed": 42, "rows": [8, 16]}
+        # each task's score under its metric's name, none under "accuracy"; the average is their mean
+        assert "accuracy" not in metrics["cls"] and "accuracy" not in metrics["reg"]
         assert metrics["average"]["accuracy"] == pytest.approx(
-            (metrics["cls"]["accuracy"] + metrics["reg"]["accuracy"]) / 2
+            (metrics["cls"]["exact_match"] + metrics["reg"]["spearman"]) / 2
         )
     record = json.loads((run / "run_config.json").read_text())
     assert record["family"] == "seq2seq"
@@ -195,7 +197,8 @@ def test_two_processes_give_one_process_results(run, tasks_file, tmp_path) -> No
         assert float((one[key] - two[key]).norm() / one[key].norm()) < 1e-5, key
     scores = [json.loads((folder / "ta" / "metrics.json").read_text()) for folder in (run, out)]
     for task in ("cls", "reg"):
-        assert scores[0][task]["accuracy"] == scores[1][task]["accuracy"]
+        metric = scores[0][task]["metric"]
+        assert scores[0][task][metric] == scores[1][task][metric]
         assert scores[0][task]["num_samples"] == scores[1][task]["num_samples"] == 8  # held out of the 16
 
 

@@ -157,3 +157,30 @@ def test_demo_t5x4_prints_the_table_and_featcal_beats_task_arithmetic(tiny_t5_zo
 
 def test_tasks_by_name_lists_the_four_tasks() -> None:
     assert list(T5_TASKS_BY_NAME) == ["sentiment", "topic", "tense", "match"]
+
+
+def test_featcal_evaluate_scores_a_t5_folder_from_a_tasks_file_as_the_docs_show(tiny_t5_zoo, tmp_path, capsys) -> None:
+    import yaml
+
+    data = json.loads((tiny_t5_zoo / "data.json").read_text())
+    keep = ("input", "target", "labels")
+    tasks = {
+        entry["task"]: {"family": "seq2seq", "dataset": entry["dataset"], **{k: entry[k] for k in keep},
+                        "max_length": data["max_length"], "target_max_length": data["target_max_length"]}
+        for entry in data["experts"].values()
+    }  # fmt: skip
+    tasks_file = tiny_t5_zoo / "tasks.yaml"  # beside the zoo: the datasets are relative to it
+    tasks_file.write_text(yaml.safe_dump(tasks))
+    out = tmp_path / "sentiment.json"
+    argv = ["-q", "evaluate", "--model", str(tiny_t5_zoo / "experts" / "sentiment"), "--tasks-file", str(tasks_file),
+            "--tasks", "sentiment", "--base-model-id", str(tiny_t5_zoo / "base"), "--output", str(out),
+            "--device", "cpu", "--eval-num-workers", "0"]  # fmt: skip
+    try:
+        assert main(argv) == 0
+    finally:
+        tasks_file.unlink()
+    assert "sentiment" in capsys.readouterr().out
+    entry = json.loads(out.read_text())["sentiment"]
+    assert entry["metric"] == "exact_match" and "accuracy" not in entry
+    built = json.loads((tiny_t5_zoo / "zoo.json").read_text())["tasks"]["sentiment"]["expert_exact_match"]
+    assert entry["exact_match"] == pytest.approx(built)  # what the zoo's own probe measured on the test split

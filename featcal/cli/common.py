@@ -46,7 +46,8 @@ def format_losses(
     results: Mapping[str, MetricsReport], labels: Mapping[str, str] | None = None, *, column: int = 14
 ) -> str:
     """A plain-text table of a language model's reports: per task its held-out loss (mean response-token
-    NLL, lower is better), its exact match in % where the task has one, and the average loss; one column
+    NLL, lower is better), its exact match in % where the task has one, the average loss, and the average exact
+    match where every task has one (:func:`mean_exact_match`); one column
     per stage, and, with the experts, a merged stage and its calibration, the share of the expert − merged
     gap the calibration closed (``closed``, in %).
 
@@ -81,10 +82,31 @@ def format_losses(
             rows.append((f"{name} exact match %", cells(matches, 100, 2)))
     averages = {s: results[s].loss(AVERAGE) if results[s].average else None for s in stages}
     rows.append(("average loss", cells(averages, 1, 4)))
+    mean_matches = {s: mean_exact_match(results[s]) for s in stages}
+    if any(value is not None for value in mean_matches.values()):
+        rows.append(("average exact match %", cells(mean_matches, 100, 2)))
     width = max(len(label) for label, _ in rows)
     headings = [*((labels or {}).get(s, s) for s in stages), *(["closed %"] if closing else [])]
     heading = f"{'task':<{width}}  " + "  ".join(f"{h:>{column}}" for h in headings)
     return "\n".join([heading, *(f"{label:<{width}}  " + "  ".join(row) for label, row in rows)])
+
+
+def mean_exact_match(report: MetricsReport) -> float | None:
+    """The plain mean of a language model's exact match over its tasks, or None unless every task has one
+    (the table's average row; ``metrics.json`` keeps the tasks' own values only).
+
+    Args:
+        report: A language model's evaluation report.
+
+    Returns:
+        The mean, in [0, 1], or None.
+    """
+    from featcal.metrics import EXACT_MATCH
+
+    matches = [result.extra.get(EXACT_MATCH) for result in report.tasks.values()]
+    if not matches or any(value is None for value in matches):
+        return None
+    return sum(matches) / len(matches)
 
 
 def show_progress(args: argparse.Namespace) -> bool:

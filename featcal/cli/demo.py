@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -65,21 +66,30 @@ def _build(options: DemoOptions, *, progress: bool) -> Path:
         from featcal.demo.lm_zoo import LMZooConfig, build_lm_zoo
 
         config = LMZooConfig.tiny(seed=seed) if options.tiny else LMZooConfig.lm5(seed=seed)
-        return build_lm_zoo(config, cache_dir=cache, force=force, progress=progress, threads=options.threads)
+        return build_lm_zoo(config, cache_dir=cache, force=force, progress=progress)
     if options.zoo == "t5x4":
         from featcal.demo.t5_zoo import T5ZooConfig, build_t5_zoo
 
         t5_config = T5ZooConfig.tiny(seed=seed) if options.tiny else T5ZooConfig.t5x4(seed=seed)
-        return build_t5_zoo(t5_config, cache_dir=cache, force=force, progress=progress, threads=options.threads)
+        return build_t5_zoo(t5_config, cache_dir=cache, force=force, progress=progress)
     from featcal.demo import ZooConfig, build_zoo
 
     mini8 = ZooConfig.tiny(seed=seed) if options.tiny else ZooConfig.mini8(seed=seed)
     return build_zoo(mini8, cache_dir=cache, force=force, progress=progress)
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    import torch
+def _kernels(zoo: Path) -> str:
+    """What the zoo's marker says its training's CPU kernels were (its table depends on them)."""
+    from featcal.demo.cache import ZOO_MARKER
 
+    try:
+        capability = json.loads((zoo / ZOO_MARKER).read_text()).get("cpu_capability")
+    except (OSError, ValueError, AttributeError):
+        capability = None
+    return f"trained with torch's {capability} CPU kernels" if capability else "its CPU kernels not recorded"
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
     from featcal.pipeline import run_pipeline
     from featcal.runfolder.layout import (
         EXPERTS_DIR,
@@ -97,13 +107,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         calibrated_stage_name("task_arithmetic"): "TA+FeatCal",
     }
     _check_options(options)
-    if options.threads:
-        torch.set_num_threads(options.threads)
     progress = show_progress(args)
     start = time.perf_counter()
     zoo = _build(options, progress=progress)
     built = time.perf_counter() - start
-    print(path_line(f"Benchmark zoo ({built:.0f} s)", zoo))
+    print(path_line(f"Benchmark zoo ({built:.0f} s; {_kernels(zoo)})", zoo))
     results = run_pipeline(_run_spec(options, zoo, progress=progress))
     if options.zoo == "t5x4":
         print("Exact match (%) of greedy generations, each task's test split:")

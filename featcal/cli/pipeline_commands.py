@@ -429,7 +429,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     with session(spec.device, spec.dist_timeout) as world:
         device = world.compute_device(spec.device)
         with world.main_first("checking the inputs"):
-            inputs = resolve_inputs(spec, need_experts=False)
+            inputs = resolve_inputs(spec, need_experts=False, model=args.model)
             family = inputs.family
             if args.output is not None:  # the model folder's own metrics.json is checked by _metrics_output
                 datasets = [t.dataset.path for t in inputs.tasks]
@@ -557,9 +557,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_spec_options(p, only=("output_dtype",))
     command(p, cmd_calibrate)
 
-    p = subparsers.add_parser("evaluate", help="zero-shot accuracy of a vision model folder per task")
+    p = subparsers.add_parser(
+        "evaluate",
+        help="score a model folder on each task: a CLIP vision tower's zero-shot accuracy, a causal LM's held-out "
+        "loss and exact match, a T5's exact match (or Spearman's ρ)",
+        description="Evaluate one model folder, a CLIP vision tower (zero-shot accuracy), a causal LM (held-out "
+        "loss and exact match) or a T5 (exact match or Spearman's ρ), on the tasks of a suite or a tasks file: a "
+        "language model or a T5 needs a --tasks-file whose tasks name their family, and --base-model-id. A model "
+        "of another family than the tasks' is refused in one line.",
+    )
     p.add_argument(
-        "--model", default=None, metavar="DIR", help="CLIPVisionModel folder (default: the base model's own tower)"
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="model folder of the tasks' family: a CLIPVisionModel, a causal LM or a T5 (default: the base model)",
     )
     p.add_argument(
         "--output",

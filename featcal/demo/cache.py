@@ -24,6 +24,12 @@ logger = logging.getLogger(__name__)
 
 STALE_PARTIAL_SECONDS = 24 * 3600
 ZOO_MARKER = "zoo.json"  # written last into a zoo: its presence means the zoo is complete
+# torch CPU threads every zoo trains with, whatever the run's --threads: a zoo's last bits depend on the thread
+# count (and, with several, on the machine's load), so one count makes a seed's zoo the same on every build of
+# a given CPU; and the models are small, so more threads only contend (on a busy 2-core machine two threads made
+# a training step of lm5's Llama 26 times slower). Recorded as the marker's ``torch_threads``; a cached zoo
+# built with another count is not used, but rebuilt.
+BUILD_THREADS = 1
 
 
 class CacheKeyed(Protocol):
@@ -49,7 +55,8 @@ def zoo_path(config: CacheKeyed, cache_dir: str | Path | None = None) -> Path:
 
 
 def marked_complete(folder: Path, key: str, version: int) -> bool:
-    """Whether ``folder`` holds a finished zoo whose marker file records ``version`` under ``key``.
+    """Whether ``folder`` holds a finished zoo whose marker file records ``version`` under ``key``, built with
+    :data:`BUILD_THREADS` torch threads.
 
     Args:
         folder: A zoo's folder.
@@ -57,18 +64,20 @@ def marked_complete(folder: Path, key: str, version: int) -> bool:
         version: The zoo kind's current version.
 
     Returns:
-        False for a missing or unreadable marker, or another version.
+        False for a missing or unreadable marker, another version, or another thread count.
     """
     marker = folder / ZOO_MARKER
     try:
-        return marker.is_file() and json.loads(marker.read_text()).get(key) == version
+        info = json.loads(marker.read_text()) if marker.is_file() else None
     except (OSError, json.JSONDecodeError):
         return False
+    return isinstance(info, dict) and info.get(key) == version and info.get("torch_threads") == BUILD_THREADS
 
 
 def build_environment(build_seconds: float) -> dict[str, Any]:
     """What a zoo's marker file records of its build: when it ended, how long it took, with how many torch
-    threads, on what platform, with which torch and transformers (builds are deterministic per thread count).
+    threads (:data:`BUILD_THREADS`), on what vector instructions (:func:`cpu_capability`) and platform, with which
+    torch and transformers.
 
     Args:
         build_seconds: The build's wall time.
@@ -86,10 +95,20 @@ def build_environment(build_seconds: float) -> dict[str, Any]:
         "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "build_seconds": round(build_seconds, 1),
         "torch_threads": torch.get_num_threads(),
+        "cpu_capability": cpu_capability(),
         "platform": platform.platform(),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
     }
+
+
+def cpu_capability() -> str:
+    """The vector instructions torch's CPU kernels use here (``AVX512``, ``AVX2``, ``DEFAULT``…): a zoo's training
+    rounds by them, so the same seed gives other weights, and another table, on a CPU with other ones (an
+    AVX-512 and an AVX2-only AMD EPYC differ)."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def write_marker(folder: Path, info: dict[str, Any]) -> None:
@@ -103,22 +122,16 @@ def write_marker(folder: Path, info: dict[str, Any]) -> None:
 
 
 def build_trained_zoo(
-    target: Path,
-    build: Callable[[Path], None],
-    is_complete: Callable[[Path], bool],
-    *,
-    force: bool = False,
-    threads: int | None = None,
+    target: Path, build: Callable[[Path], None], is_complete: Callable[[Path], bool], *, force: bool = False
 ) -> Path:
-    """:func:`build_cached` for a zoo whose build trains tiny models: with ``threads`` torch CPU threads
-    (default one: more threads only contend on such models) and the libraries' own progress bars off.
+    """:func:`build_cached` for a zoo whose build trains small models: on :data:`BUILD_THREADS` torch CPU
+    threads, with the libraries' own progress bars off.
 
     Args:
         target: The zoo's folder (:func:`zoo_path`).
         build: Writes the whole zoo into the empty folder it is given, its marker file last.
         is_complete: Whether a folder holds a finished zoo of the current version.
         force: Rebuild even when ``target`` is complete.
-        threads: torch CPU threads for the build.
 
     Returns:
         ``target``.
@@ -129,7 +142,7 @@ def build_trained_zoo(
     from featcal.threads import torch_threads
 
     def build_into(folder: Path) -> None:
-        with torch_threads(threads or 1), library_bars_off():
+        with torch_threads(BUILD_THREADS), library_bars_off():
             build(folder)
 
     return build_cached(target, build_into, is_complete, force=force)

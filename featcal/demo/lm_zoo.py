@@ -123,7 +123,6 @@ def build_lm_zoo(
     force: bool = False,
     *,
     progress: bool = True,
-    threads: int | None = None,
 ) -> Path:
     """The folder of the language-model zoo for ``config`` (default :meth:`LMZooConfig.lm5`), built if needed.
 
@@ -132,8 +131,6 @@ def build_lm_zoo(
         cache_dir: The cache folder (default :func:`featcal.demo.cache.default_cache_dir`).
         force: Rebuild even when the cache holds the zoo.
         progress: Show progress bars.
-        threads: torch CPU threads for the training (default one: the models are tiny, and more threads
-            only contend).
 
     Returns:
         The zoo's folder.
@@ -147,7 +144,6 @@ def build_lm_zoo(
         lambda folder: _build_into(folder, config, progress=progress),
         is_complete_lm_zoo,
         force=force,
-        threads=threads,
     )
 
 

@@ -50,8 +50,8 @@ class DemoOptions:
     threads: int | None = field_option(
         RunSpec,
         "threads",
-        help="torch CPU threads for the zoo build (default: one per core) and the run (default: one, the "
-        "models are small)",
+        help="torch CPU threads for the run (default: one, the models are small); the zoo is always built on "
+        "one thread, so that a seed gives the same zoo on every build",
     )
     ta_scaling_factor: float = field_option(
         RunSpec, "ta_scaling_factor", default=MINI8_SCALING_FACTOR, help="Task Arithmetic κ"

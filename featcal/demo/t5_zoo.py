@@ -129,7 +129,6 @@ def build_t5_zoo(
     force: bool = False,
     *,
     progress: bool = True,
-    threads: int | None = None,
 ) -> Path:
     """The folder of the T5 zoo for ``config`` (default :meth:`T5ZooConfig.t5x4`), built if needed.
 
@@ -138,8 +137,6 @@ def build_t5_zoo(
         cache_dir: The cache folder (default :func:`featcal.demo.cache.default_cache_dir`).
         force: Rebuild even when the cache holds the zoo.
         progress: Show progress bars.
-        threads: torch CPU threads for the training (default one: the models are tiny, and more threads
-            only contend).
 
     Returns:
         The zoo's folder.
@@ -153,7 +150,6 @@ def build_t5_zoo(
         lambda folder: _build_into(folder, config, progress=progress),
         is_complete_t5_zoo,
         force=force,
-        threads=threads,
     )
 
 

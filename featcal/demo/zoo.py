@@ -23,14 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from featcal.demo.cache import (
-    build_cached,
-    build_environment,
-    library_bars_off,
-    marked_complete,
-    write_marker,
-    zoo_path,
-)
+from featcal.demo.cache import build_environment, build_trained_zoo, marked_complete, write_marker, zoo_path
 from featcal.demo.config import IMAGE_DRAW, ZOO_VERSION, ZooConfig
 from featcal.demo.images import MINI8_TASKS, ImageTask
 from featcal.demo.looks import in_task_look
@@ -51,16 +44,16 @@ def build_zoo(
 ) -> Path:
     """The folder of the zoo for ``config`` (default :meth:`ZooConfig.mini8`), building it if needed.
 
-    A finished zoo in the cache is returned as is unless ``force``. Building takes a few minutes on
-    two CPU cores; it is deterministic for a given config and seed (and torch thread count).
+    A finished zoo in the cache is returned as is unless ``force``. The build trains on one torch thread
+    (:func:`~featcal.demo.cache.build_trained_zoo`), so it is deterministic for a given config, seed and CPU.
     """
     config = config or ZooConfig.mini8()
-
-    def build_into(folder: Path) -> None:
-        with library_bars_off():
-            _build_into(folder, config, progress=progress)
-
-    return build_cached(zoo_path(config, cache_dir), build_into, is_complete, force=force)
+    return build_trained_zoo(
+        zoo_path(config, cache_dir),
+        lambda folder: _build_into(folder, config, progress=progress),
+        is_complete,
+        force=force,
+    )
 
 
 # ---------------------------------------------------------------- the build

@@ -25,7 +25,7 @@ from featcal.families import get_family
 from featcal.files.atomic import atomic_write_text
 from featcal.files.reading import read_text_input
 from featcal.hub.refs import check_repo_id, is_hub_id, split_revision
-from featcal.metrics import CALIBRATION_EXAMPLES_USED
+from featcal.metrics import CALIBRATION_EXAMPLES_USED, task_score
 from featcal.options import option_fields, option_of
 from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
 from featcal.release.options import NO_LICENSE
@@ -50,7 +50,7 @@ CARD_FILE = "README.md"
 TAGS = ["merge", "featcal", "model-merging"]  # the family's follow, then the merging method's
 # The recipe table's symbol and meaning of each FeatCal hyper-parameter, from the run spec.
 FEATCAL_PARAMS = {f.name: (option_of(f).symbol, option_of(f).card) for f, _, _ in option_fields(FeatCalParams)}
-# The model-index metric of a task whose metrics.json entry names what its "accuracy" holds (a seq2seq task).
+# The model-index metric of a task whose metrics.json entry names its metric (a seq2seq task).
 METRIC_TYPES = {"exact_match": "exact_match", "spearman": "spearmanr"}
 # What run_config.json's FeatCal section records beside the parameters, when it applies.
 FEATCAL_RECORDS = {
@@ -76,6 +76,18 @@ def _method_info(method: str) -> tuple[str, str | None]:
     return registered.pretty_name, registered.reference_url
 
 
+def _released_score(folder: Path, metrics: Mapping[str, Any], task: str) -> float:
+    """The released stage's score on ``task`` (:func:`~featcal.metrics.task_score`).
+
+    Raises:
+        ReleaseError: when its metrics hold none for the task.
+    """
+    score = task_score(metrics.get(task))
+    if score is None:
+        raise ReleaseError(folder, f"{folder / 'metrics.json'} holds no score of task {task!r}: evaluate it again.")
+    return score
+
+
 def card_data(run: RunFolder, *, model_name: str, license: str) -> ModelCardData:
     """The card's YAML metadata: Hub relations, tags, datasets and one accuracy per task."""
     parts = get_family(run.record.family).release
@@ -94,7 +106,7 @@ def card_data(run: RunFolder, *, model_name: str, license: str) -> ModelCardData
             dataset_split=evaluated_split(t, run.max_eval_samples, run.record.evaluation.details.get("held_out")),
             metric_type=metric,
             metric_name=metric,
-            metric_value=float(released.metrics[t.name]["accuracy"]),
+            metric_value=_released_score(released.path, released.metrics, t.name),
         )
         for t in run.tasks
         for metric in [METRIC_TYPES.get(released.metrics[t.name].get("metric"), "accuracy")]

@@ -61,11 +61,14 @@ def load_released_model(family: ModelFamily, folder: Path, what: str):
     """
     import transformers
 
+    from featcal.families.seq2seq.head_warning import untied_head_warning_off
+
     model_class = family.release.model_class
     try:
-        model, info = getattr(transformers, model_class).from_pretrained(
-            str(folder), dtype="auto", output_loading_info=True
-        )
+        with untied_head_warning_off():  # a T5 release's LM head of its own, which transformers 5 warns of
+            model, info = getattr(transformers, model_class).from_pretrained(
+                str(folder), dtype="auto", output_loading_info=True
+            )
     except (OSError, ValueError, RuntimeError) as exc:
         raise FeatcalError(f"{what}: {folder} does not load as a transformers {model_class} ({exc}).") from None
     problems = [f"{kind} {sorted(map(str, keys))[:3]}" for kind, keys in info.items() if keys]

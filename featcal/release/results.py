@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Any
 
+from featcal.metrics import task_score
 from featcal.runfolder.reader import RunFolder
 
 FEATCAL_SUFFIX = "_featcal"
@@ -29,8 +30,7 @@ class ResultRow:
 
 
 def _accuracy(metrics: Mapping[str, Any] | None, key: str) -> float | None:
-    entry = (metrics or {}).get(key)
-    return float(entry["accuracy"]) if isinstance(entry, Mapping) and "accuracy" in entry else None
+    return task_score((metrics or {}).get(key))
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

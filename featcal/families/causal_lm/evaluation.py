@@ -40,21 +40,42 @@ from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError, ModelInputError
 from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS
 from featcal.families.causal_lm.answers import extract_answer, normalize_answer
-from featcal.families.causal_lm.folders import load_lm_folder
+from featcal.families.causal_lm.folders import load_config, load_lm_folder
 from featcal.families.causal_lm.settings import LMEvaluationSettings
 from featcal.families.causal_lm.texts import base_tokenizer, encode_texts, load_text_split, render_text
 from featcal.metrics import EXACT_MATCH, LM_EVAL, MetricsReport, TaskMetrics, count_parameters
 from featcal.progress import Progress
 from featcal.tasks import Task
+from featcal.threads import SMALL_MODEL_HIDDEN_SIZE
 
 logger = logging.getLogger(__name__)
 
 LOGIT_ROWS = 1024  # positions whose logits are computed at once: bounds memory at LOGIT_ROWS × vocabulary
 
 
-def default_text_batch_size(device: torch.device) -> int:
-    """Texts per batch when none is asked for: 16 on an accelerator, 4 on the CPU."""
-    return 4 if device.type == "cpu" else 16
+# Texts per batch on the CPU for a model narrower than SMALL_MODEL_HIDDEN_SIZE (the demo's): on lm5, `featcal run
+# --skip-featcal` (imports, the merge, its evaluation on 5 tasks × 512 held-out rows, greedy answers of at most 16
+# tokens) took 21.6 s of CPU in batches of 4, 11.2 s in 16 and 8.6 s in 100, with the same exact match
+# (docs/offline-benchmark.md).
+SMALL_MODEL_TEXT_BATCH = 100
+
+
+def default_text_batch_size(device: torch.device, hidden_size: int | None = None) -> int:
+    """Texts per batch when none is asked for: 16 on an accelerator; on the CPU 4, or
+    :data:`SMALL_MODEL_TEXT_BATCH` for a model narrower than :data:`~featcal.threads.SMALL_MODEL_HIDDEN_SIZE`
+    (whose forwards are too small to keep a core busy in batches of 4).
+
+    Args:
+        device: Where the evaluation runs.
+        hidden_size: The model's width, when known.
+
+    Returns:
+        The batch size.
+    """
+    if device.type != "cpu":
+        return 16
+    small = hidden_size is not None and hidden_size < SMALL_MODEL_HIDDEN_SIZE
+    return SMALL_MODEL_TEXT_BATCH if small else 4
 
 
 @dataclass(frozen=True)
@@ -237,6 +258,7 @@ class HeldOutEvaluator:
         self.world = world
         self.settings = LMEvaluationSettings.from_json(settings)
         self.tokenizer = base_tokenizer(self.base_folder)
+        self.hidden_size = getattr(load_config(self.base_folder), "hidden_size", None)
         self.harness = None
         if self.settings.lm_eval_tasks:
             from featcal.families.causal_lm.harness import Harness
@@ -269,9 +291,9 @@ class HeldOutEvaluator:
         """
         if self.harness is not None:
             self.harness.limit = max_samples
-            self.harness.batch_size = batch_size or default_text_batch_size(self.device)
+            self.harness.batch_size = batch_size or default_text_batch_size(self.device, self.hidden_size)
         rows = {task.name: held_out_rows(task, self.settings, max_samples, self.world) for task in tasks}
-        return HeldOutTexts(rows, batch_size or default_text_batch_size(self.device))
+        return HeldOutTexts(rows, batch_size or default_text_batch_size(self.device, self.hidden_size))
 
     def evaluate(self, model: nn.Module, tasks: Sequence[Task], *, data: HeldOutTexts, progress: bool) -> MetricsReport:
         """Held-out loss (and exact match) of ``model`` on each task, their average, the model's size, and the

@@ -192,9 +192,13 @@ def load_t5_folder(folder: Path, base: Checkpoint | None = None) -> nn.Module:
     """
     from transformers import T5ForConditionalGeneration
 
+    from featcal.families.seq2seq.head_warning import untied_head_warning_off
+
     check_t5_folder(folder, base)
     try:
-        return T5ForConditionalGeneration.from_pretrained(str(folder), use_safetensors=True, dtype=torch.float32).eval()
+        with untied_head_warning_off():  # an LM head of its own is what the folder holds
+            model = T5ForConditionalGeneration.from_pretrained(str(folder), use_safetensors=True, dtype=torch.float32)
+        return model.eval()
     except (OSError, ValueError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelInputError(str(folder), f"{folder} does not load as a T5 model ({first}).") from None
