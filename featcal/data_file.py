@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import FeatcalError, InputError
+from featcal.families import family_of_schema, task_schema
 from featcal.files.reading import read_structured
 from featcal.hub.refs import local_path, split_revision
 from featcal.tasks import TaskTable, parse_task_table
@@ -52,8 +53,6 @@ PAIR_KEYS = ("input", "target", "labels", "metric")  # how a seq2seq row becomes
 ENTRY_KEYS = frozenset(
     {"dataset", "split", "config", "weigh", "max_length", "target_max_length", "task", *TEXT_KEYS, *PAIR_KEYS}
 )
-DEFAULT_TEXT_FAMILY = "causal_lm"
-PAIR_FAMILY = "seq2seq"  # the family of an entry with an input and a target
 
 
 def expert_key(ref: str) -> str:
@@ -146,13 +145,13 @@ def _task_entry(ref: str, entry: Mapping[str, Any], top: Mapping[str, Any], wher
     if entry.get("config") is not None:
         dataset["name"] = entry["config"]
     pair = any(entry.get(key) is not None for key in ("input", "target"))
-    family = str(top.get("family", PAIR_FAMILY if pair else DEFAULT_TEXT_FAMILY))
+    family = str(top.get("family", family_of_schema("pair" if pair else "text")))
     task: dict[str, Any] = {"family": family, "dataset": dataset, "expert": ref}
     for key in (*TEXT_KEYS, *PAIR_KEYS):
         if entry.get(key) is not None:
             task[key] = entry[key]
     for key in ("weigh", "max_length", "target_max_length"):  # the file's defaults where the family has them
-        own = ("max_length", "target_max_length") if family == PAIR_FAMILY else ("weigh", "max_length")
+        own = ("max_length", "target_max_length") if task_schema(family) == "pair" else ("weigh", "max_length")
         value = entry.get(key, top.get(key) if key in own else None)
         if value is not None:
             task[key] = value

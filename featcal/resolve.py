@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcal.errors import InvalidParameterError, ModelInputError, RunFolderError
-from featcal.families import get_family
+from featcal.families import get_family, mergekit_reader
 from featcal.files.reading import check_model_text_files
 from featcal.hub.downloads import resolve_model_folder
 from featcal.merging import get_method
@@ -186,9 +186,7 @@ def merge_description(folder: str | Path) -> tuple[str | None, list[str] | None]
     recipe = read_model_recipe(folder)
     if recipe is not None:
         return recipe.base_model, list(recipe.experts.values())
-    from featcal.families.causal_lm.mergekit import read_mergekit_folder
-
-    mergekit = read_mergekit_folder(folder)
+    mergekit = mergekit_reader().read_mergekit_folder(folder)
     if mergekit is not None:
         return mergekit.base_model, list(mergekit.models)
     return None, None
@@ -235,15 +233,6 @@ def check_data_covers_merge(table_experts: Sequence[str], merged: Sequence[str],
         )
 
 
-# How to give each family's tasks to `featcal evaluate` (the hint of :func:`check_model_family`).
-EVALUATE_TASKS_HINT = {
-    "clip_vision": "--suite SUITE (`featcal tasks`) or --tasks-file FILE of image tasks",
-    "causal_lm": "--tasks-file FILE whose tasks say `family: causal_lm` (docs/causal-lm.md) and --base-model-id BASE",
-    "seq2seq": "--tasks-file FILE whose tasks say `family: seq2seq` (docs/seq2seq.md) and --base-model-id BASE, "
-    "or --suite glue8 for FLAN-T5-base",
-}
-
-
 def check_model_family(folder: str | Path, family: ModelFamily, source: str) -> None:
     """Refuse a model folder (``featcal evaluate --model``) of another family than the tasks', before the
     tasks' base is looked for (or downloaded). A folder whose family cannot be read is left to the family's
@@ -258,14 +247,14 @@ def check_model_family(folder: str | Path, family: ModelFamily, source: str) -> 
         InvalidParameterError: naming the folder's family and what to pass.
     """
     from featcal.errors import ModelInputError
-    from featcal.families import family_of_folder
+    from featcal.families import family_of_folder, tasks_hint
 
     try:
         own = family_of_folder(folder)
     except ModelInputError:
         return
     if own.name != family.name:
-        hint = EVALUATE_TASKS_HINT.get(own.name, f"tasks of family {own.name}")
+        hint = tasks_hint(own)
         raise InvalidParameterError(
             "model", str(folder), f"a model of the tasks' family: it holds a {own.title} ({own.name}), while "
             f"{source} holds {family.title} tasks ({family.name}); pass its tasks with {hint}",

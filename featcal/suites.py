@@ -26,6 +26,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from featcal.errors import UnknownNameError
+from featcal.families.registry import DEFAULT_FAMILY
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -36,7 +37,6 @@ SUITES_RESOURCE = "suites.json"
 TALL_TABLE = "tall_tasks.json"
 GLUE_TABLE = "glue8_tasks.json"  # the GLUE tasks of FusionBench's FLAN-T5 benchmark (the seq2seq family)
 SINGLE_MODEL_KINDS = ("zero_shot", "expert")
-IMAGE_FAMILY = "clip_vision"  # the family of a suite or backbone whose entry names none
 OUTPUT_DIR_PATTERN = "outputs/clip-vit-{backbone}-{suite}"  # a run folder's default, unless its suite names one
 # Where the CLIP backbones' single-model numbers come from (a backbone may name its own source).
 CLIP_SINGLE_SOURCE = "FusionBench (docs/modelpool/clip_vit.md, 'The 20-Task Model Collections')"
@@ -65,7 +65,7 @@ def suite_family(suite: str) -> str:
         UnknownNameError: for a suite that is not built in.
     """
     suite_task_names(suite)
-    return suites_data()["suites"][suite].get("family", IMAGE_FAMILY)
+    return suites_data()["suites"][suite].get("family", DEFAULT_FAMILY)
 
 
 def suite_names(family: str) -> tuple[str, ...]:
@@ -84,7 +84,7 @@ def suite_backbones(suite: str) -> list[str]:
     if listed:
         return list(listed)
     entries = suites_data()["backbones"]
-    return [name for name, entry in entries.items() if entry.get("family", IMAGE_FAMILY) == family]
+    return [name for name, entry in entries.items() if entry.get("family", DEFAULT_FAMILY) == family]
 
 
 def default_backbone(suite: str) -> str:

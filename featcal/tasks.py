@@ -5,10 +5,11 @@ the package (``featcal/resources/ta8_tasks.json``), and with them the 14- and 20
 CLIP backbones (:mod:`featcal.suites`); users add or replace tasks with a tasks file in the same
 schema (JSON or YAML).
 
-A task belongs to one model family (``family``, default ``clip_vision``), which decides what else its
-entry says: a CLIP task its class names and zero-shot prompt templates; a causal-LM task how a row of
-its dataset becomes a text (:class:`TextFormat`); a seq2seq task how it becomes an input and a target
-text, and how its generations are scored (:class:`TextPairFormat`).
+A task belongs to one model family (``family``, default :data:`~featcal.families.registry.DEFAULT_FAMILY`), whose
+task schema (:func:`~featcal.families.registry.task_schema`) decides what else its entry says: an ``image`` task its
+class names and zero-shot prompt templates; a ``text`` task how a row of its dataset becomes a text
+(:class:`TextFormat`); a ``pair`` task how it becomes an input and a target text, and how its generations
+are scored (:class:`TextPairFormat`). The family is reached through the registry only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import FeatcalError, UnknownNameError
+from featcal.families.registry import DEFAULT_FAMILY, lookup, task_schema
 from featcal.files.reading import read_structured
 from featcal.hub.refs import local_path, split_revision
 from featcal.metrics import RESERVED_TASK_NAMES
@@ -66,13 +68,10 @@ class DatasetSpec:
 
 
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")  # a text task's dataset as one local file
-DEFAULT_FAMILY = "clip_vision"  # the model family of a task whose entry names none
 GLUE_IDS = ("nyu-mll/glue", "glue")  # GLUE's Hub id, and its legacy alias (FusionBench's)
 GLUE_CONFIGS = (
     "ax", "cola", "mnli", "mnli_matched", "mnli_mismatched", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb", "wnli",
 )  # fmt: skip
-TEXT_FAMILIES = ("causal_lm", "seq2seq")  # families whose tasks are texts, not labelled images
-PAIR_FAMILY = "seq2seq"  # the family whose tasks are (input, target) pairs (a TextPairFormat)
 METRICS = ("exact_match", "spearman")  # how a seq2seq task scores its generations
 DEFAULT_INPUT_LENGTH = 512  # tokens of an input text (T5's model_max_length, FusionBench's GLUE inputs)
 DEFAULT_TARGET_LENGTH = 128  # tokens of a target text
@@ -268,6 +267,7 @@ COMMON_FIELDS = frozenset({"dataset", "expert", "reference_accuracy", "reference
 IMAGE_FIELDS = frozenset({"classnames", "templates"})
 TEXT_FIELDS = frozenset({"text", "prompt", "response", "weigh", "max_length", "answer"})
 PAIR_FIELDS = frozenset({"input", "target", "labels", "metric", "max_length", "target_max_length"})
+SCHEMA_FIELDS = {"image": IMAGE_FIELDS, "text": TEXT_FIELDS, "pair": PAIR_FIELDS}  # by a family's task_schema
 
 
 def _parse_dataset(entry: Mapping[str, Any], root: Path | None, where: str) -> DatasetSpec:
@@ -314,7 +314,7 @@ def _parse_image_fields(entry: Mapping[str, Any], where: str) -> tuple[tuple[str
     return tuple(classnames), tuple(templates)
 
 
-def _parse_text_fields(entry: Mapping[str, Any], where: str) -> TextFormat:
+def _parse_text_fields(entry: Mapping[str, Any], where: str, family: str) -> TextFormat:
     values = {key: entry.get(key) for key in ("text", "prompt", "response")}
     not_text = sorted(k for k, v in values.items() if v is not None and (not isinstance(v, str) or not v.strip()))
     if not_text:
@@ -337,13 +337,11 @@ def _parse_text_fields(entry: Mapping[str, Any], where: str) -> TextFormat:
         raise FeatcalError(f"{where}: 'max_length' must be a whole number of tokens, at least 2, not {max_length!r}.")
     answer = entry.get("answer")
     if answer is not None:
-        from featcal.families.causal_lm.answers import answer_rule_problem
-
         if not isinstance(answer, str) or text is not None:
             raise FeatcalError(
                 f"{where}: 'answer' (line, boxed or a pattern with one group) needs 'prompt' and 'response'."
             )
-        problem = answer_rule_problem(answer)
+        problem = lookup(family).answer_rule_problem(answer)
         if problem is not None:
             raise FeatcalError(f"{where}: {problem}.")
     return TextFormat(text, prompt, response, weigh, max_length, answer)
@@ -403,18 +401,18 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     family = entry.get("family", DEFAULT_FAMILY)
     if not isinstance(family, str):
         raise FeatcalError(f"{where}: 'family' must name a model family (e.g. {DEFAULT_FAMILY}).")
-    is_text = family in TEXT_FAMILIES
-    fields = PAIR_FIELDS if family == PAIR_FAMILY else TEXT_FIELDS if is_text else IMAGE_FIELDS
+    schema = task_schema(family)
+    fields = SCHEMA_FIELDS[schema]
     unknown = set(entry) - COMMON_FIELDS - fields
     if unknown:
         raise FeatcalError(f"{where}: unknown field(s) {sorted(unknown)}.")
     spec = _parse_dataset(entry, root, where)
-    classnames, templates = ((), ()) if is_text else _parse_image_fields(entry, where)
+    classnames, templates = _parse_image_fields(entry, where) if schema == "image" else ((), ())
     text: TextFormat | TextPairFormat | None = None
-    if family == PAIR_FAMILY:
+    if schema == "pair":
         text = _parse_pair_fields(entry, where)
-    elif is_text:
-        text = _parse_text_fields(entry, where)
+    elif schema == "text":
+        text = _parse_text_fields(entry, where, family)
     expert = entry.get("expert")
     if expert is not None and not isinstance(expert, str):
         raise FeatcalError(f"{where}: 'expert' must be a model id or folder.")

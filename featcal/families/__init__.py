@@ -7,12 +7,39 @@ model or folder. Family modules are imported on first use, so listing commands i
 from __future__ import annotations
 
 import json
-from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from featcal.errors import ModelInputError, UnknownNameError
+from featcal.errors import ModelInputError
+from featcal.families.registry import (
+    BUILTIN,
+    DEFAULT_FAMILY,
+    REGISTERED,
+    TASK_SCHEMAS,
+    family_names,
+    family_of_schema,
+    lookup,
+    mergekit_reader,
+    task_schema,
+)
 from featcal.files.model_files import MODEL_CONFIG
+
+__all__ = [
+    "BUILTIN",
+    "DEFAULT_FAMILY",
+    "TASK_SCHEMAS",
+    "adapter_for",
+    "family_names",
+    "family_of_folder",
+    "family_of_schema",
+    "family_of_type",
+    "get_family",
+    "mergekit_reader",
+    "register_family",
+    "task_schema",
+    "tasks_hint",
+    "unregister_family",
+]
 
 if TYPE_CHECKING:
     from torch import nn
@@ -20,31 +47,17 @@ if TYPE_CHECKING:
     from featcal.calibration.adapters import LayerAdapter
     from featcal.families.base import ModelFamily
 
-# Built-in families: name -> the module whose ``FAMILY`` attribute is the family.
-BUILTIN = {
-    "clip_vision": "featcal.families.clip_vision",
-    "causal_lm": "featcal.families.causal_lm",
-    "seq2seq": "featcal.families.seq2seq",
-}
-DEFAULT_FAMILY = "clip_vision"
-_registered: dict[str, ModelFamily] = {}
-
 
 def register_family(family: ModelFamily) -> None:
     """Make ``family`` known by its name (a family of a plugin or a test); a ValueError if the name is taken."""
-    if family.name in BUILTIN or family.name in _registered:
+    if family.name in BUILTIN or family.name in REGISTERED:
         raise ValueError(f"model family {family.name!r} registered twice")
-    _registered[family.name] = family
+    REGISTERED[family.name] = family
 
 
 def unregister_family(name: str) -> None:
     """Forget a family added with :func:`register_family` (built-in ones stay)."""
-    _registered.pop(name, None)
-
-
-def family_names() -> list[str]:
-    """Every known family's name, sorted."""
-    return sorted({*BUILTIN, *_registered})
+    REGISTERED.pop(name, None)
 
 
 def get_family(name: str) -> ModelFamily:
@@ -53,11 +66,14 @@ def get_family(name: str) -> ModelFamily:
     Raises:
         UnknownNameError: naming the known families.
     """
-    if name in _registered:
-        return _registered[name]
-    if name not in BUILTIN:
-        raise UnknownNameError("model family", name, family_names())
-    return import_module(BUILTIN[name]).FAMILY
+    family: ModelFamily = lookup(name)
+    return family
+
+
+def tasks_hint(family: ModelFamily) -> str:
+    """How to give ``family``'s tasks to ``featcal evaluate`` (:attr:`ModelFamily.tasks_hint`; a family that
+    declares none: ``tasks of family NAME``)."""
+    return getattr(family, "tasks_hint", None) or f"tasks of family {family.name}"
 
 
 def family_of_type(model_type: Any, where: str | Path) -> ModelFamily:

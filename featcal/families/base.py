@@ -75,6 +75,11 @@ class ReleaseParts:
         folder_card_template: The package and file name of the card template of a model folder's own release
             (``featcal export DIR`` on a folder of ``featcal merge`` or ``featcal calibrate``: no run, no results);
             None for a family whose model folders are released only from the run that made them (CLIP).
+        run_as_model_folder: Whether a run is released as its released stage's model folder, with links to the
+            run's results (:mod:`featcal.release.lm_run_release`), rather than a release of the run's own
+            (:func:`featcal.release.export.export_release`).
+        quiet_loading: A context in which loading the released class drops a transformers message that reports
+            no fault of the release (a T5's LM head of its own), or None.
     """
 
     model_class: str
@@ -88,6 +93,8 @@ class ReleaseParts:
     edit_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     default_license: str | None = None
     folder_card_template: tuple[str, str] | None = None
+    run_as_model_folder: bool = False
+    quiet_loading: Callable[[], AbstractContextManager[Any]] | None = None
 
 
 class ModelFamily(Protocol):
@@ -102,6 +109,17 @@ class ModelFamily(Protocol):
             ``base`` always); another is refused before any work.
         head_point: What the diagnostics call the adapter's head, their last measuring point
             (``pooled (CLS) output``).
+        task_schema: Which kind of task entry the family reads (:data:`featcal.families.TASK_SCHEMAS`):
+            ``image`` (class names and templates), ``text`` (:class:`~featcal.tasks.TextFormat`) or ``pair``
+            (:class:`~featcal.tasks.TextPairFormat`). Optional: a family without it reads ``image`` entries.
+        tasks_hint: How to give its tasks to ``featcal evaluate``, in words (a refusal's hint). Optional.
+        answer_rule_problem: For a family of ``text`` tasks, a method that says what is wrong with a task's
+            ``answer`` rule (``line``, ``boxed`` or a pattern with one group), or None when it is valid.
+        mergekit_module: The module of the family that reads mergekit's files (``read_mergekit_folder``,
+            ``parse_mergekit_config``), for the one family whose merges mergekit makes. Optional.
+
+    Generic modules read the optional attributes through :mod:`featcal.families` (:func:`~featcal.families.task_schema`,
+    :func:`~featcal.families.tasks_hint`, :func:`~featcal.families.mergekit_reader`), never by a family's name.
     """
 
     name: str

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import struct
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ from featcal.metrics import WEIGHTS_SHA256, weights_sha256
 from featcal.outputs import check_output_folder
 from featcal.release.card import CARD_FILE, write_card_files
 from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, write_manifest
-from featcal.release.model_folder import LM_FAMILY, is_model_input
+from featcal.release.model_folder import is_model_input, releases_run_as_folder
 from featcal.release.plot import PLOT_FILE
 from featcal.release.published import published_config
 from featcal.runfolder.layout import DIAGNOSTICS_PLOT, METRICS, RELEASE_DIR, RUN_CONFIG, calibrated_stage_name
@@ -61,11 +62,9 @@ def load_released_model(family: ModelFamily, folder: Path, what: str):
     """
     import transformers
 
-    from featcal.families.seq2seq.head_warning import untied_head_warning_off
-
     model_class = family.release.model_class
     try:
-        with untied_head_warning_off():  # a T5 release's LM head of its own, which transformers 5 warns of
+        with (family.release.quiet_loading or nullcontext)():  # a T5 release's LM head, which transformers warns of
             model, info = getattr(transformers, model_class).from_pretrained(
                 str(folder), dtype="auto", output_loading_info=True
             )
@@ -226,7 +225,7 @@ def export_release(
         run = read_run(run_path)
         family = get_family(run.record.family)
         source = released_source(run)
-        if run.record.family == LM_FAMILY:  # the language-model release path: links, the run's results
+        if releases_run_as_folder(run.record.family):  # the language-model release path: links, the run's results
             from featcal.release.lm_run_release import export_lm_run_release
 
             return export_lm_run_release(run, out, source, repo_id=repo_id, license=license, template=template)

@@ -18,6 +18,7 @@ import yaml
 from huggingface_hub import ModelCard
 
 from featcal.errors import FeatcalError
+from featcal.families import task_schema
 from featcal.release.card import _environment, default_model_name
 from featcal.release.lm_results import STAGES, harness_results, task_results
 from featcal.release.model_card import model_context
@@ -73,7 +74,7 @@ def run_context(run: RunFolder) -> dict[str, Any]:
     stages = [s for s in STAGES if any(r.loss.values.get(s) is not None for r in results)]
     details = dict(run.record.evaluation.details)
     suite, backbone = run.record.suite, run.record.backbone
-    text_suite = suite is not None and suite_family(suite) != "clip_vision"
+    text_suite = suite is not None and task_schema(suite_family(suite)) != "image"
     reference = None
     if text_suite and backbone is not None:
         averages = merged_reference(suite, backbone)

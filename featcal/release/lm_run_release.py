@@ -30,7 +30,7 @@ from featcal.release.card import CARD_FILE, check_card_folder
 from featcal.release.lm_run_card import render_run_card
 from featcal.release.manifest import MANIFEST, manifest_of, read_manifest, update_manifest, write_manifest
 from featcal.release.model_card import mergekit_refs
-from featcal.release.model_folder import LM_FAMILY, ModelFolder, read_model_folder
+from featcal.release.model_folder import ModelFolder, read_model_folder, releases_run_as_folder
 from featcal.release.model_release import RELEASE_NAMES, bytes_to_write
 from featcal.release.published import published_model_recipe, published_ref
 from featcal.release.tensors import tensors_sha256_of
@@ -109,7 +109,8 @@ def is_lm_run(run_dir: str | Path) -> bool:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and data.get("family") == LM_FAMILY
+    family = data.get("family") if isinstance(data, dict) else None
+    return isinstance(family, str) and releases_run_as_folder(family)
 
 
 def write_lm_run_card(

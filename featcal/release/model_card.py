@@ -20,7 +20,7 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from featcal.errors import OutputPathError, ReleaseError, UnknownNameError
-from featcal.families import get_family
+from featcal.families import get_family, mergekit_reader
 from featcal.files.atomic import atomic_write_text
 from featcal.hub.refs import check_repo_id, is_hub_id, split_revision
 from featcal.model_recipe import ModelRecipe, mergekit_config
@@ -38,9 +38,7 @@ def mergekit_refs(recipe: ModelRecipe) -> list[str]:
     """The model references the recipe's quoted ``mergekit_config.yml`` names (none when it quotes none)."""
     if recipe.mergekit_config is None:
         return []
-    from featcal.families.causal_lm.mergekit import parse_mergekit_config
-
-    merge = parse_mergekit_config(recipe.mergekit_config, "mergekit_config")
+    merge = mergekit_reader().parse_mergekit_config(recipe.mergekit_config, "mergekit_config")
     return [r for r in (merge.base_model, *merge.models) if r]
 
 
@@ -71,9 +69,7 @@ def _merge_context(folder: ModelFolder) -> dict[str, Any]:
             "tag": merge.method.replace("_", "-"),
         }
     if recipe.mergekit_config is not None:
-        from featcal.families.causal_lm.mergekit import parse_mergekit_config
-
-        parsed = parse_mergekit_config(recipe.mergekit_config, "mergekit_config")
+        parsed = mergekit_reader().parse_mergekit_config(recipe.mergekit_config, "mergekit_config")
         text = published_text(recipe.mergekit_config, mergekit_refs(recipe))
         return {
             "by": "mergekit",

@@ -25,7 +25,11 @@ from featcal.model_recipe import RECIPE_FILE, ModelRecipe
 from featcal.release.manifest import MANIFEST
 from featcal.runfolder.layout import RUN_CONFIG
 
-LM_FAMILY = "causal_lm"  # the family whose runs are released as their stage's model folder (lm_run_release)
+
+def releases_run_as_folder(family: str) -> bool:
+    """Whether a run of ``family`` is released as its released stage's model folder (``lm_run_release``;
+    :attr:`~featcal.families.base.ReleaseParts.run_as_model_folder`); False for a name of no known family."""
+    return family in family_names() and get_family(family).release.run_as_model_folder
 
 
 def folder_families() -> list[str]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from featcal.calibration.params import FeatCalParams
 from featcal.errors import RunFolderError
+from featcal.families.registry import DEFAULT_FAMILY
 from featcal.files.atomic import atomic_write_json
 from featcal.files.hashing import config_hash
 from featcal.metrics import CALIBRATION_EXAMPLES_USED, RUN_ID
@@ -28,7 +29,6 @@ from featcal.runfolder.layout import RUN_CONFIG
 
 SCHEMA = 2
 LEGACY_SCHEMA = 1  # a run_config.json without a "schema" entry
-DEFAULT_FAMILY = "clip_vision"
 # run_config.json's record of a multi-process run (world_size, backend): outside the recipe's hash,
 # since the number of processes moves results by float rounding only.
 PROCESSES = "processes"

@@ -16,6 +16,7 @@ from PIL import Image
 
 from featcal.devices import resolve_device
 from featcal.errors import FeatcalError, ModelInputError, UnknownNameError
+from featcal.families import DEFAULT_FAMILY
 from featcal.families.clip_vision.evaluation import ZeroShotClassifier, load_base_clip
 from featcal.families.clip_vision.folders import load_vision_folder
 from featcal.families.clip_vision.images import pixel_values
@@ -28,7 +29,7 @@ from featcal.release.published import is_published_local
 from featcal.runfolder.layout import CALIBRATED_PREFIX, RELEASE_DIR, RUN_CONFIG
 from featcal.space.heads import default_cache_dir, task_heads
 from featcal.space.settings import DEFAULT_BASE_MODEL_ID, SpaceSettings
-from featcal.suites import IMAGE_FAMILY, SUITE_NAMES, suite_family, suite_names, suite_table, task_table
+from featcal.suites import SUITE_NAMES, suite_family, suite_names, suite_table, task_table
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -143,12 +144,12 @@ def check_image_model(source: ModelSource) -> None:
     Raises:
         ModelInputError: for a model whose ``run_config.json`` records another family (a T5's ``seq2seq``).
     """
-    family = source.recipe().get("family", IMAGE_FAMILY)
-    if family != IMAGE_FAMILY:
+    family = source.recipe().get("family", DEFAULT_FAMILY)
+    if family != DEFAULT_FAMILY:
         raise ModelInputError(
             source.ref,
             f"The model {source.ref} is a {family!r} model: the Space classifies images with CLIP vision towers "
-            f"only ({IMAGE_FAMILY!r} runs); load a {family} release with transformers instead (its model card shows "
+            f"only ({DEFAULT_FAMILY!r} runs); load a {family} release with transformers instead (its model card shows "
             "how).",
         )
 
@@ -165,11 +166,11 @@ def space_tasks(settings: SpaceSettings, recorded_suite: str | None = None) -> l
     """
     if settings.tasks_file is None:
         suite = settings.suite or recorded_suite
-        if suite in SUITE_NAMES and suite_family(suite) != IMAGE_FAMILY:
+        if suite in SUITE_NAMES and suite_family(suite) != DEFAULT_FAMILY:
             raise UnknownNameError(
                 "CLIP suite",
                 suite,
-                suite_names(IMAGE_FAMILY),
+                suite_names(DEFAULT_FAMILY),
                 hint=f"The Space classifies images; {suite}'s tasks are not.",
             )
         return list(suite_table(suite).tasks.values())

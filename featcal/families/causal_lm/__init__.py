@@ -35,6 +35,9 @@ class CausalLMFamily:
 
     name = "causal_lm"
     title = "causal language model"
+    task_schema = "text"
+    tasks_hint = "--tasks-file FILE whose tasks say `family: causal_lm` (docs/causal-lm.md) and --base-model-id BASE"
+    mergekit_module = f"{__name__}.mergekit"
     # Every decoder-only causal-LM model type of the installed transformers, as probed (:mod:`.architectures`):
     # a folder of a refused one is the family's, and refused with its reason.
     model_types = tuple(t for t, a in known().items() if a.decoder_only)
@@ -50,7 +53,14 @@ class CausalLMFamily:
         task_name="Text Generation",
         card_template=(__name__, "model_card.md.j2"),
         folder_card_template=(__name__, "model_card.md.j2"),
+        run_as_model_folder=True,
     )
+
+    # --- tasks --------------------------------------------------------------------------------
+    def answer_rule_problem(self, rule: str) -> str | None:
+        from featcal.families.causal_lm.answers import answer_rule_problem
+
+        return answer_rule_problem(rule)
 
     # --- models -------------------------------------------------------------------------------
     def check_base_folder(self, folder: Path) -> None:

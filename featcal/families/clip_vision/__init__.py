@@ -36,6 +36,8 @@ class ClipVisionFamily:
 
     name = "clip_vision"
     title = "CLIP vision tower"
+    task_schema = "image"
+    tasks_hint = "--suite SUITE (`featcal tasks`) or --tasks-file FILE of image tasks"
     model_types = ("clip", "clip_vision_model")
     noun = "image"
     output_dtypes = ("base",)  # a CLIPVisionModel is written in float32, as featcal computes it

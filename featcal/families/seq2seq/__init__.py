@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcal.families.base import ReleaseParts
+from featcal.families.seq2seq.head_warning import untied_head_warning_off
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +63,11 @@ class Seq2SeqFamily:
 
     name = "seq2seq"
     title = "T5 encoder-decoder"
+    task_schema = "pair"
+    tasks_hint = (
+        "--tasks-file FILE whose tasks say `family: seq2seq` (docs/seq2seq.md) and --base-model-id BASE, "
+        "or --suite glue8 for FLAN-T5-base"
+    )
     model_types = ("t5",)
     output_dtypes = ("base",)  # a T5 is written in float32, FLAN-T5's own dtype (its wo overflows in float16)
     noun = "example"
@@ -77,6 +83,7 @@ class Seq2SeqFamily:
         optional_files=OPTIONAL_RELEASE_FILES,
         edit_config=release_config,
         folder_card_template=(__name__, "folder_card.md.j2"),
+        quiet_loading=untied_head_warning_off,
     )
 
     # --- models -------------------------------------------------------------------------------
