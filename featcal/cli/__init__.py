@@ -22,7 +22,8 @@ from featcal.version import __version__
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
-# Modules that add subcommands; each has `register(subparsers)`.
+# Modules that add subcommands; each has `register(subparsers)`. The families' own commands (`featcal
+# architectures`) come after them, from the registry (featcal.families.command_modules).
 COMMAND_MODULES = (
     "featcal.cli.pipeline_commands",
     "featcal.cli.suites",
@@ -32,7 +33,6 @@ COMMAND_MODULES = (
     "featcal.cli.space",
     "featcal.cli.demo",
     "featcal.cli.code_eval",
-    "featcal.cli.architectures",
 )
 
 
@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors; no progress bars")
     parser.add_argument("-v", "--verbose", action="store_true", help="featcal's debug logging")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
+    from featcal.families import command_modules
+
+    for name in (*COMMAND_MODULES, *command_modules()):
         importlib.import_module(name).register(subparsers)
     return parser
 

@@ -115,11 +115,14 @@ class ModelFamily(Protocol):
         tasks_hint: How to give its tasks to ``featcal evaluate``, in words (a refusal's hint). Optional.
         answer_rule_problem: For a family of ``text`` tasks, a method that says what is wrong with a task's
             ``answer`` rule (``line``, ``boxed`` or a pattern with one group), or None when it is valid.
+        command_module: The module of the family's own CLI commands (``register(subparsers)``: the causal-LM
+            family's ``featcal architectures``), or none. Optional.
         mergekit_module: The module of the family that reads mergekit's files (``read_mergekit_folder``,
             ``parse_mergekit_config``), for the one family whose merges mergekit makes. Optional.
 
     Generic modules read the optional attributes through :mod:`featcal.families` (:func:`~featcal.families.task_schema`,
-    :func:`~featcal.families.tasks_hint`, :func:`~featcal.families.mergekit_reader`), never by a family's name.
+    :func:`~featcal.families.tasks_hint`, :func:`~featcal.families.mergekit_reader`,
+    :func:`~featcal.families.command_modules`), never by a family's name.
     """
 
     name: str

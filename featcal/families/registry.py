@@ -65,6 +65,13 @@ def family_of_schema(schema: str) -> str:
     raise ValueError(f"no built-in model family reads {schema!r} task entries")
 
 
+def command_modules() -> list[str]:
+    """The modules of the families' own CLI commands (``ModelFamily.command_module``; each has
+    ``register(subparsers)``), by family name."""
+    modules = (getattr(lookup(name), "command_module", None) for name in family_names())
+    return [module for module in modules if module is not None]
+
+
 def mergekit_reader() -> Any:
     """The module that reads mergekit's files (``read_mergekit_folder``, ``parse_mergekit_config``): that of the
     family whose merges mergekit makes (``ModelFamily.mergekit_module``), imported on first use.

@@ -38,6 +38,7 @@ class CausalLMFamily:
     task_schema = "text"
     tasks_hint = "--tasks-file FILE whose tasks say `family: causal_lm` (docs/causal-lm.md) and --base-model-id BASE"
     mergekit_module = f"{__name__}.mergekit"
+    command_module = f"{__name__}.cli"  # featcal architectures
     # Every decoder-only causal-LM model type of the installed transformers, as probed (:mod:`.architectures`):
     # a folder of a refused one is the family's, and refused with its reason.
     model_types = tuple(t for t, a in known().items() if a.decoder_only)

@@ -1,4 +1,5 @@
-"""``featcal architectures``: which causal-LM architectures of the installed transformers featcal calibrates."""
+"""The causal-LM family's command, ``featcal architectures``: which causal-LM architectures of the installed
+transformers featcal calibrates (added to the CLI through the registry, :func:`featcal.families.command_modules`)."""
 
 from __future__ import annotations
 
