@@ -193,3 +193,68 @@ def test_the_option_modules_import_no_torch(module: str) -> None:
         if imported.split(".")[0] in {"torch", "transformers"}
     )
     assert heavy == []
+
+
+# Generic modules reach a model family only through the registry (featcal.families): no string naming a family
+# and no import of a family's modules outside the families' own packages, the demos and the (CLIP-only) Space.
+FAMILY_OWNERS = ("families/", "demo/", "space/")
+# The leaks left, each (module, what) as many times as it occurs; the list may only shrink: a leak gone must
+# leave it, and a new one fails.
+ALLOWED_LEAKS = {
+    # featcal surgery's pixel tensors by CLIP's input name (the surgery command, CLIP only)
+    ("featcal/cli/pipeline_commands.py", "imports featcal.families.clip_vision.adapter"): 1,
+    # the repairs' own checks (featcal/repairs/ is changed beside ProbSurgery)
+    ("featcal/repairs/apply.py", "names the family 'causal_lm'"): 1,
+    ("featcal/repairs/apply.py", "imports featcal.families.causal_lm.mergekit"): 1,
+    ("featcal/repairs/surgery.py", "names the family 'clip_vision'"): 1,
+}
+
+
+def family_leaks(root: Path = PACKAGE) -> dict[tuple[str, str], int]:
+    """Each (module, what) by which a module outside :data:`FAMILY_OWNERS` names a family (a string equal to a
+    family package's name) or imports a family's modules, with how often it does."""
+    families = sorted(p.name for p in (root / "families").iterdir() if p.is_dir() and not p.name.startswith("_"))
+    packages = [f"{root.name}.families.{name}" for name in families]
+    inside = tuple(f"{package}." for package in packages)
+    leaks: dict[tuple[str, str], int] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(FAMILY_OWNERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            found: list[str] = []
+            if isinstance(node, ast.Constant) and node.value in families:
+                found.append(f"names the family {node.value!r}")
+            modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            modules += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"imports {m}" for m in modules if m in packages or m.startswith(inside)]
+            for what in found:
+                key = (f"{root.name}/{rel}", what)
+                leaks[key] = leaks.get(key, 0) + 1
+    return leaks
+
+
+def test_generic_modules_name_no_family_and_import_none_of_its_modules() -> None:
+    leaks = family_leaks()
+    new = {key: n for key, n in leaks.items() if n > ALLOWED_LEAKS.get(key, 0)}
+    gone = {key: n for key, n in ALLOWED_LEAKS.items() if leaks.get(key, 0) < n}
+    assert new == {}, "ask the family through featcal.families (its registry) instead"
+    assert gone == {}, "these leaks are gone: take them off ALLOWED_LEAKS"
+
+
+def test_the_family_leak_check_sees_names_and_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "featcal"
+    for folder in ("families/fam", "families/_private", "demo", "generic"):
+        (pkg / folder).mkdir(parents=True)
+    (pkg / "families" / "fam" / "__init__.py").write_text("NAME = 'fam'\n")
+    (pkg / "demo" / "run.py").write_text("FAMILY = 'fam'\n")
+    (pkg / "generic" / "a.py").write_text(
+        "from featcal.families.fam.x import y\nimport featcal.families.fam\nimport featcal.families.famous\nA = 'fam'\n"
+        "B = 'fam'\nC = '_private'\n"
+    )
+    (pkg / "generic" / "b.py").write_text("from featcal.families import get_family\nD = 'family fam'\n")
+    assert family_leaks(pkg) == {
+        ("featcal/generic/a.py", "imports featcal.families.fam.x"): 1,
+        ("featcal/generic/a.py", "imports featcal.families.fam"): 1,
+        ("featcal/generic/a.py", "names the family 'fam'"): 2,
+    }
