@@ -18,7 +18,19 @@ from featcal.calibration.driver import featcal_calibrate
 from featcal.calibration.params import FeatCalParams
 from featcal.checkpoint import Checkpoint
 from featcal.errors import ModelInputError, UnknownNameError
-from featcal.families import family_names, family_of_folder, get_family, register_family, unregister_family
+from featcal.families import (
+    DEFAULT_FAMILY,
+    command_modules,
+    family_names,
+    family_of_folder,
+    family_of_schema,
+    get_family,
+    mergekit_reader,
+    register_family,
+    task_schema,
+    tasks_hint,
+    unregister_family,
+)
 from featcal.families.causal_lm.adapter import DecoderAdapter
 from featcal.resolve import RunInputs
 from featcal.stages import calibrate
@@ -51,6 +63,28 @@ def test_a_folder_of_no_known_family_is_named(tmp_path) -> None:
         unregister_family(family.name)
     save_model(tmp_path / "llama", seed=0)
     assert family_of_folder(tmp_path / "llama").name == "causal_lm"
+
+
+def test_the_registry_answers_for_each_family_what_generic_modules_ask() -> None:
+    schemas = {name: task_schema(name) for name in family_names()}
+    assert schemas == {"causal_lm": "text", "clip_vision": "image", "seq2seq": "pair"}
+    assert DEFAULT_FAMILY == "clip_vision" and task_schema("no_such_family") == "image"
+    assert [family_of_schema(s) for s in ("image", "text", "pair")] == ["clip_vision", "causal_lm", "seq2seq"]
+    assert "family: seq2seq" in tasks_hint(get_family("seq2seq"))
+    assert command_modules() == ["featcal.families.causal_lm.cli"]
+    assert mergekit_reader().__name__ == "featcal.families.causal_lm.mergekit"
+    assert [n for n in family_names() if get_family(n).release.run_as_model_folder] == ["causal_lm"]
+
+
+def test_a_family_that_declares_none_of_the_optional_facts_gets_the_defaults() -> None:
+    family = TinyDecoderFamily({})
+    register_family(family)
+    try:
+        assert task_schema(family.name) == "image"
+        assert tasks_hint(family) == f"tasks of family {family.name}"
+        assert command_modules() == ["featcal.families.causal_lm.cli"]
+    finally:
+        unregister_family(family.name)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
