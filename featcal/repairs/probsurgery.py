@@ -2,8 +2,9 @@
 for CLIP vision merges, as the authors' code trains it (github.com/1998v7/ProbSurgery, ``code/src_ours/
 merging_model.py``'s ``AlphaWrapper`` and ``code/run/run_ProbSurgery.py``'s ``train``).
 
-The merge stays as it is. Each task t gets a probabilistic module on top of its representation z (here the
-merged model's L2-normalised projected image embedding, as featcal's Representation Surgery reads it):
+The merge stays as it is. Each task t gets a probabilistic module on top of its representation z, the
+merged model's projected image embedding as the projection gives it (not normalised: open_clip's
+``encode_image``, which the authors' code reads):
 
     h = ReLU(P_t z),   μ = M_t h,   log σ² = V_t h,   ẑ = μ + ε ⊙ exp(½ log σ²),   z' = z − ẑ,
 
@@ -21,6 +22,8 @@ the CPU in training order, (batch, dim) per forward.
 
 At test time the authors use the mean: z' = z − μ, which their classification head L2-normalises before
 the zero-shot weights; evaluation here does the same (logits = scale · (z'/‖z'‖) · headᵀ).
+The authors' loop evaluates on the test split every 100 steps and reports the best; featcal evaluates
+the modules after the last step.
 """
 
 from __future__ import annotations

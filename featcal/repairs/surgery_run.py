@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,20 @@ MODULES_FILE, REPORT_FILE = modules_file(SURGERY), report_file(SURGERY)
 
 
 @torch.no_grad()
-def embeddings(classifier: Any, model: nn.Module, pixels: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """The L2-normalised projected image embeddings of ``pixels`` through ``model`` (the classifier's
-    :meth:`~featcal.families.clip_vision.evaluation.ZeroShotClassifier.image_embeddings`), in batches."""
+def embeddings(
+    classifier: Any, model: nn.Module, pixels: torch.Tensor, batch_size: int, *, normalised: bool = True
+) -> torch.Tensor:
+    """The projected image embeddings of ``pixels`` through ``model``, in batches: L2-normalised (the
+    classifier's :meth:`~featcal.families.clip_vision.evaluation.ZeroShotClassifier.image_embeddings`,
+    FusionBench's Surgery features), or as the projection gives them (``normalised=False``: open_clip's
+    ``encode_image``, the ProbSurgery authors' features)."""
     model = model.to(classifier.device).eval()
-    return torch.cat([classifier.image_embeddings(model, batch) for batch in pixels.split(batch_size)])
+    if normalised:
+        return torch.cat([classifier.image_embeddings(model, batch) for batch in pixels.split(batch_size)])
+    project = classifier.clip.visual_projection
+    return torch.cat([
+        project(model(pixel_values=batch.to(classifier.device)).pooler_output) for batch in pixels.split(batch_size)
+    ])  # fmt: skip
 
 
 class SurgeryFeatures:
@@ -67,7 +77,11 @@ class SurgeryFeatures:
 
 class ProbSurgeryFeatures:
     """A task's ProbSurgery module at test time, as the zero-shot classifier's feature map: the mean,
-    z ↦ (z − M ReLU(P z)) L2-normalised (the authors' classification head normalises its input)."""
+    z ↦ (z − M ReLU(P z)) L2-normalised (the authors' classification head normalises its input).
+
+    The module is trained on unnormalised embeddings and applied here to normalised ones: z − M ReLU(P z) is
+    positively homogeneous in z (no biases), so after the normalisation the two give the same features.
+    """
 
     def __init__(self, modules: Mapping[str, torch.Tensor], task: str, device: torch.device) -> None:
         self.proj = modules[f"{task}.{PROJ}"].to(device)
@@ -78,11 +92,25 @@ class ProbSurgeryFeatures:
         return revised / revised.norm(dim=-1, keepdim=True)
 
 
-# Per module repair: its training function and its test-time feature map.
-TRAINERS: dict[str, Callable[..., SurgeryResult]] = {SURGERY.name: train_surgery, PROBSURGERY.name: train_probsurgery}
-FEATURE_MAPS: dict[str, Callable[..., Callable[[torch.Tensor], torch.Tensor]]] = {
-    SURGERY.name: SurgeryFeatures, PROBSURGERY.name: ProbSurgeryFeatures,
-}  # fmt: skip
+@dataclass(frozen=True)
+class ModuleRepair:
+    """How a per-task module repair trains and is evaluated.
+
+    Attributes:
+        train: Its training function (``train(merged, experts, *, seed, **params)``).
+        feature_map: ``feature_map(modules, task, device)``: the classifier's test-time feature map.
+        normalised: It trains on L2-normalised embeddings (else on the projection's own).
+    """
+
+    train: Callable[..., SurgeryResult]
+    feature_map: Callable[..., Callable[[torch.Tensor], torch.Tensor]]
+    normalised: bool
+
+
+MODULE_REPAIRS = {
+    SURGERY.name: ModuleRepair(train_surgery, SurgeryFeatures, normalised=True),
+    PROBSURGERY.name: ModuleRepair(train_probsurgery, ProbSurgeryFeatures, normalised=False),
+}
 
 
 def run_surgery(
@@ -113,9 +141,15 @@ def run_surgery(
         The training's result and its cost: ``seconds`` and ``peak_host_rss_gib``.
     """
     start = time.perf_counter()
-    merged_features = {task: embeddings(classifier, merged, pixels[task], batch_size) for task in pixels}
-    expert_features = {task: embeddings(classifier, experts(task), pixels[task], batch_size) for task in pixels}
-    result = TRAINERS[repair.name](merged_features, expert_features, seed=seed, **params)
+    how = MODULE_REPAIRS[repair.name]
+    merged_features = {
+        task: embeddings(classifier, merged, pixels[task], batch_size, normalised=how.normalised) for task in pixels
+    }
+    expert_features = {
+        task: embeddings(classifier, experts(task), pixels[task], batch_size, normalised=how.normalised)
+        for task in pixels
+    }
+    result = how.train(merged_features, expert_features, seed=seed, **params)
     cost = {"seconds": time.perf_counter() - start, "peak_host_rss_gib": host_peak_bytes() / GIB}
     return result, cost
 
@@ -145,7 +179,7 @@ def evaluate_surgery(
     """
     out: dict[str, dict[str, float]] = {}
     for task in tasks:
-        feature_map = FEATURE_MAPS[repair.name](modules, task.name, classifier.device)
+        feature_map = MODULE_REPAIRS[repair.name].feature_map(modules, task.name, classifier.device)
         with_modules = classifier.evaluate_task(merged, task, images=images, progress=False, features=feature_map)
         without = classifier.evaluate_task(merged, task, images=images, progress=False)
         out[task.name] = {
