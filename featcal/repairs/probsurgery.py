@@ -139,7 +139,9 @@ def train_probsurgery(
     start = modules if modules is not None else initial_modules(tasks, merged[tasks[0]].shape[-1], hidden, seed)
     noise = torch.Generator().manual_seed(seed + 1 + len(tasks))
 
-    def loss_of(params: Mapping[str, torch.Tensor], task: str, features: torch.Tensor, target: torch.Tensor):
+    def loss_of(
+        params: Mapping[str, torch.Tensor], task: str, features: torch.Tensor, target: torch.Tensor
+    ) -> torch.Tensor:
         h = F.relu(features @ params[f"{task}.{PROJ}"].T)
         mu, log_var = h @ params[f"{task}.{MEAN}"].T, h @ params[f"{task}.{LOG_VAR}"].T
         eps = torch.randn(mu.shape, generator=noise).to(mu.device)

@@ -107,7 +107,7 @@ class ModuleRepair:
     normalised: bool
 
 
-MODULE_REPAIRS = {
+MODULE_REPAIR_SPECS = {
     SURGERY.name: ModuleRepair(train_surgery, SurgeryFeatures, normalised=True),
     PROBSURGERY.name: ModuleRepair(train_probsurgery, ProbSurgeryFeatures, normalised=False),
 }
@@ -141,7 +141,7 @@ def run_surgery(
         The training's result and its cost: ``seconds`` and ``peak_host_rss_gib``.
     """
     start = time.perf_counter()
-    how = MODULE_REPAIRS[repair.name]
+    how = MODULE_REPAIR_SPECS[repair.name]
     merged_features = {
         task: embeddings(classifier, merged, pixels[task], batch_size, normalised=how.normalised) for task in pixels
     }
@@ -179,7 +179,7 @@ def evaluate_surgery(
     """
     out: dict[str, dict[str, float]] = {}
     for task in tasks:
-        feature_map = MODULE_REPAIRS[repair.name].feature_map(modules, task.name, classifier.device)
+        feature_map = MODULE_REPAIR_SPECS[repair.name].feature_map(modules, task.name, classifier.device)
         with_modules = classifier.evaluate_task(merged, task, images=images, progress=False, features=feature_map)
         without = classifier.evaluate_task(merged, task, images=images, progress=False)
         out[task.name] = {
