@@ -71,14 +71,16 @@ def svc_state(base, experts, merged, **params):
 
 
 def test_featcal_and_svc_are_registered_with_what_they_need_and_give() -> None:
-    assert available_repairs() == ["featcal", "lot", "surgery", "svc"]
+    assert available_repairs() == ["featcal", "lot", "probsurgery", "surgery", "svc"]
     featcal, svc_repair = get_repair("featcal"), get_repair("svc")
     assert (featcal.uses_data, featcal.releasable, featcal.kernel) == (True, True, None)
     assert featcal.defaults == FeatCalParams().to_dict()  # the very parameters of FeatCalParams
     assert (svc_repair.uses_data, svc_repair.releasable) == (False, True)
     assert svc_repair.defaults == {"alpha": 0.1} and svc_repair.reference_url == "https://arxiv.org/abs/2602.05536"
-    with pytest.raises(UnknownNameError, match="Unknown repair 'probsurgery'; known: featcal, lot, surgery, svc"):
-        get_repair("probsurgery")
+    with pytest.raises(
+        UnknownNameError, match="Unknown repair 'adamerging'; known: featcal, lot, probsurgery, surgery, svc"
+    ):
+        get_repair("adamerging")
 
 
 def test_featcal_s_parameters_are_checked_as_featcal_params_checks_them() -> None:
@@ -347,9 +349,11 @@ def test_svc_refuses_what_it_would_not_read_before_any_work(ta_folder, tmp_path,
 def test_calibrate_refuses_an_unknown_repair_and_repair_params_for_featcal(ta_folder, tmp_path, capsys) -> None:
     out = tmp_path / "out"
     code, err = run_error(
-        capsys, ["calibrate", "--method", "probsurgery", "--merged", str(ta_folder[1]), "--output", str(out)]
+        capsys, ["calibrate", "--method", "adamerging", "--merged", str(ta_folder[1]), "--output", str(out)]
     )
-    assert code == 2 and err == ["featcal: error: Unknown repair 'probsurgery'; known: featcal, lot, surgery, svc."]
+    assert code == 2 and err == [
+        "featcal: error: Unknown repair 'adamerging'; known: featcal, lot, probsurgery, surgery, svc."
+    ]
     code, err = run_error(
         capsys, ["calibrate", "--merged", str(ta_folder[1]), "--output", str(out), "--repair-param", "alpha=0.2"]
     )

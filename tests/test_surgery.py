@@ -200,8 +200,8 @@ def test_evaluate_with_another_repair_is_refused(clip, tmp_path, capsys) -> None
                                    "--output", str(out)])  # fmt: skip
     assert code == 2 and len(err) == 1, err
     assert err[0] == (
-        "featcal: error: --evaluate True is invalid: it must be given only with --method surgery, whose result is "
-        "no model folder: evaluate a repaired model folder with `featcal evaluate --model DIR`."
+        "featcal: error: --evaluate True is invalid: it must be given only with --method surgery or probsurgery, "
+        "whose result is no model folder: evaluate a repaired model folder with `featcal evaluate --model DIR`."
     )
     assert not out.exists()
 

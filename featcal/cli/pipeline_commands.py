@@ -17,7 +17,7 @@ from featcal.calibration.params import GROUP as FEATCAL
 from featcal.cli.common import format_results, path_line, show_progress
 from featcal.cli.options import add_options, add_spec_options, command, given_values
 from featcal.cli.suites import SuiteChoice
-from featcal.repairs.options import DEFAULT_REPAIR, SURGERY_NAME, RepairChoice
+from featcal.repairs.options import DEFAULT_REPAIR, MODULE_REPAIRS, RepairChoice
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
 
 if TYPE_CHECKING:
@@ -172,14 +172,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     choice = RepairChoice(**given_values(args, RepairChoice))
     repair = get_repair(choice.method)
-    if choice.evaluate and repair.name != SURGERY_NAME:
+    if choice.evaluate and repair.name not in MODULE_REPAIRS:
         raise InvalidParameterError(
-            "evaluate", True, f"given only with --method {SURGERY_NAME}, whose result is no model folder: "
-            "evaluate a repaired model folder with `featcal evaluate --model DIR`",
+            "evaluate", True, f"given only with --method {' or '.join(MODULE_REPAIRS)}, whose result is no model "
+            "folder: evaluate a repaired model folder with `featcal evaluate --model DIR`",
         )  # fmt: skip
     if not repair.uses_data:
         return repair_folder(args, repair, choice.repair_params)
-    if repair.name == SURGERY_NAME:
+    if repair.name in MODULE_REPAIRS:
         return surgery_folder(args, repair, choice.repair_params, evaluate=choice.evaluate)
     if repair.name != DEFAULT_REPAIR:
         return lot_folder(args, repair, choice.repair_params)
@@ -336,8 +336,9 @@ def lot_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any])
 
 
 def surgery_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any], *, evaluate: bool) -> int:
-    """Train each task's module on FeatCal's calibration draw (``-n``, ``--seed``) of the tasks, write the
-    modules, recipe and report to ``--output``, and evaluate them with ``--evaluate``; one process.
+    """Train each task's module (Representation Surgery or ProbSurgery) on FeatCal's calibration draw (``-n``,
+    ``--seed``) of the tasks, write the modules, recipe and report to ``--output``, and evaluate them with
+    ``--evaluate``; one process.
 
     Raises:
         InvalidParameterError: for a FeatCal parameter, a bad hyper-parameter, or a family other than CLIP.
@@ -370,7 +371,7 @@ def surgery_folder(args: argparse.Namespace, repair: Repair, params: dict[str, A
         check_uncalibrated(args.merged, repair)
         inputs = resolve_inputs(spec, merged=args.merged)
         family = inputs.family
-        check_surgery_family(family)
+        check_surgery_family(family, repair)
         check_output_folder(output, kind="repair output", inputs=[*inputs.local_folders(), args.merged])
         preprocessor = family.preprocessor(inputs.base_folder)
         n, seed = spec.featcal.num_calibration_examples, spec.seed
@@ -391,7 +392,7 @@ def surgery_folder(args: argparse.Namespace, repair: Repair, params: dict[str, A
             result, cost = run_surgery(
                 evaluator.classifier, merged, lambda name: family.build_model(inputs.config, inputs.experts[name]),
                 pixels, resolved, seed=seed,
-                batch_size=spec.featcal.calibration_batch_size,
+                batch_size=spec.featcal.calibration_batch_size, repair=repair,
             )  # fmt: skip
             report: dict[str, Any] = {**cost, "loss_first_step": result.losses[0], "loss_last_step": result.losses[-1]}
             if evaluate:
@@ -401,10 +402,10 @@ def surgery_folder(args: argparse.Namespace, repair: Repair, params: dict[str, A
                     max_samples=spec.max_eval_samples,
                 )  # fmt: skip
                 report["accuracy"] = evaluate_surgery(
-                    evaluator.classifier, merged, result.modules, inputs.tasks, images
+                    evaluator.classifier, merged, result.modules, inputs.tasks, images, repair
                 )
-    folder = save_surgery(inputs, args.merged, {**resolved, "calibration": draw}, result, report, output)
-    print(path_line(f"Representation Surgery modules ({len(inputs.tasks)} tasks)", folder))
+    folder = save_surgery(inputs, args.merged, {**resolved, "calibration": draw}, result, report, output, repair)
+    print(path_line(f"{repair.pretty_name} modules ({len(inputs.tasks)} tasks)", folder))
     if evaluate:
         for task, acc in report["accuracy"].items():
             print(f"{task}: accuracy {acc['accuracy']:.4f} (merge alone {acc['accuracy_without']:.4f})")
@@ -542,7 +543,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     command(p, cmd_merge)
 
     p = subparsers.add_parser(
-        "calibrate", help="calibrate a merged model folder with FeatCal (or repair it: --method svc, lot, surgery)"
+        "calibrate",
+        help="calibrate a merged model folder with FeatCal (or repair it: --method svc, lot, surgery, probsurgery)",
     )
     p.add_argument(
         "--merged",

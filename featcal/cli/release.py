@@ -15,7 +15,7 @@ def run_export(args: argparse.Namespace) -> int:
     from featcal.release.export import export_release
     from featcal.repairs.surgery_run import check_releasable
 
-    check_releasable(args.run_dir)  # a Representation Surgery output holds no model
+    check_releasable(args.run_dir)  # a Representation Surgery or ProbSurgery output holds no model
 
     given = given_values(args, CardOptions)
     card = CardOptions(**given)
@@ -50,7 +50,7 @@ def run_push(args: argparse.Namespace) -> int:
     from featcal.release.push import push_release
     from featcal.repairs.surgery_run import check_releasable
 
-    check_releasable(args.path)  # a Representation Surgery output holds no model
+    check_releasable(args.path)  # a Representation Surgery or ProbSurgery output holds no model
 
     hub, commit = HubOptions(**given_values(args, HubOptions)), CommitOptions(**given_values(args, CommitOptions))
     result = push_release(

@@ -1,9 +1,10 @@
-"""featcal's repairs, registered: FeatCal (the default), LOT Merging, Representation Surgery and SVC; look
-them up here.
+"""featcal's repairs, registered: FeatCal (the default), LOT Merging, Representation Surgery, ProbSurgery and
+SVC; look them up here.
 
 FeatCal is registered with the parameters of :class:`~featcal.calibration.params.FeatCalParams`, its
-computation staying :func:`featcal.stages.calibrate`'s; LOT, Surgery and SVC register
-themselves (:mod:`featcal.repairs.lot`, :mod:`featcal.repairs.surgery`, :mod:`featcal.repairs.svc`).
+computation staying :func:`featcal.stages.calibrate`'s; LOT, Surgery, ProbSurgery and SVC
+register themselves (:mod:`featcal.repairs.lot`, :mod:`featcal.repairs.surgery`,
+:mod:`featcal.repairs.probsurgery`, :mod:`featcal.repairs.svc`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from featcal.calibration.params import FeatCalParams
 from featcal.merging.registry import HyperParameter
 from featcal.options import base_type, option_fields, option_of, with_annotation_limits
-from featcal.repairs import lot, surgery, svc  # noqa: F401 - register LOT, Surgery and the weight-only repairs
+from featcal.repairs import lot, probsurgery, surgery, svc  # noqa: F401 - they register themselves
 from featcal.repairs.registry import REPAIRS, Repair
 
 

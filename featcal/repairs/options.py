@@ -12,7 +12,9 @@ from typing import Any
 from featcal.options import option, validate
 
 DEFAULT_REPAIR = "featcal"
-SURGERY_NAME = "surgery"  # the repair whose output is per-task modules, evaluated here (``--evaluate``)
+SURGERY_NAME = "surgery"
+PROBSURGERY_NAME = "probsurgery"
+MODULE_REPAIRS = (SURGERY_NAME, PROBSURGERY_NAME)  # the repairs whose output is per-task modules (``--evaluate``)
 
 
 @dataclass(frozen=True)
@@ -24,15 +26,15 @@ class RepairChoice:
     """
 
     method: str = option(
-        DEFAULT_REPAIR, help="the repair: featcal, lot or surgery (read the same calibration draw), or svc "
-        "(data-free); `featcal methods` lists them", metavar="NAME",
+        DEFAULT_REPAIR, help="the repair: featcal, lot, surgery or probsurgery (read the same calibration draw), "
+        "or svc (data-free); `featcal methods` lists them", metavar="NAME",
     )  # fmt: skip
     repair_params: dict[str, Any] = option(
         default_factory=dict, help="a hyper-parameter of a repair other than FeatCal (svc: alpha=0.1), repeatable",
         metavar="KEY=VALUE", flag="repair_param",
     )  # fmt: skip
     evaluate: bool = option(
-        False, help="surgery: evaluate accuracy per task on the test splits, with the modules and without"
+        False, help="surgery, probsurgery: evaluate accuracy per task on the test splits, with the modules and without"
     )
 
     def __post_init__(self) -> None:

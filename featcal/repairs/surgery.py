@@ -58,16 +58,17 @@ SURGERY = Repair(
 REPAIRS.add(SURGERY)
 
 
-def check_surgery_family(family: ModelFamily) -> None:
-    """Refuse, before any work, a family Representation Surgery is not defined for here (all but CLIP).
+def check_surgery_family(family: ModelFamily, repair: Repair = SURGERY) -> None:
+    """Refuse, before any work, a family a per-task module repair (Representation Surgery, ProbSurgery) is not
+    defined for here (all but CLIP).
 
     Raises:
         InvalidParameterError: naming the repair and the family.
     """
     if family.name not in SURGERY_FAMILIES:
         raise InvalidParameterError(
-            "method", SURGERY.name, f"a repair defined for {family.title} models (family {family.name}; `featcal "
-            f"methods` lists the repairs): {SURGERY.name} trains its modules on a CLIP vision merge's image "
+            "method", repair.name, f"a repair defined for {family.title} models (family {family.name}; `featcal "
+            f"methods` lists the repairs): {repair.name} trains its modules on a CLIP vision merge's image "
             "embeddings only",
         )  # fmt: skip
 
@@ -129,7 +130,7 @@ class SurgeryResult:
 
     Attributes:
         modules: ``{task}.down`` and ``{task}.up`` for each task, float32.
-        losses: ``losses[step][i]``: task i's L1 loss at that step, before its update.
+        losses: ``losses[step][i]``: task i's loss at that step, before its update.
     """
 
     modules: dict[str, torch.Tensor]
@@ -168,13 +169,57 @@ def train_surgery(
         InvalidParameterError: when a task has no examples or its expert's embeddings do not match.
     """
     tasks = list(merged)
+    start = modules if modules is not None else initial_modules(tasks, merged[tasks[0]].shape[-1], rank, seed)
+
+    def l1(params: Mapping[str, torch.Tensor], task: str, features: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.l1_loss(apply_module(features, params[f"{task}.{DOWN}"], params[f"{task}.{UP}"]), target)
+
+    return train_modules(
+        merged, experts, start, l1, steps=steps, learning_rate=learning_rate, batch_size=batch_size, seed=seed,
+        on_step=on_step,
+    )  # fmt: skip
+
+
+def train_modules(
+    merged: Mapping[str, torch.Tensor],
+    experts: Mapping[str, torch.Tensor],
+    start: Mapping[str, torch.Tensor],
+    loss_of: Callable[[Mapping[str, torch.Tensor], str, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    steps: int,
+    learning_rate: float,
+    batch_size: int,
+    seed: int,
+    on_step: Callable[[int], None] | None = None,
+) -> SurgeryResult:
+    """The training loop Representation Surgery and ProbSurgery share: one Adam optimiser over every module
+    (β = (0.9, 0.999), no weight decay); at each step, task by task, one batch of task i's examples (its
+    order :func:`batch_order` seeded with ``seed + 1 + i``), the loss, a gradient step.
+
+    Args:
+        merged: Per task, the merged model's embeddings of its calibration examples (n_t, dim).
+        experts: Per task, its expert's embeddings of the same examples, in the same order.
+        start: The initial modules by key.
+        loss_of: ``loss_of(params, task, features, target)``: a batch's loss under the current modules.
+        steps: Passes over the tasks, one batch of each task per pass.
+        learning_rate: Adam's learning rate.
+        batch_size: Examples per batch.
+        seed: Seeds task i's batch order (``seed + 1 + i``).
+        on_step: Called after each step with its number (for progress).
+
+    Returns:
+        The trained modules (on the CPU) and the loss curve.
+
+    Raises:
+        InvalidParameterError: when a task has no examples or its expert's embeddings do not match.
+    """
+    tasks = list(merged)
     for task in tasks:
         if len(merged[task]) == 0 or merged[task].shape != experts[task].shape:
             raise InvalidParameterError(
                 "tasks", task, "a task with calibration examples whose merged and expert embeddings match"
             )
-    dim, device = merged[tasks[0]].shape[-1], merged[tasks[0]].device
-    start = modules if modules is not None else initial_modules(tasks, dim, rank, seed)
+    device = merged[tasks[0]].device
     params = {
         key: value.detach().to(device, torch.float32).clone().requires_grad_(True) for key, value in start.items()
     }
@@ -185,8 +230,7 @@ def train_surgery(
         row = []
         for task in tasks:
             index = next(orders[task]).to(device)
-            out = apply_module(merged[task][index], params[f"{task}.{DOWN}"], params[f"{task}.{UP}"])
-            loss = F.l1_loss(out, experts[task][index])
+            loss = loss_of(params, task, merged[task][index], experts[task][index])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
