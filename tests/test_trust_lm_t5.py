@@ -2,7 +2,7 @@
 
 - a model whose configuration or tokenizer vocabulary differs from the base's (same tensor shapes included:
   two words' ids swapped, another model type, another split of the width into heads), as an expert or as the
-  merged folder, for every family (the keys compared are :data:`featcal.families.likeness.LIKE_BASE_KEYS`, the
+  merged folder, for every family (the keys compared are each family's ``folders.LIKE_BASE_KEYS``, the
   table the docs list);
 - a text file featcal reads that is not UTF-8 (datasets, the data file, model and tokenizer configurations,
   ``mergekit_config.yml``): one line naming the file and line;
@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,6 @@ import yaml
 from safetensors.torch import load_file
 
 from featcal.cli import main
-from featcal.families.likeness import LIKE_BASE_KEYS
 from tests.support.builders import build_world
 from tests.support.text_worlds import jsonl, lm_rows, lm_world, t5_world
 from tests.test_documented_refusals import documented_refusals
@@ -151,8 +151,13 @@ def _t5_relu(folder: Path) -> None:  # T5 v1.0's feed-forward under a FLAN-T5 ba
     _edit_json(folder / "config.json", lambda d: d.update(feed_forward_proj="gated-relu"))
 
 
+def _t5_rescaled(folder: Path) -> None:  # T5 v1.0's output scaling with a head of its own: the same tensors
+    _edit_json(folder / "config.json", lambda d: d.update(scale_decoder_outputs=True))
+
+
 T5_UNLIKE = {
     "swapped ids": (_t5_swapped, "another tokenizer vocabulary"),
+    "other output scaling": (_t5_rescaled, "scale_decoder_outputs True"),
     "a larger vocabulary": (_lm_bigger_vocabulary, "another tokenizer vocabulary"),
     "other heads": (_t5_eight_heads, "the base model"),
     "another feed-forward": (_t5_relu, "feed_forward_proj 'gated-relu'"),
@@ -210,7 +215,7 @@ def test_the_docs_list_the_keys_compared_with_the_base(family) -> None:
     entry = next(e for e in entries if "configuration differs from the base's in any of" in e)
     keys = entry.split("in any of", 1)[1].split("(", 1)[0]  # the list, before the examples in parentheses
     listed = set(keys.split("`")[1::2])
-    assert listed == set(LIKE_BASE_KEYS[family]), entry
+    assert listed == set(import_module(f"featcal.families.{family}.folders").LIKE_BASE_KEYS), entry
 
 
 # --- text files that are not UTF-8 ----------------------------------------------------------------

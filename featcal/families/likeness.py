@@ -2,38 +2,23 @@
 
 Tensor shapes alone do not tell two models apart: a ``mistral`` and a ``llama`` of one width have the
 same tensors, as do two attention layouts of one width (4 heads of 16 or 8 of 8), or a tokenizer whose
-words swap ids. Each family names the configuration keys (read by transformers' own configuration
-class, so defaults count) that must equal the base's in every expert and merged folder
-(:data:`LIKE_BASE_KEYS`, the table its docs list), and whether the tokenizer vocabulary must too
-(text families: every word's id, and the added tokens').
+words swap ids. Each family names, in its own ``folders`` module (``LIKE_BASE_KEYS``, the list its docs give), the
+configuration keys (read by transformers' own configuration class, so defaults count) that must equal the
+base's in every expert and merged folder, and whether the tokenizer vocabulary must too (text families:
+every word's id, and the added tokens').
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from featcal.errors import ModelInputError
 from featcal.files.reading import check_model_text_files, read_text_input
 
-# family -> the configuration keys an expert or a merged model must share with the base.
-LIKE_BASE_KEYS: dict[str, tuple[str, ...]] = {
-    "causal_lm": (
-        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "intermediate_size", "hidden_act", "vocab_size",
-    ),
-    "seq2seq": (
-        "model_type", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads", "feed_forward_proj",
-        "relative_attention_num_buckets", "relative_attention_max_distance", "vocab_size",
-    ),
-    "clip_vision": (
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size", "patch_size",
-        "hidden_act",
-    ),
-}  # fmt: skip
 TOKENIZER_FILE = "tokenizer.json"
 SENTENCEPIECE_FILES = ("spiece.model", "tokenizer.model")  # a T5's and a Llama's sentencepiece model
 
@@ -71,17 +56,17 @@ def check_like_base(
     base_folder: Path,
     what: str,
     *,
-    family: str,
+    keys: Sequence[str],
     read_config: Callable[[Path], Any],
     tokenizer: bool,
 ) -> None:
-    """Refuse a model whose configuration (:data:`LIKE_BASE_KEYS`) or tokenizer vocabulary differ from the base's.
+    """Refuse a model whose configuration (``keys``) or tokenizer vocabulary differ from the base's.
 
     Args:
         folder: The expert's or merged model's folder.
         base_folder: The base's folder.
         what: What the model is, for messages (``"expert for task 'math'"``).
-        family: The family's name (its row of :data:`LIKE_BASE_KEYS`).
+        keys: The configuration keys that must equal the base's (the family's ``LIKE_BASE_KEYS``).
         read_config: The family's reader of a folder's configuration.
         tokenizer: Whether the tokenizer vocabulary must be the base's (where both folders hold one).
 
@@ -91,7 +76,7 @@ def check_like_base(
     """
     check_model_text_files(folder)
     ours, theirs = read_config(folder), read_config(base_folder)
-    for key in LIKE_BASE_KEYS[family]:
+    for key in keys:
         a, b = getattr(ours, key, None), getattr(theirs, key, None)
         if a != b:
             raise ModelInputError(

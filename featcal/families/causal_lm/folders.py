@@ -33,6 +33,11 @@ from featcal.precision import BASE_DTYPE, OUTPUT_DTYPES
 
 logger = logging.getLogger(__name__)
 
+# The configuration keys an expert or a merged model must share with the base (docs/causal-lm.md lists them).
+LIKE_BASE_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "hidden_act", "vocab_size",
+)  # fmt: skip
 SHARD_BYTES = 5 * 10**9  # save_pretrained's default shard size ("5GB")
 
 
@@ -129,13 +134,13 @@ def load_config(folder: Path) -> Any:
 
 
 def check_lm_like_base(folder: Path, base_folder: Path, what: str) -> None:
-    """Refuse a model whose configuration (:data:`~featcal.families.likeness.LIKE_BASE_KEYS`) or tokenizer
+    """Refuse a model whose configuration (:data:`LIKE_BASE_KEYS`) or tokenizer
     vocabulary differ from the base's.
 
     Raises:
         ModelInputError: naming the model, what differs and both values.
     """
-    check_like_base(folder, base_folder, what, family="causal_lm", read_config=load_config, tokenizer=True)
+    check_like_base(folder, base_folder, what, keys=LIKE_BASE_KEYS, read_config=load_config, tokenizer=True)
 
 
 def check_lm_folder(folder: Path, base: Checkpoint | None = None) -> Checkpoint:

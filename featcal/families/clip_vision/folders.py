@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The configuration keys an expert or a merged tower must share with the base (docs/reliability.md lists them).
+LIKE_BASE_KEYS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size", "patch_size",
+    "hidden_act",
+)  # fmt: skip
 VISION_PREFIX = "vision_model."  # a CLIPModel's vision tower in its checkpoint
 MODEL_TYPES = ("clip_vision_model", "clip")  # what a vision tower's config.json may say
 
@@ -122,13 +127,13 @@ def vision_config(folder: Path):
 
 
 def check_vision_like_base(folder: Path, base_folder: Path, what: str) -> None:
-    """Refuse a vision tower whose configuration (:data:`~featcal.families.likeness.LIKE_BASE_KEYS`) differs
+    """Refuse a vision tower whose configuration (:data:`LIKE_BASE_KEYS`) differs
     from the base's.
 
     Raises:
         ModelInputError: naming the model, what differs and both values.
     """
-    check_like_base(folder, base_folder, what, family="clip_vision", read_config=vision_config, tokenizer=False)
+    check_like_base(folder, base_folder, what, keys=LIKE_BASE_KEYS, read_config=vision_config, tokenizer=False)
 
 
 def check_vision_folder(path: str | Path, base: Checkpoint | None = None) -> Checkpoint:

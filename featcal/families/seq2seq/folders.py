@@ -42,6 +42,11 @@ from featcal.files.safetensors_writer import TensorWriter
 MODEL_TYPES = ("t5",)
 MODEL_CLASS = "T5ForConditionalGeneration"
 ADAPTER_CONFIG = "adapter_config.json"  # what marks a LoRA (PEFT) adapter's folder
+# The configuration keys an expert or a merged model must share with the base (docs/seq2seq.md lists them).
+LIKE_BASE_KEYS = (
+    "model_type", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads", "feed_forward_proj",
+    "relative_attention_num_buckets", "relative_attention_max_distance", "vocab_size", "scale_decoder_outputs",
+)  # fmt: skip
 SHARD_BYTES = 5 * 10**9  # save_pretrained's default shard size ("5GB")
 STORED_DTYPE = torch.float32
 HEAD, EMBEDDING = "lm_head.weight", "shared.weight"
@@ -159,13 +164,13 @@ def build_t5(config: Any, state: Mapping[str, torch.Tensor]) -> nn.Module:
 
 
 def check_t5_like_base(folder: Path, base_folder: Path, what: str) -> None:
-    """Refuse a T5 whose configuration (:data:`~featcal.families.likeness.LIKE_BASE_KEYS`) or tokenizer
+    """Refuse a T5 whose configuration (:data:`LIKE_BASE_KEYS`) or tokenizer
     vocabulary differ from the base's.
 
     Raises:
         ModelInputError: naming the model, what differs and both values.
     """
-    check_like_base(folder, base_folder, what, family="seq2seq", read_config=load_config, tokenizer=True)
+    check_like_base(folder, base_folder, what, keys=LIKE_BASE_KEYS, read_config=load_config, tokenizer=True)
 
 
 def check_t5_folder(folder: Path, base: Checkpoint | None = None) -> Checkpoint:
