@@ -349,7 +349,6 @@ def surgery_folder(args: argparse.Namespace, repair: Repair, params: dict[str, A
     from featcal.calibration.params import FeatCalParams
     from featcal.data import validate_datasets
     from featcal.errors import InvalidParameterError
-    from featcal.families.clip_vision.adapter import PIXELS
     from featcal.outputs import check_output_folder
     from featcal.repairs.apply import check_uncalibrated
     from featcal.repairs.surgery import check_surgery_family
@@ -385,10 +384,8 @@ def surgery_folder(args: argparse.Namespace, repair: Repair, params: dict[str, A
         evaluator = family.evaluator(inputs.base_folder, device, world=world, settings=family.evaluation_settings(spec))
         with compute_settings(spec, inputs):
             merged = family.load_model(Path(args.merged), inputs.base)
-            pixels = {
-                t.name: family.calibration_inputs(t, preprocessor, n, seed, world=world).inputs[PIXELS]
-                for t in inputs.tasks
-            }
+            batches = {t.name: family.calibration_inputs(t, preprocessor, n, seed, world=world) for t in inputs.tasks}
+            pixels = {name: _only_input(batch.inputs) for name, batch in batches.items()}
             result, cost = run_surgery(
                 evaluator.classifier, merged, lambda name: family.build_model(inputs.config, inputs.experts[name]),
                 pixels, resolved, seed=seed,
@@ -591,3 +588,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_options(p, SuiteChoice, exclude=("json",), helps={"suite": "show the averages published for it",
                                                           "backbone": "… on this backbone"})  # fmt: skip
     command(p, cmd_methods)
+
+
+def _only_input(inputs: dict[str, Any]) -> Any:
+    """The one tensor an image family's calibration batch hands its stem (a CLIP tower's pixels)."""
+    (tensor,) = inputs.values()
+    return tensor

@@ -20,6 +20,7 @@ from featcal.families.registry import (
     family_names,
     family_of_schema,
     lookup,
+    mergekit_family,
     mergekit_reader,
     task_schema,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "family_of_schema",
     "family_of_type",
     "get_family",
+    "mergekit_family",
     "mergekit_reader",
     "register_family",
     "task_schema",

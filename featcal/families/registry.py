@@ -72,15 +72,24 @@ def command_modules() -> list[str]:
     return [module for module in modules if module is not None]
 
 
-def mergekit_reader() -> Any:
-    """The module that reads mergekit's files (``read_mergekit_folder``, ``parse_mergekit_config``): that of the
-    family whose merges mergekit makes (``ModelFamily.mergekit_module``), imported on first use.
+def mergekit_family() -> str:
+    """The built-in family whose merges mergekit makes (the one declaring ``ModelFamily.mergekit_module``): the
+    family of a folder that only mergekit's ``mergekit_config.yml`` describes.
 
     Raises:
         ValueError: when no built-in family reads mergekit's files.
     """
     for name in BUILTIN:
-        module = getattr(lookup(name), "mergekit_module", None)
-        if module is not None:
-            return import_module(module)
+        if getattr(lookup(name), "mergekit_module", None) is not None:
+            return name
     raise ValueError("no built-in model family reads mergekit's files")
+
+
+def mergekit_reader() -> Any:
+    """The module that reads mergekit's files (``read_mergekit_folder``, ``parse_mergekit_config``): that of
+    :func:`mergekit_family`, imported on first use.
+
+    Raises:
+        ValueError: when no built-in family reads mergekit's files.
+    """
+    return import_module(lookup(mergekit_family()).mergekit_module)

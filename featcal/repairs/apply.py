@@ -17,7 +17,7 @@ import torch
 
 from featcal.checkpoint import StateDict, check_finite_state
 from featcal.errors import ModelInputError
-from featcal.families import get_family
+from featcal.families import get_family, mergekit_family, mergekit_reader
 from featcal.merging.common import is_mergeable, progress
 from featcal.model_recipe import MERGEKIT_FILE, RECIPE_FILE, REPAIR, ModelRecipe, read_model_recipe, write_model_recipe
 from featcal.precision import BASE_DTYPE
@@ -25,8 +25,6 @@ from featcal.repairs.registry import Repair
 from featcal.resolve import RunInputs, resolve_models
 from featcal.runfolder.record import MergeRecord
 from featcal.stages import recorded_dtype
-
-MERGEKIT_FAMILY = "causal_lm"  # the family of a folder only mergekit recorded
 
 
 def recorded_inputs(merged: str | Path, repair: Repair, cache_dir: str | Path | None = None) -> RunInputs:
@@ -53,15 +51,13 @@ def recorded_inputs(merged: str | Path, repair: Repair, cache_dir: str | Path | 
     if recipe is not None:
         family, base_ref, refs = get_family(recipe.family), recipe.base_model, dict(recipe.experts)
     else:
-        from featcal.families.causal_lm.mergekit import read_mergekit_folder
-
-        mergekit = read_mergekit_folder(folder)
+        mergekit = mergekit_reader().read_mergekit_folder(folder)
         if mergekit is None or not mergekit.base_model or not mergekit.models:
             raise ModelInputError(
                 str(folder), f"{folder} records no base model and experts (neither a {RECIPE_FILE} nor a "
                 f"{MERGEKIT_FILE} naming both): {repair.name} needs the models the merge started from.",
             )  # fmt: skip
-        family, base_ref, refs = get_family(MERGEKIT_FAMILY), mergekit.base_model, {r: r for r in mergekit.models}
+        family, base_ref, refs = get_family(mergekit_family()), mergekit.base_model, {r: r for r in mergekit.models}
     local = Path(base_ref).expanduser()
     base_ref = str(local.resolve()) if local.exists() else base_ref
     base_folder, base, experts = resolve_models(family, list(refs), base_ref, refs, cache_dir=cache_dir)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from featcal.errors import InvalidParameterError
+from featcal.families import task_schema
 from featcal.families.base import ModelFamily
 from featcal.merging.registry import HyperParameter
 from featcal.options import Option, Range
@@ -41,7 +42,6 @@ from featcal.repairs.options import SURGERY_NAME
 from featcal.repairs.registry import REPAIRS, Repair
 
 DOWN, UP = "down", "up"  # the two matrices of a task's module: ``{task}.down`` (rank, dim), ``{task}.up``
-SURGERY_FAMILIES = ("clip_vision",)
 
 SURGERY = Repair(
     SURGERY_NAME, "Representation Surgery", "https://arxiv.org/abs/2402.02705",
@@ -60,12 +60,12 @@ REPAIRS.add(SURGERY)
 
 def check_surgery_family(family: ModelFamily, repair: Repair = SURGERY) -> None:
     """Refuse, before any work, a family a per-task module repair (Representation Surgery, ProbSurgery) is not
-    defined for here (all but CLIP).
+    defined for here: all but the families of image tasks (CLIP vision towers).
 
     Raises:
         InvalidParameterError: naming the repair and the family.
     """
-    if family.name not in SURGERY_FAMILIES:
+    if task_schema(family.name) != "image":  # modules on a vision tower's image embeddings
         raise InvalidParameterError(
             "method", repair.name, f"a repair defined for {family.title} models (family {family.name}; `featcal "
             f"methods` lists the repairs): {repair.name} trains its modules on a CLIP vision merge's image "
