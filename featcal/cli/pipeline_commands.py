@@ -284,6 +284,25 @@ def repair_folder(args: argparse.Namespace, repair: Repair, params: dict[str, An
 CALIBRATION_DRAW = ("num_calibration_examples", "calibration_batch_size")
 
 
+def refuse_featcal_parameters(args: argparse.Namespace, repair: Repair) -> None:
+    """Refuse a FeatCal parameter given to a data-using repair other than FeatCal, which reads FeatCal's
+    calibration draw (``--num-calibration-examples``, ``--seed``) and none of its parameters.
+
+    Raises:
+        InvalidParameterError: naming the first such parameter and its value.
+    """
+    from featcal.calibration.params import FeatCalParams
+    from featcal.errors import InvalidParameterError
+
+    values = given_values(args)
+    featcal_only = [n for n in values if n in FeatCalParams.__dataclass_fields__ and n not in CALIBRATION_DRAW]
+    if featcal_only:
+        raise InvalidParameterError(
+            featcal_only[0], values[featcal_only[0]], f"given only with --method featcal: {repair.name} reads "
+            "FeatCal's calibration draw (--num-calibration-examples, --seed) but none of its parameters",
+        )  # fmt: skip
+
+
 def lot_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any]) -> int:
     """`featcal calibrate --method lot`: the tasks (``--data``, ``--tasks-file``, ...) and FeatCal's calibration
     draw of them (``-n``, ``--seed``), the base and the experts, the merge in ``--merged``; one process.
@@ -293,22 +312,14 @@ def lot_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any])
         ModelInputError: for a folder calibrated already, or a model that does not fit.
         FeatcalError: under torchrun with more than one process.
     """
-    from featcal.calibration.params import FeatCalParams
     from featcal.data import validate_datasets
-    from featcal.errors import InvalidParameterError
     from featcal.outputs import check_output_folder
     from featcal.repairs.apply import check_uncalibrated, save_repair
     from featcal.repairs.lot import check_lot_family, lot_state
     from featcal.resolve import resolve_inputs
     from featcal.stages import merge_calibration, merge_data
 
-    values = given_values(args)
-    featcal_only = [n for n in values if n in FeatCalParams.__dataclass_fields__ and n not in CALIBRATION_DRAW]
-    if featcal_only:
-        raise InvalidParameterError(
-            featcal_only[0], values[featcal_only[0]], f"given only with --method featcal: {repair.name} reads "
-            "FeatCal's calibration draw (--num-calibration-examples, --seed) but none of its parameters",
-        )  # fmt: skip
+    refuse_featcal_parameters(args, repair)
     resolved = repair.resolved_params(**params)
     spec = spec_from_args(args)
     output = check_output_folder(args.output, kind="repaired model", inputs=[args.merged])  # before any download
@@ -346,9 +357,7 @@ def surgery_folder(args: argparse.Namespace, repair: Repair, params: dict[str, A
         DatasetInputError: for a task without a train split (or, with ``--evaluate``, a test split).
         FeatcalError: under torchrun with more than one process.
     """
-    from featcal.calibration.params import FeatCalParams
     from featcal.data import validate_datasets
-    from featcal.errors import InvalidParameterError
     from featcal.outputs import check_output_folder
     from featcal.repairs.apply import check_uncalibrated
     from featcal.repairs.surgery import check_surgery_family
@@ -356,13 +365,7 @@ def surgery_folder(args: argparse.Namespace, repair: Repair, params: dict[str, A
     from featcal.resolve import resolve_inputs
     from featcal.stages import merge_calibration
 
-    values = given_values(args)
-    featcal_only = [n for n in values if n in FeatCalParams.__dataclass_fields__ and n not in CALIBRATION_DRAW]
-    if featcal_only:
-        raise InvalidParameterError(
-            featcal_only[0], values[featcal_only[0]], f"given only with --method featcal: {repair.name} reads "
-            "FeatCal's calibration draw (--num-calibration-examples, --seed) but none of its parameters",
-        )  # fmt: skip
+    refuse_featcal_parameters(args, repair)
     resolved = repair.resolved_params(**params)
     spec = spec_from_args(args)
     output = check_output_folder(args.output, kind="repair output", inputs=[args.merged])  # before any download
