@@ -118,16 +118,18 @@ def test_a_weight_repair_declares_its_hyper_parameters_from_its_signature() -> N
 
 
 @pytest.mark.parametrize("alpha", [0.1, 0.3])
-def test_svc_equals_fusionbench_bit_for_bit_on_the_cpu(fixture_models, alpha, device) -> None:
+def test_svc_equals_fusionbench_to_float32_rounding(fixture_models, alpha, device) -> None:
     """Both compute in float64 (FusionBench's default, vectorised implementation) and round once to
-    float32; measured equal bit for bit on every tensor. On CUDA the SVD differs: within float32 rounding."""
+    float32; measured equal bit for bit on every tensor on the AMD EPYC the golden was made on. Another CPU's
+    LAPACK agrees in float64 to ~1e-16 (the float64 test below), which can move a value across a float32
+    rounding boundary: one float32 step (2⁻²³ relative) on the CPU. On CUDA the SVD differs more."""
     base, experts, merged = fixture_models
     state = repair_state(get_repair("svc"), {"alpha": alpha}, base, experts, merged, device=torch.device(device))
     reference = load_file(F / "expected" / f"fusionbench_svc_{alpha}.safetensors")
     assert set(state) == set(reference)
     changed = [key for key in reference if not torch.equal(reference[key], merged[key])]
     assert changed, "the golden must differ from the merge it repairs"
-    tolerance = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-5, atol=1e-6)
+    tolerance = dict(rtol=2**-23, atol=0) if device == "cpu" else dict(rtol=1e-5, atol=1e-6)
     for key, want in reference.items():
         torch.testing.assert_close(state[key], want, **tolerance, msg=key)
 
