@@ -24,6 +24,7 @@ from featcal.hub.refs import is_commit, is_hub_id, local_path
 from featcal.hub.retries import retry_transient
 
 if TYPE_CHECKING:
+    from featcal.distributed import World
     from featcal.families.base import ModelFamily
     from featcal.spec import RunSpec
     from featcal.tasks import Task
@@ -164,6 +165,36 @@ def calibration_indices(num_rows: int, n: int, seed: int) -> list[int]:
     """The first ``n`` rows of the split after one shuffle with ``seed``."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randperm(num_rows, generator=generator)[:n].tolist()
+
+
+def process_calibration_rows(task: Task, num_rows: int, n: int, seed: int, world: World, what: str) -> list[int]:
+    """This process's part of a task's calibration draw: the first ``n`` of ``num_rows`` rows after one shuffle
+    with ``seed`` (:func:`calibration_indices`), split contiguously over the processes under torchrun
+    (:meth:`~featcal.distributed.World.part`). Every family draws its calibration examples so.
+
+    Args:
+        task: The task drawn from.
+        num_rows: The rows of its calibration split.
+        n: The examples asked for (all rows when there are fewer).
+        seed: The shuffle's seed.
+        world: The processes.
+        what: What one example is called in the refusal, with its plural (``image(s)``).
+
+    Returns:
+        The row indices this process reads, in drawn order.
+
+    Raises:
+        DatasetInputError: when the draw has fewer examples than there are processes.
+    """
+    rows = calibration_indices(num_rows, n, seed)
+    if len(rows) < world.size:
+        raise DatasetInputError(
+            task.name,
+            task.dataset.path,
+            f"Task {task.name!r}: its {len(rows)} calibration {what} cannot be split over {world.size} processes; "
+            f"start at most {len(rows)} processes.",
+        )
+    return rows[world.part(len(rows))]
 
 
 def held_out_indices(num_rows: int, skip: int, seed: int) -> list[int]:

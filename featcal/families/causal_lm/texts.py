@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from featcal.calibration.adapters import CalibrationBatch
-from featcal.data import calibration_indices, load_dataset_split
+from featcal.data import load_dataset_split, process_calibration_rows
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError, ModelInputError
 from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS
@@ -236,15 +236,7 @@ def calibration_texts(
         DatasetInputError: the dataset cannot be read, or has fewer texts than there are processes.
     """
     rows = load_text_split(task) if rows is None else rows
-    indices = calibration_indices(len(rows), n, seed)
-    if len(indices) < world.size:
-        raise DatasetInputError(
-            task.name,
-            task.dataset.path,
-            f"Task {task.name!r}: its {len(indices)} calibration text(s) cannot be split over {world.size} "
-            f"processes; start at most {len(indices)} processes.",
-        )
-    indices = indices[world.part(len(indices))]
+    indices = process_calibration_rows(task, len(rows), n, seed, world, "text(s)")
     encoded = encode_texts(tokenizer, [render_text(task, rows[int(i)]) for i in indices], _text_format(task))
     if encoded.facts.cut and world.is_main:
         logger.info(

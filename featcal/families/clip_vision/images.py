@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
-from featcal.data import calibration_indices, held_out_indices, load_dataset_split
+from featcal.data import held_out_indices, load_dataset_split, process_calibration_rows
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError
 from featcal.tasks import Task
@@ -145,15 +145,7 @@ def calibration_pixels(
         logger.warning(
             "Task %s: asked for %d calibration images, the train split has %d; using all.", task.name, n, len(ds)
         )
-    rows = calibration_indices(len(ds), n, seed)
-    if len(rows) < world.size:
-        raise DatasetInputError(
-            task.name,
-            task.dataset.path,
-            f"Task {task.name!r}: its {len(rows)} calibration image(s) cannot be split over {world.size} processes; "
-            f"start at most {len(rows)} processes.",
-        )
-    rows = rows[world.part(len(rows))]
+    rows = process_calibration_rows(task, len(ds), n, seed, world, "image(s)")
     column = task.dataset.image_column
     chunks = []
     for start in range(0, len(rows), batch_size):

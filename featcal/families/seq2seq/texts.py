@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from featcal.calibration.adapters import CalibrationBatch
-from featcal.data import calibration_indices
+from featcal.data import process_calibration_rows
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError, ModelInputError
 from featcal.families.causal_lm.texts import load_rows
@@ -240,15 +240,7 @@ def calibration_pairs(
         DatasetInputError: the dataset cannot be read, or has fewer pairs than there are processes.
     """
     rows = load_pair_split(task) if rows is None else rows
-    indices = calibration_indices(len(rows), n, seed)
-    if len(indices) < world.size:
-        raise DatasetInputError(
-            task.name,
-            task.dataset.path,
-            f"Task {task.name!r}: its {len(indices)} calibration pair(s) cannot be split over {world.size} processes; "
-            f"start at most {len(indices)} processes.",
-        )
-    indices = indices[world.part(len(indices))]
+    indices = process_calibration_rows(task, len(rows), n, seed, world, "pair(s)")
     return encode_task_pairs(task, tokenizer, [render_pair(task, rows[int(i)]) for i in indices]).batch
 
 
