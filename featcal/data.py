@@ -213,7 +213,7 @@ def held_out_indices(num_rows: int, skip: int, seed: int) -> list[int]:
     return torch.randperm(num_rows, generator=generator)[skip:].tolist()
 
 
-def held_out_setting(spec: RunSpec, tasks: Sequence[Task]) -> dict[str, Any]:
+def held_out_setting(spec: RunSpec, tasks: Sequence[Task] = ()) -> dict[str, Any]:
     """A run's ``held_out`` evaluation setting for the ``tasks`` whose evaluation reads the rows their calibration
     draws from (:meth:`~featcal.tasks.DatasetSpec.evaluates_calibration_rows`): the shuffle's seed, the
     calibration's rows that come first in it (:func:`held_out_indices` skips them), and those tasks; empty
@@ -221,7 +221,7 @@ def held_out_setting(spec: RunSpec, tasks: Sequence[Task]) -> dict[str, Any]:
 
     Args:
         spec: The run's options (``seed``, ``num_calibration_examples``).
-        tasks: The run's tasks.
+        tasks: The run's tasks (none: the setting is empty).
 
     Returns:
         ``{"held_out": {"seed": ..., "after": ..., "tasks": [...]}}``, or ``{}``.

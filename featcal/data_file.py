@@ -42,17 +42,19 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import FeatcalError, InputError
-from featcal.families import family_of_schema, task_schema
+from featcal.families import data_file_defaults, data_file_family, data_file_keys
 from featcal.files.reading import read_structured
 from featcal.hub.refs import local_path, split_revision
 from featcal.tasks import TaskTable, parse_task_table
 
-TOP_KEYS = frozenset({"experts", "max_length", "weigh", "family", "target_max_length"})
-TEXT_KEYS = ("text", "prompt", "response", "answer")  # how a causal LM's row becomes a text (and its answer)
-PAIR_KEYS = ("input", "target", "labels", "metric")  # how a seq2seq row becomes an input and a target
-ENTRY_KEYS = frozenset(
-    {"dataset", "split", "config", "weigh", "max_length", "target_max_length", "task", *TEXT_KEYS, *PAIR_KEYS}
-)
+GENERIC_KEYS = ("dataset", "split", "config", "task")  # what every expert's entry may say, whatever its family
+
+
+def _keys() -> tuple[frozenset[str], frozenset[str]]:
+    """The keys a data file's top level and its experts' entries may give: the generic ones and each family's
+    (:class:`~featcal.families.base.DataFileEntries`)."""
+    keys, defaults = data_file_keys()
+    return frozenset({"experts", "family", *defaults}), frozenset({*GENERIC_KEYS, *defaults, *keys})
 
 
 def expert_key(ref: str) -> str:
@@ -90,8 +92,8 @@ def read_data_file(path: str | Path) -> TaskTable:
         path: The YAML or JSON file.
 
     Returns:
-        The tasks (family ``causal_lm``, or ``seq2seq`` for an entry with ``input`` or ``target``, unless the
-        file's ``family`` says otherwise), each with its expert, dataset and text format.
+        The tasks (of the family whose entries the expert's is, :func:`~featcal.families.data_file_family`,
+        unless the file's ``family`` says otherwise), each with its expert, dataset and text format.
 
     Raises:
         InputError: naming the file, the entry and the fix, for anything that is not a valid data file.
@@ -102,9 +104,10 @@ def read_data_file(path: str | Path) -> TaskTable:
         raise InputError(
             path, f"Calibration data file {path}: expected 'experts:' mapping each expert to its calibration texts."
         )
-    unknown = sorted(set(map(str, data)) - TOP_KEYS)
+    top_keys, entry_keys = _keys()
+    unknown = sorted(set(map(str, data)) - top_keys)
     if unknown:
-        raise InputError(path, f"Calibration data file {path}: unknown key(s) {unknown}; known: {sorted(TOP_KEYS)}.")
+        raise InputError(path, f"Calibration data file {path}: unknown key(s) {unknown}; known: {sorted(top_keys)}.")
     experts: Mapping[Any, Any] = data["experts"]
     refs = [str(ref) for ref in experts]
     named = task_names(refs)
@@ -115,9 +118,9 @@ def read_data_file(path: str | Path) -> TaskTable:
             raise InputError(
                 path, f"{where}: expected a mapping with 'dataset' and 'text' (or 'prompt' and 'response')."
             )
-        bad = sorted(set(map(str, entry)) - ENTRY_KEYS)
+        bad = sorted(set(map(str, entry)) - entry_keys)
         if bad:
-            raise InputError(path, f"{where}: unknown key(s) {bad}; known: {sorted(ENTRY_KEYS)}.")
+            raise InputError(path, f"{where}: unknown key(s) {bad}; known: {sorted(entry_keys)}.")
         name = str(entry.get("task") or named[str(ref)])
         if name in tasks:
             raise InputError(
@@ -144,14 +147,14 @@ def _task_entry(ref: str, entry: Mapping[str, Any], top: Mapping[str, Any], wher
         dataset["train_split"] = entry["split"]
     if entry.get("config") is not None:
         dataset["name"] = entry["config"]
-    pair = any(entry.get(key) is not None for key in ("input", "target"))
-    family = str(top.get("family", family_of_schema("pair" if pair else "text")))
+    family = str(top.get("family", data_file_family(entry)))
     task: dict[str, Any] = {"family": family, "dataset": dataset, "expert": ref}
-    for key in (*TEXT_KEYS, *PAIR_KEYS):
+    keys, defaults = data_file_keys()
+    for key in keys:  # every family's: another family's key is refused by the task table, naming it
         if entry.get(key) is not None:
             task[key] = entry[key]
-    for key in ("weigh", "max_length", "target_max_length"):  # the file's defaults where the family has them
-        own = ("max_length", "target_max_length") if task_schema(family) == "pair" else ("weigh", "max_length")
+    own = data_file_defaults(family)
+    for key in defaults:  # the file's defaults where the family has them
         value = entry.get(key, top.get(key) if key in own else None)
         if value is not None:
             task[key] = value

@@ -5,11 +5,12 @@ the package (``featcal/resources/ta8_tasks.json``), and with them the 14- and 20
 CLIP backbones (:mod:`featcal.suites`); users add or replace tasks with a tasks file in the same
 schema (JSON or YAML).
 
-A task belongs to one model family (``family``, default :data:`~featcal.families.registry.DEFAULT_FAMILY`), whose
-task schema (:func:`~featcal.families.registry.task_schema`) decides what else its entry says: an ``image`` task its
-class names and zero-shot prompt templates; a ``text`` task how a row of its dataset becomes a text
-(:class:`TextFormat`); a ``pair`` task how it becomes an input and a target text, and how its generations
-are scored (:class:`TextPairFormat`). The family is reached through the registry only.
+A task belongs to one model family (``family``, default :data:`~featcal.families.registry.DEFAULT_FAMILY`), which
+reads what else its entry says (:func:`~featcal.families.registry.task_entry_reader`: the family's
+``task_fields`` and ``parse_task_fields``): an image task its class names and zero-shot prompt templates; a text
+task how a row of its dataset becomes a text (:class:`TextFormat`); a text-to-text task how it becomes an input
+and a target text, and how its generations are scored (:class:`TextPairFormat`). This module reads the fields
+every entry has (dataset, expert, references) and the table's; the family is reached through the registry only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import FeatcalError, UnknownNameError
-from featcal.families.registry import DEFAULT_FAMILY, lookup, task_schema
+from featcal.families.registry import DEFAULT_FAMILY, task_entry_reader
 from featcal.files.reading import read_structured
 from featcal.hub.refs import local_path, split_revision
 from featcal.metrics import RESERVED_TASK_NAMES
@@ -72,10 +73,8 @@ GLUE_IDS = ("nyu-mll/glue", "glue")  # GLUE's Hub id, and its legacy alias (Fusi
 GLUE_CONFIGS = (
     "ax", "cola", "mnli", "mnli_matched", "mnli_mismatched", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb", "wnli",
 )  # fmt: skip
-METRICS = ("exact_match", "spearman")  # how a seq2seq task scores its generations
 DEFAULT_INPUT_LENGTH = 512  # tokens of an input text (T5's model_max_length, FusionBench's GLUE inputs)
 DEFAULT_TARGET_LENGTH = 128  # tokens of a target text
-WEIGHTS = ("all", "response")  # which tokens of a text weigh in the calibration's statistics
 DEFAULT_MAX_LENGTH = 2048  # tokens of a calibration text (MergeBench's SFT length)
 
 
@@ -264,10 +263,6 @@ def _resolve_ref(value: str | None, root: Path | None) -> str | None:
 
 
 COMMON_FIELDS = frozenset({"dataset", "expert", "reference_accuracy", "reference_source", "family"})
-IMAGE_FIELDS = frozenset({"classnames", "templates"})
-TEXT_FIELDS = frozenset({"text", "prompt", "response", "weigh", "max_length", "answer"})
-PAIR_FIELDS = frozenset({"input", "target", "labels", "metric", "max_length", "target_max_length"})
-SCHEMA_FIELDS = {"image": IMAGE_FIELDS, "text": TEXT_FIELDS, "pair": PAIR_FIELDS}  # by a family's task_schema
 
 
 def _parse_dataset(entry: Mapping[str, Any], root: Path | None, where: str) -> DatasetSpec:
@@ -295,105 +290,6 @@ def _parse_dataset(entry: Mapping[str, Any], root: Path | None, where: str) -> D
     return DatasetSpec(**{**dataset, "path": repo, "revision": dataset.get("revision") or pinned})
 
 
-def _parse_image_fields(entry: Mapping[str, Any], where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    classnames = entry.get("classnames")
-    if not isinstance(classnames, list) or len(classnames) < 2 or not all(isinstance(c, str) for c in classnames):
-        raise FeatcalError(f"{where}: 'classnames' must be a list of at least two strings.")
-    repeated = sorted({c for c in classnames if classnames.count(c) > 1})
-    if repeated:
-        raise FeatcalError(
-            f"{where}: 'classnames' names {', '.join(map(repr, repeated[:3]))} more than once; each class needs a "
-            "name of its own (zero-shot heads of equal prompts cannot tell the classes apart)."
-        )
-    templates = entry.get("templates")
-    if not isinstance(templates, list) or not templates or not all(isinstance(t, str) for t in templates):
-        raise FeatcalError(f"{where}: 'templates' must be a non-empty list of strings.")
-    for template in templates:
-        if template.count("{}") != 1:
-            raise FeatcalError(f"{where}: template {template!r} must contain exactly one '{{}}'.")
-    return tuple(classnames), tuple(templates)
-
-
-def _parse_text_fields(entry: Mapping[str, Any], where: str, family: str) -> TextFormat:
-    values = {key: entry.get(key) for key in ("text", "prompt", "response")}
-    not_text = sorted(k for k, v in values.items() if v is not None and (not isinstance(v, str) or not v.strip()))
-    if not_text:
-        raise FeatcalError(f"{where}: {', '.join(map(repr, not_text))} must be a column name or a template (text).")
-    weigh = entry.get("weigh", "all")
-    if weigh not in WEIGHTS:
-        raise FeatcalError(f"{where}: 'weigh' must be one of {', '.join(WEIGHTS)}, not {weigh!r}.")
-    text, prompt, response = values["text"], values["prompt"], values["response"]
-    if text is not None and (prompt is not None or response is not None):
-        raise FeatcalError(f"{where}: give 'text', or 'prompt' and 'response', not both.")
-    if text is None and (prompt is None or response is None):
-        raise FeatcalError(
-            f"{where}: say how a row becomes a text: 'text' (a column or a template such as "
-            "'{query}\\n{response}'), or 'prompt' and 'response'."
-        )
-    if weigh == "response" and text is not None:
-        raise FeatcalError(f"{where}: 'weigh: response' needs 'prompt' and 'response' (which part is the response).")
-    max_length = entry.get("max_length", DEFAULT_MAX_LENGTH)
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-        raise FeatcalError(f"{where}: 'max_length' must be a whole number of tokens, at least 2, not {max_length!r}.")
-    answer = entry.get("answer")
-    if answer is not None:
-        if not isinstance(answer, str) or text is not None:
-            raise FeatcalError(
-                f"{where}: 'answer' (line, boxed or a pattern with one group) needs 'prompt' and 'response'."
-            )
-        problem = lookup(family).answer_rule_problem(answer)
-        if problem is not None:
-            raise FeatcalError(f"{where}: {problem}.")
-    return TextFormat(text, prompt, response, weigh, max_length, answer)
-
-
-def _length(entry: Mapping[str, Any], key: str, default: int, where: str) -> int:
-    value = entry.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise FeatcalError(f"{where}: {key!r} must be a whole number of tokens, at least 2, not {value!r}.")
-    return value
-
-
-def _parse_pair_fields(entry: Mapping[str, Any], where: str) -> TextPairFormat:
-    for key in ("input", "target"):
-        value = entry.get(key)
-        if not isinstance(value, str) or not value.strip():
-            raise FeatcalError(
-                f'{where}: {key!r} must be a template over the dataset\'s columns (e.g. input: "{{sentence}}", '
-                'target: "{label}").'
-            )
-        try:
-            list(string.Formatter().parse(value))
-        except ValueError:
-            raise FeatcalError(
-                f"{where}: {key!r} is not a valid template: {value!r} (write '{{{{' for a literal brace)."
-            ) from None
-    labels = entry.get("labels", [])
-    unquoted = (
-        [word for word in labels if isinstance(word, (bool, int, float)) or word is None]
-        if isinstance(labels, list)
-        else []
-    )
-    if unquoted:
-        raise FeatcalError(
-            f"{where}: 'labels' must list words, but the file gives {unquoted!r}, {type(unquoted[0]).__name__} values "
-            "(YAML reads unquoted yes, no, true, off, numbers and null so): quote each word, e.g. "
-            'labels: ["yes", "no"].'
-        )
-    if not isinstance(labels, list) or not all(isinstance(word, str) and word.strip() for word in labels):
-        raise FeatcalError(f"{where}: 'labels' must list the words of the class ids, in id order.")
-    if labels and (len(labels) < 2 or len(set(labels)) != len(labels)):
-        raise FeatcalError(f"{where}: 'labels' must name at least two classes, each with a word of its own.")
-    metric = entry.get("metric", METRICS[0])
-    if metric not in METRICS:
-        raise FeatcalError(f"{where}: 'metric' must be one of {', '.join(METRICS)}, not {metric!r}.")
-    return TextPairFormat(
-        entry["input"], entry["target"], tuple(labels), metric,
-        _length(entry, "max_length", DEFAULT_INPUT_LENGTH, where),
-        _length(entry, "target_max_length", DEFAULT_TARGET_LENGTH, where),
-    )  # fmt: skip
-
-
 def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     where = f"task {name!r} in {source}"
     if not isinstance(entry, Mapping):
@@ -401,18 +297,12 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
     family = entry.get("family", DEFAULT_FAMILY)
     if not isinstance(family, str):
         raise FeatcalError(f"{where}: 'family' must name a model family (e.g. {DEFAULT_FAMILY}).")
-    schema = task_schema(family)
-    fields = SCHEMA_FIELDS[schema]
-    unknown = set(entry) - COMMON_FIELDS - fields
+    reader = task_entry_reader(family)  # the family's own fields are the family's to read
+    unknown = set(entry) - COMMON_FIELDS - reader.task_fields
     if unknown:
         raise FeatcalError(f"{where}: unknown field(s) {sorted(unknown)}.")
     spec = _parse_dataset(entry, root, where)
-    classnames, templates = _parse_image_fields(entry, where) if schema == "image" else ((), ())
-    text: TextFormat | TextPairFormat | None = None
-    if schema == "pair":
-        text = _parse_pair_fields(entry, where)
-    elif schema == "text":
-        text = _parse_text_fields(entry, where, family)
+    own = reader.parse_task_fields(entry, where)
     expert = entry.get("expert")
     if expert is not None and not isinstance(expert, str):
         raise FeatcalError(f"{where}: 'expert' must be a model id or folder.")
@@ -426,12 +316,10 @@ def _parse_task(name: str, entry: Any, root: Path | None, source: str) -> Task:
         family=family,
         name=name,
         dataset=spec,
-        classnames=classnames,
-        templates=templates,
         expert=_resolve_ref(expert, root),
         reference_accuracy={str(k): float(v) for k, v in reference.items()},
         reference_source=source,
-        text=text,
+        **own,
     )
 
 

@@ -385,7 +385,7 @@ def test_no_whole_model_is_held_during_a_run_s_calibration(run_dir, world, tmp_p
     import weakref
 
     import featcal.pipeline as pipeline
-    from featcal.families.clip_vision import ClipVisionFamily
+    from featcal.families.clip_vision import FAMILY
 
     def live_towers() -> list:
         gc.collect()
@@ -400,14 +400,14 @@ def test_no_whole_model_is_held_during_a_run_s_calibration(run_dir, world, tmp_p
         whole_towers.extend(t for t in towers if all(p.device.type != "meta" for p in t.parameters()))
         return calibrate(*args, **kwargs)
 
-    checked, check_model_folder = [], ClipVisionFamily.check_model_folder
+    checked, check_model_folder = [], FAMILY.check_model_folder
 
-    def recorded_check(family, path, base=None):
+    def recorded_check(path, base=None):
         checked.append(Path(path))
-        return check_model_folder(family, path, base)
+        return check_model_folder(path, base)
 
     monkeypatch.setattr(pipeline, "calibrate", watched)
-    monkeypatch.setattr(ClipVisionFamily, "check_model_folder", recorded_check)
+    monkeypatch.setattr(FAMILY, "check_model_folder", recorded_check)
     argv = ["-q", "run", "--tasks-file", str(world["tasks_file"]), "--output-dir", str(tmp_path / "run"), *FAST]
     argv += ["--device", "cpu", "--no-export"]
     if skip_ta:

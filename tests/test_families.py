@@ -21,12 +21,14 @@ from featcal.errors import ModelInputError, UnknownNameError
 from featcal.families import (
     DEFAULT_FAMILY,
     command_modules,
+    data_file_defaults,
+    data_file_family,
     family_names,
     family_of_folder,
-    family_of_schema,
     get_family,
     mergekit_reader,
     register_family,
+    task_entry_reader,
     task_schema,
     tasks_hint,
     unregister_family,
@@ -69,7 +71,13 @@ def test_the_registry_answers_for_each_family_what_generic_modules_ask() -> None
     schemas = {name: task_schema(name) for name in family_names()}
     assert schemas == {"causal_lm": "text", "clip_vision": "image", "seq2seq": "pair"}
     assert DEFAULT_FAMILY == "clip_vision" and task_schema("no_such_family") == "image"
-    assert [family_of_schema(s) for s in ("image", "text", "pair")] == ["clip_vision", "causal_lm", "seq2seq"]
+    assert [task_entry_reader(n).name for n in family_names()] == family_names()  # each reads its own entries
+    assert task_entry_reader("no_such_family").name == DEFAULT_FAMILY
+    assert [data_file_family(e) for e in ({"text": "x"}, {"input": "{a}"}, {"target": "{b}"}, {})] == [
+        "causal_lm", "seq2seq", "seq2seq", "causal_lm",
+    ]  # fmt: skip
+    assert data_file_defaults("seq2seq") == ("max_length", "target_max_length")
+    assert data_file_defaults("clip_vision") == data_file_defaults("causal_lm") == ("weigh", "max_length")
     assert "family: seq2seq" in tasks_hint(get_family("seq2seq"))
     assert command_modules() == ["featcal.families.causal_lm.cli"]
     assert mergekit_reader().__name__ == "featcal.families.causal_lm.mergekit"
@@ -80,7 +88,7 @@ def test_a_family_that_declares_none_of_the_optional_facts_gets_the_defaults() -
     family = TinyDecoderFamily({})
     register_family(family)
     try:
-        assert task_schema(family.name) == "image"
+        assert task_schema(family.name) == "image" and task_entry_reader(family.name).name == DEFAULT_FAMILY
         assert tasks_hint(family) == f"tasks of family {family.name}"
         assert command_modules() == ["featcal.families.causal_lm.cli"]
     finally:

@@ -97,6 +97,23 @@ class ReleaseParts:
     quiet_loading: Callable[[], AbstractContextManager[Any]] | None = None
 
 
+@dataclass(frozen=True)
+class DataFileEntries:
+    """What an expert's entry of a calibration data file (``--data FILE``, :mod:`featcal.data_file`) may say for a
+    family's tasks, beside the dataset, split, config and task name every entry may give.
+
+    Attributes:
+        keys: The keys copied into the expert's task entry when given (a causal LM's ``text``, ``prompt``, ...).
+        defaults: The keys copied likewise, which the file's top level may also set for every entry of the family.
+        marks: Keys whose presence makes an entry this family's when the file names no ``family`` (a T5's
+            ``input``, ``target``); the one built-in family with none reads every other entry.
+    """
+
+    keys: tuple[str, ...]
+    defaults: tuple[str, ...] = ()
+    marks: tuple[str, ...] = ()
+
+
 class ModelFamily(Protocol):
     """One kind of model featcal merges, calibrates, evaluates and releases.
 
@@ -113,16 +130,24 @@ class ModelFamily(Protocol):
             ``image`` (class names and templates), ``text`` (:class:`~featcal.tasks.TextFormat`) or ``pair``
             (:class:`~featcal.tasks.TextPairFormat`). Optional: a family without it reads ``image`` entries.
         tasks_hint: How to give its tasks to ``featcal evaluate``, in words (a refusal's hint). Optional.
-        answer_rule_problem: For a family of ``text`` tasks, a method that says what is wrong with a task's
-            ``answer`` rule (``line``, ``boxed`` or a pattern with one group), or None when it is valid.
+        task_fields: The keys a task entry of the family gives beside the common ones (dataset, expert,
+            references, family); with ``parse_task_fields``. Optional: a family without them reads ``image`` entries
+            (the default family's).
+        parse_task_fields: A method ``(entry, where) -> dict`` that checks those keys of one entry and returns the
+            :class:`~featcal.tasks.Task` fields they make (``classnames`` and ``templates``, or ``text``), raising a
+            :class:`~featcal.errors.FeatcalError` that names ``where``. Optional, with ``task_fields``.
+        data_file: The family's :class:`DataFileEntries`, for a family whose experts a calibration data file
+            describes. Optional.
         command_module: The module of the family's own CLI commands (``register(subparsers)``: the causal-LM
             family's ``featcal architectures``), or none. Optional.
         mergekit_module: The module of the family that reads mergekit's files (``read_mergekit_folder``,
             ``parse_mergekit_config``), for the one family whose merges mergekit makes. Optional.
 
     Generic modules read the optional attributes through :mod:`featcal.families` (:func:`~featcal.families.task_schema`,
+    :func:`~featcal.families.task_entry_reader`, :func:`~featcal.families.data_file_family`,
     :func:`~featcal.families.tasks_hint`, :func:`~featcal.families.mergekit_reader`,
-    :func:`~featcal.families.command_modules`), never by a family's name.
+    :func:`~featcal.families.command_modules`), never by a family's name. A built-in family is written as a
+    declaration (:class:`featcal.families.declared.DeclaredFamily`): its facts, and a table of its members.
     """
 
     name: str

@@ -19,7 +19,7 @@ BUILTIN = {
     "seq2seq": "featcal.families.seq2seq",
 }
 DEFAULT_FAMILY = "clip_vision"  # the family of a task, suite, run record or release whose entry names none
-TASK_SCHEMAS = ("image", "text", "pair")  # the kinds of task entry a family reads (ModelFamily.task_schema)
+TASK_SCHEMAS = ("image", "text", "pair")  # the kinds of task a family's are (ModelFamily.task_schema)
 REGISTERED: dict[str, Any] = {}  # families added by a plugin or a test (featcal.families.register_family)
 
 
@@ -53,16 +53,67 @@ def task_schema(name: str) -> str:
     return str(getattr(lookup(name), "task_schema", TASK_SCHEMAS[0]))
 
 
-def family_of_schema(schema: str) -> str:
-    """The built-in family whose tasks are entries of ``schema`` (a data file's family when it names none).
+def task_entry_reader(name: str) -> Any:
+    """The family that reads the task entries of family ``name`` (``ModelFamily.task_fields`` and
+    ``parse_task_fields``): that family, or the default family's for a family that declares none or a name of no
+    known family (whose entries are ``image`` entries, as :func:`task_schema` says)."""
+    if name in family_names():
+        family = lookup(name)
+        if getattr(family, "parse_task_fields", None) is not None:
+            return family
+    return lookup(DEFAULT_FAMILY)
+
+
+def _data_file_readers() -> list[tuple[str, Any]]:
+    """``(name, DataFileEntries)`` of every family a data file describes (``ModelFamily.data_file``), the
+    built-in ones first."""
+    names = [*BUILTIN, *(name for name in REGISTERED if name not in BUILTIN)]
+    entries = ((name, getattr(lookup(name), "data_file", None)) for name in names)
+    return [(name, entry) for name, entry in entries if entry is not None]
+
+
+def data_file_family(entry: Any) -> str:
+    """The family of a data file's expert ``entry`` when the file names none: the family whose ``marks`` the
+    entry gives (a key not None), else the one whose entries carry no mark.
 
     Raises:
-        ValueError: for a schema no built-in family reads.
+        ValueError: when no family reads data files.
     """
-    for name in BUILTIN:
-        if task_schema(name) == schema:
+    readers = _data_file_readers()
+    for name, reader in readers:
+        if any(entry.get(key) is not None for key in reader.marks):
             return name
-    raise ValueError(f"no built-in model family reads {schema!r} task entries")
+    for name, reader in readers:
+        if not reader.marks:
+            return name
+    raise ValueError("no model family reads calibration data files")
+
+
+def data_file_keys() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The keys a data file's expert entry may give for some family (``keys``, then ``defaults``), each once, in
+    the families' order."""
+    readers = _data_file_readers()
+    keys = dict.fromkeys(key for _, reader in readers for key in reader.keys)
+    defaults = dict.fromkeys(key for _, reader in readers for key in reader.defaults)
+    return tuple(keys), tuple(defaults)
+
+
+def data_file_defaults(name: str) -> tuple[str, ...]:
+    """The keys of a data file's top level that the entries of family ``name`` inherit (``DataFileEntries.defaults``);
+    a family that a data file does not describe, or no known family, inherits those of the family that reads
+    unmarked entries."""
+    readers = dict(_data_file_readers())
+    if name in readers:
+        return readers[name].defaults
+    return readers[data_file_family({})].defaults
+
+
+def run_option_classes() -> list[tuple[str, type]]:
+    """``(name, options class)`` of every built-in family that declares run options of its own
+    (``ModelFamily.run_options``: a dataclass of :func:`featcal.options.option` fields, whose flags ``featcal run``
+    offers), in the registry's order."""
+    classes = ((name, getattr(lookup(name), "run_options", None)) for name in BUILTIN)
+    return [(name, cls) for name, cls in classes if cls is not None]
 
 
 def command_modules() -> list[str]:
