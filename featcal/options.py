@@ -26,6 +26,15 @@ from typing import Annotated, Any, Literal
 
 from featcal.errors import InvalidParameterError
 
+# The --help sections of a run's options (featcal.spec's, and those a model family declares for its runs).
+OUTPUT = "output"
+TASKS = "tasks and models"
+MERGING = "merging"
+EVALUATION = "evaluation"
+RUNTIME = "runtime"
+STAGES = "stages"
+DIAGNOSTICS = "diagnostics"
+
 TRUE_WORDS = frozenset({"true", "yes", "on"})
 FALSE_WORDS = frozenset({"false", "no", "off"})
 NULL_WORDS = frozenset({"null", "none", "~"})

@@ -15,13 +15,27 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from featcal.calibration.params import GROUP as FEATCAL
 from featcal.calibration.params import FeatCalParams
 from featcal.calibration.stream_storage import AUTO, STREAM_STORAGES
 from featcal.errors import FeatcalError, InputError, InvalidParameterError, UnknownNameError
-from featcal.options import convert_field, flag_name, option, option_fields, validate
+from featcal.families.registry import run_option_classes
+from featcal.options import (
+    DIAGNOSTICS,
+    EVALUATION,
+    MERGING,
+    OUTPUT,
+    RUNTIME,
+    STAGES,
+    TASKS,
+    convert_field,
+    flag_name,
+    option,
+    option_fields,
+    validate,
+)
 from featcal.precision import BASE_DTYPE, OUTPUT_DTYPES, PRECISIONS
 from featcal.suites import (
     BACKBONE_NAMES,
@@ -39,13 +53,39 @@ def default_eval_workers() -> int:
     return min(8, os.cpu_count() or 1)
 
 
-OUTPUT = "output"
-TASKS = "tasks and models"
-MERGING = "merging"
-EVALUATION = "evaluation"
-RUNTIME = "runtime"
-STAGES = "stages"
-DIAGNOSTICS = "diagnostics"
+T = TypeVar("T")
+
+
+def _family_options_class() -> type:
+    """The dataclass of every family's run options: one field per family that declares some, by its name."""
+    fields = [(name, cls, field(default_factory=cls)) for name, cls in run_option_classes()]
+    doc = """The model families' own run options (``ModelFamily.run_options``), one field per family.
+
+    Its fields are flattened into the run's options (:func:`featcal.options.option_fields`): flags, recipe keys and
+    their help are the families' own, listed where the field sits in :class:`RunSpec`.
+    """
+    namespace = {"__module__": __name__, "__doc__": doc}
+    return dataclasses.make_dataclass("FamilyOptions", fields, frozen=True, namespace=namespace)
+
+
+FamilyOptions = _family_options_class()
+
+
+def family_options(values: Mapping[str, Any] | None = None) -> Any:
+    """The families' run options of ``values``, by option name (``eval_max_new_tokens``); the others' defaults.
+
+    Raises:
+        TypeError: for a name no family's options have.
+        InvalidParameterError: for a value that does not fit.
+    """
+    values = dict(values or {})
+    built = {}
+    for name, cls in run_option_classes():
+        own = {f.name: values.pop(f.name) for f in dataclasses.fields(cls) if f.name in values}
+        built[name] = cls(**own)
+    if values:
+        raise TypeError(f"no model family has the run option(s) {sorted(values)}")
+    return FamilyOptions(**built)
 
 
 @dataclass(frozen=True)
@@ -141,18 +181,8 @@ class RunSpec:
         None, help="evaluate only the first N test examples per task (quick runs; language tasks: the first N "
         "held-out texts, and N examples per lm-eval task)", group=EVALUATION, metavar="N", ge=1,
     )  # fmt: skip
-    eval_max_new_tokens: int = option(
-        512, help="language tasks with one answer: tokens a greedy response may have (its answer is compared "
-        "with the reference's: exact match)", group=EVALUATION, metavar="T", ge=1,
-    )  # fmt: skip
-    lm_eval_tasks: list[str] | None = option(
-        None, help="language models: also run these lm-evaluation-harness tasks on every evaluated model "
-        "(`mergebench`: MergeBench's; needs the lm-eval extra)", group=EVALUATION, metavar="TASK", nargs="+",
-    )  # fmt: skip
-    lm_eval_include: str | None = option(
-        None, help="folder of lm-evaluation-harness task definitions (YAML) beside the harness's own",
-        group=EVALUATION, metavar="DIR",
-    )  # fmt: skip
+    # The families' own options (a language model's evaluation: eval_max_new_tokens, lm_eval_*), carried opaquely.
+    family_options: FamilyOptions = field(default_factory=family_options)
     device: str = option("auto", help="auto, cpu, cuda or cuda:N (merging, calibration and evaluation)", group=RUNTIME)
     precision: str = option(
         "float32", help="float32 (IEEE everywhere, cuDNN included), tf32 (TF32 in CUDA matmuls and convolutions, "
@@ -192,6 +222,8 @@ class RunSpec:
     def __post_init__(self) -> None:
         if isinstance(self.featcal, Mapping):
             object.__setattr__(self, "featcal", FeatCalParams(**self.featcal))
+        if isinstance(self.family_options, Mapping):
+            object.__setattr__(self, "family_options", family_options(self.family_options))
         validate(self)
         if self.backbone is None:
             object.__setattr__(self, "backbone", default_backbone(self.suite))
@@ -200,10 +232,10 @@ class RunSpec:
             raise InvalidParameterError("backbone", self.backbone, f"one of {self.suite}'s: {', '.join(backbones)}")
         if self.output_dir is None:
             object.__setattr__(self, "output_dir", default_output_dir(self.suite, self.backbone))
-        if self.lm_eval_include is not None and not self.lm_eval_tasks:
-            raise InvalidParameterError(
-                "lm_eval_include", self.lm_eval_include, "given with lm_eval_tasks, the tasks to run from it"
-            )
+        for own in self._families():  # each family's own checks of its options together
+            check = getattr(own, "check", None)
+            if check is not None:
+                check()
         if self.skip_ta and not self.ta_model_path:
             raise InvalidParameterError(
                 "ta_model_path", None, "the merged model folder to start from, since skip_ta is set"
@@ -221,6 +253,27 @@ class RunSpec:
             raise InvalidParameterError(
                 "diagnose_split", self.diagnose_split, "test, since skip_featcal is set (no calibration images)"
             )
+
+    def _families(self) -> list[Any]:
+        """Each family's options object, in :class:`FamilyOptions`' order."""
+        return [getattr(self.family_options, f.name) for f in dataclasses.fields(self.family_options)]
+
+    def options(self, cls: type[T]) -> T:
+        """A family's run options, as this run sets them.
+
+        Args:
+            cls: The family's options class (``ModelFamily.run_options``).
+
+        Returns:
+            The run's instance of it.
+
+        Raises:
+            KeyError: for a class no built-in family declares.
+        """
+        for own in self._families():
+            if isinstance(own, cls):
+                return own
+        raise KeyError(cls.__name__)
 
     def method_params(self) -> dict[str, Any]:
         """The merging method's hyper-parameters: ``merge_params`` with ``ta_scaling_factor`` folded in."""
@@ -299,18 +352,19 @@ def build_spec(
     """
     run_values: dict[str, Any] = dict(internal)
     featcal_values: dict[str, Any] = {}
+    family_values: dict[str, Any] = {}  # the families' options, by name (family_options sorts them)
     layers = [(recipe or {}, f"recipe {recipe_source}" if recipe_source else "recipe"), (cli or {}, None)]
     for values, owner in layers:
         for f, annotation, cls in option_fields(RunSpec):
             if f.name not in values:
                 continue
             value = convert_field(f, annotation, values[f.name], owner=owner)
-            target = featcal_values if cls is FeatCalParams else run_values
+            target = run_values if cls is RunSpec else featcal_values if cls is FeatCalParams else family_values
             if f.name == "merge_params":
                 value = {**target.get(f.name, {}), **value}
             target[f.name] = value
     try:
-        return RunSpec(featcal=FeatCalParams(**featcal_values), **run_values)
+        return RunSpec(featcal=FeatCalParams(**featcal_values), family_options=family_values, **run_values)
     except InvalidParameterError:
         raise
     except (TypeError, ValueError) as exc:  # pragma: no cover - a field list out of step with RunSpec

@@ -241,12 +241,13 @@ def test_lm_evaluation_harness_runs_on_a_tiny_model_with_a_local_task(mergebench
 def test_mergebench_asks_the_harness_for_merge_bench_s_tasks_each_expert_for_its_own() -> None:
     from featcal.spec import RunSpec
 
-    settings = evaluation_settings(RunSpec(suite="mergebench", lm_eval_tasks=["mergebench", "ifeval", "tiny"]))
+    asked = {"lm_eval_tasks": ["mergebench", "ifeval", "tiny"]}
+    settings = evaluation_settings(RunSpec(suite="mergebench", family_options=asked))
     multilingual = [f"{kind}_{lang}" for lang in ("fr", "es", "de", "ru") for kind in ("m_mmlu", "arc", "hellaswag")]
     assert settings.lm_eval_tasks == ("ifeval", "gsm8k_cot", *multilingual, "tiny")  # each once, in order
     by_task = {"instruction": ("ifeval",), "math": ("gsm8k_cot",), "multilingual": tuple(multilingual)}
     assert settings.lm_eval_by_task == by_task  # coding and safety have none: their benchmarks are not run
-    only = evaluation_settings(RunSpec(suite="mergebench", lm_eval_tasks=["gsm8k_cot"]))
+    only = evaluation_settings(RunSpec(suite="mergebench", family_options={"lm_eval_tasks": ["gsm8k_cot"]}))
     assert only.lm_eval_by_task == {"math": ("gsm8k_cot",)}
     assert evaluation_settings(RunSpec(suite="mergebench")).to_json().keys() == {"held_out", "max_new_tokens"}
 

@@ -286,7 +286,7 @@ def lm_run_spec(
         featcal=FeatCalParams(num_calibration_examples=LM_CALIBRATION_EXAMPLES),
         eval_num_workers=0,
         eval_batch_size=100,
-        eval_max_new_tokens=LM_MAX_NEW_TOKENS,
+        family_options={"eval_max_new_tokens": LM_MAX_NEW_TOKENS},
         eval_zero_shot=True,
         eval_experts=True,
         progress=progress,

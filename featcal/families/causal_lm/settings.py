@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcal.errors import InvalidParameterError
+from featcal.families.causal_lm.options import LMEvaluationOptions
 
 if TYPE_CHECKING:
     from featcal.spec import RunSpec
@@ -110,19 +111,20 @@ def evaluation_settings(spec: RunSpec) -> LMEvaluationSettings:
     """
     from featcal.suites import suite_lm_eval
 
+    options = spec.options(LMEvaluationOptions)
     suite_map, _ = suite_lm_eval(MERGEBENCH_ALIAS)
-    tasks = harness_tasks(spec.lm_eval_tasks or (), suite_map)
+    tasks = harness_tasks(options.lm_eval_tasks or (), suite_map)
     include = None
-    if spec.lm_eval_include is not None:
-        folder = Path(spec.lm_eval_include).expanduser()
+    if options.lm_eval_include is not None:
+        folder = Path(options.lm_eval_include).expanduser()
         if not folder.is_dir():
-            raise InvalidParameterError("lm_eval_include", spec.lm_eval_include, "a folder of task definitions")
+            raise InvalidParameterError("lm_eval_include", options.lm_eval_include, "a folder of task definitions")
         include = str(folder.resolve())
     by_task = {task: tuple(n for n in names if n in tasks) for task, names in suite_map.items()}
     return LMEvaluationSettings(
         seed=spec.seed,
         held_out_after=spec.featcal.num_calibration_examples,
-        max_new_tokens=spec.eval_max_new_tokens,
+        max_new_tokens=options.eval_max_new_tokens,
         lm_eval_tasks=tasks,
         lm_eval_by_task={task: names for task, names in by_task.items() if names} if tasks else {},
         lm_eval_include=include,
