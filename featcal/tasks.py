@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from featcal.errors import FeatcalError, UnknownNameError
 from featcal.families.registry import DEFAULT_FAMILY, task_entry_reader
@@ -169,10 +169,18 @@ class TextPairFormat:
         }  # fmt: skip
 
 
+class TaskFormat(Protocol):
+    """A family's own description of its tasks beyond the common fields (:class:`TextFormat`,
+    :class:`TextPairFormat`, or another family's), as its ``parse_task_fields`` makes it."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry's keys, as a tasks file writes them (and the family's parser reads them back)."""
+
+
 @dataclass(frozen=True)
 class Task:
     """One task: its data, its family's description of it (for CLIP: class names and zero-shot
-    prompts) and (optionally) its expert."""
+    prompts; for another family its :class:`TaskFormat`, ``text``) and (optionally) its expert."""
 
     name: str
     dataset: DatasetSpec
@@ -182,7 +190,7 @@ class Task:
     reference_accuracy: Mapping[str, float] = field(default_factory=dict)
     reference_source: str | None = None
     family: str = DEFAULT_FAMILY
-    text: TextFormat | TextPairFormat | None = None
+    text: TaskFormat | None = None
 
     def prompts(self, classname: str) -> list[str]:
         """The task's templates filled with one class name."""
@@ -193,7 +201,7 @@ class Task:
         data = asdict(self)
         data.pop("name")
         data.pop("text")
-        if self.text is not None:  # a text task: its format instead of classes and templates
+        if self.text is not None:  # a text task (or another family's): its format instead of classes and templates
             data.pop("classnames")
             data.pop("templates")
             data.update(self.text.to_dict())
