@@ -84,6 +84,21 @@ def test_the_registry_answers_for_each_family_what_generic_modules_ask() -> None
     assert [n for n in family_names() if get_family(n).release.run_as_model_folder] == ["causal_lm"]
 
 
+def test_every_built_in_family_s_table_resolves_every_member_of_the_interface() -> None:
+    import inspect
+
+    from featcal.families.base import ModelFamily
+
+    members = [name for name, value in vars(ModelFamily).items() if inspect.isfunction(value)]
+    assert {"checkpoint", "adapter", "calibration_inputs", "evaluator", "card_context"} <= set(members)
+    for name in family_names():
+        family = get_family(name)
+        assert all(callable(getattr(family, member)) for member in members), name
+        assert callable(family.parse_task_fields) and family.task_fields, name
+        with pytest.raises(AttributeError, match="no attribute 'no_such_member'"):
+            family.no_such_member  # noqa: B018
+
+
 def test_a_family_that_declares_none_of_the_optional_facts_gets_the_defaults() -> None:
     family = TinyDecoderFamily({})
     register_family(family)

@@ -19,7 +19,7 @@ BUILTIN = {
     "seq2seq": "featcal.families.seq2seq",
 }
 DEFAULT_FAMILY = "clip_vision"  # the family of a task, suite, run record or release whose entry names none
-TASK_SCHEMAS = ("image", "text", "pair")  # the kinds of task a family's are (ModelFamily.task_schema)
+TASK_SCHEMAS = ("image", "text", "pair")  # the built-in families' kinds of task (ModelFamily.task_schema)
 REGISTERED: dict[str, Any] = {}  # families added by a plugin or a test (featcal.families.register_family)
 
 
