@@ -75,9 +75,10 @@ class ReleaseParts:
         folder_card_template: The package and file name of the card template of a model folder's own release
             (``featcal export DIR`` on a folder of ``featcal merge`` or ``featcal calibrate``: no run, no results);
             None for a family whose model folders are released only from the run that made them (CLIP).
-        run_as_model_folder: Whether a run is released as its released stage's model folder, with links to the
-            run's results (:mod:`featcal.release.lm_run_release`), rather than a release of the run's own
-            (:func:`featcal.release.export.export_release`).
+        run_as_model_folder: Whether a run is released as its released stage's model folder, with the run's
+            results (:func:`featcal.release.folder_release.write_folder_release`, the card of that folder with the
+            family's :meth:`~ModelFamily.card_context`), rather than as a release of the run's own (the stage saved
+            as :attr:`model_class`); both by :func:`featcal.release.export.export_release`.
         quiet_loading: A context in which loading the released class drops a transformers message that reports
             no fault of the release (a T5's LM head of its own), or None.
     """

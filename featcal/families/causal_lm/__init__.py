@@ -52,7 +52,7 @@ class CausalLMFamily:
         files=(),
         task_type="text-generation",
         task_name="Text Generation",
-        card_template=(__name__, "model_card.md.j2"),
+        card_template=(__name__, "run_card.md.j2"),
         folder_card_template=(__name__, "model_card.md.j2"),
         run_as_model_folder=True,
     )
@@ -186,7 +186,9 @@ class CausalLMFamily:
         return {}
 
     def card_context(self, run: RunFolder) -> Mapping[str, Any]:
-        return {}
+        from featcal.families.causal_lm.run_card import run_context
+
+        return run_context(run)
 
 
 FAMILY = CausalLMFamily()
