@@ -299,3 +299,14 @@ def test_two_processes_under_torchrun_measure_what_one_does(mergebench_world, da
     assert json.loads((out / "run_config.json").read_text())["processes"] == {"world_size": 2, "backend": "gloo"}
     assert done.stdout.count("closed %") == 1, done.stdout  # rank 0 alone prints the results
 
+
+def test_the_card_of_a_language_model_run_refuses_a_repository_without_namespace(lm_run, tmp_path, capsys) -> None:
+    """`featcal card` checks --repo for a language-model run as for every other card, before writing anything."""
+    run, _ = lm_run
+    out = tmp_path / "card"
+    line = _error(capsys, ["card", str(run), "--output", str(out), "--repo", "no-namespace"])
+    assert line == (
+        "featcal: error: --repo 'no-namespace' is invalid: it must be 'namespace/name' "
+        "(it needs a namespace: use 'your-user-or-org/no-namespace')."
+    )
+    assert not out.exists()
