@@ -65,7 +65,7 @@ class ReleaseParts:
         files: Files a release holds from the base model's preprocessor (the image processor's config).
         task_type: The ``model-index`` task type of its results (``image-classification``).
         task_name: That task's name for people.
-        card_template: The package and file name of the family's model card template.
+        card_template: The package and file name of the family's model card template of a run's release.
         optional_files: Files a release may hold beside those (a tokenizer's optional files), which a new export
             may replace.
         edit_config: Rewrites the released ``config.json`` (as a dict) after transformers wrote it, or None.
@@ -226,4 +226,6 @@ class ModelFamily(Protocol):
         """What a release of this family's model says and holds beside the weights."""
 
     def card_context(self, run: RunFolder) -> Mapping[str, Any]:
-        """The variables the family's card template reads beside featcal's own (CLIP: the usage snippet)."""
+        """The family's results section of a run's card: the variables its run card template reads beside
+        featcal's own (CLIP: the usage snippet; T5: each task's metric; language models: the held-out results,
+        the harness table and the suite's reference numbers)."""
