@@ -21,7 +21,7 @@ from featcal.cli import main
 from featcal.distributed import SINGLE, World, launched, start
 from featcal.errors import InvalidParameterError
 from featcal.families.clip_vision.images import _TaskBatches
-from featcal.release.card import render_card
+from featcal.release.run_card import render_card
 from featcal.runfolder.layout import RUN_CONFIG
 from featcal.runfolder.ledger import StageLedger
 from featcal.runfolder.reader import read_run

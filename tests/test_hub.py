@@ -125,11 +125,11 @@ def test_a_snapshot_folder_names_the_commit_it_holds(tmp_path):
 
 
 def test_every_caller_uses_the_rule(places, tmp_path):
-    from featcal.release import card, export
+    from featcal.release import card_template, export, folder_card, run_card
     from featcal.space import examples, model, publish
     from featcal.tasks import load_task_file
 
-    for module in (card, export, model, publish, examples):
+    for module in (card_template, run_card, folder_card, export, model, publish, examples):
         assert not hasattr(module, "is_hub_id") or module.is_hub_id is is_hub_id
     cwd, root = places
     (root / "tasks.yaml").write_text(

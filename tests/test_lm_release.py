@@ -25,10 +25,10 @@ from featcal.cli import main
 from featcal.errors import ModelInputError, NoSpaceError, OutputPathError, ReleaseError
 from featcal.files.hashing import config_hash, file_sha256
 from featcal.release import export_release, push_release
-from featcal.release import model_release as model_release_module
+from featcal.release import folder_release as folder_release_module
 from featcal.release import push as push_module
+from featcal.release.check import check_release
 from featcal.release.manifest import read_manifest, tensors_sha256
-from featcal.release.model_check import check_model_release
 from featcal.release.tensors import tensors_sha256_of
 from tests.support.hub_double import Account, HubDouble, isolate_from_the_real_hub
 from tests.support.hub_world import user_env
@@ -186,11 +186,11 @@ def test_weights_are_hard_links_and_the_model_folder_is_left_untouched(calibrate
 
 
 def test_weights_are_copied_across_file_systems(calibrated, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(model_release_module, "same_file_system", lambda a, b: False)
+    monkeypatch.setattr(folder_release_module, "same_file_system", lambda a, b: False)
     out = export_release(calibrated, tmp_path / "copied", repo_id=REPO)
     assert (out / "model.safetensors").stat().st_ino != (calibrated / "model.safetensors").stat().st_ino
     assert (out / "model.safetensors").read_bytes() == (calibrated / "model.safetensors").read_bytes()
-    check_model_release(out)
+    check_release(out)
 
 
 def test_a_failed_link_falls_back_to_a_copy(calibrated, tmp_path, monkeypatch) -> None:
@@ -202,13 +202,13 @@ def test_a_failed_link_falls_back_to_a_copy(calibrated, tmp_path, monkeypatch) -
     monkeypatch.setattr(os, "link", no_link)
     out = export_release(calibrated, tmp_path / "copied", repo_id=REPO)
     assert (out / "model.safetensors").stat().st_nlink == 1
-    check_model_release(out)
+    check_release(out)
 
 
 def test_too_little_free_space_is_refused_before_anything_is_written(calibrated, tmp_path, capsys, monkeypatch) -> None:
     from featcal.files import placing
 
-    monkeypatch.setattr(model_release_module, "same_file_system", lambda a, b: False)
+    monkeypatch.setattr(folder_release_module, "same_file_system", lambda a, b: False)
     monkeypatch.setattr(placing.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100, 90, 10))
     out = tmp_path / "nested" / "release"
     code, err = run_error(capsys, ["export", str(calibrated), "--output", str(out)])
@@ -239,7 +239,7 @@ def test_a_sharded_folder_is_released_with_its_index_and_every_shard_linked(cali
     assert all((out / s).stat().st_ino == (sharded / s).stat().st_ino for s in shards)
     # the tensors' hash does not depend on how they are sharded
     assert read_manifest(out).tensors_sha256 == tensors_sha256_of([calibrated / "model.safetensors"])
-    assert check_model_release(out).recipe_sha256 == read_manifest(out).recipe_sha256
+    assert check_release(out).recipe_sha256 == read_manifest(out).recipe_sha256
     model = AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(model.model.norm.weight, load_file(str(calibrated / "model.safetensors"))["model.norm.weight"])
     # a missing shard: refused at export and at push
@@ -247,7 +247,7 @@ def test_a_sharded_folder_is_released_with_its_index_and_every_shard_linked(cali
     shutil.copytree(out, broken)
     (broken / shards[1]).unlink()
     with pytest.raises(ReleaseError, match=f"{shards[1]} missing"):
-        check_model_release(broken)
+        check_release(broken)
     (sharded / shards[1]).unlink()
     with pytest.raises(ModelInputError, match=rf"lacks the shard\(s\) {shards[1]}"):
         export_release(sharded, tmp_path / "again")
@@ -386,7 +386,7 @@ def test_an_svc_folder_is_released_and_pushed_like_a_merge(repaired, hub, tmp_pa
     from transformers import AutoModelForCausalLM
 
     out = export_release(repaired, tmp_path / "svc-release", repo_id=REPO)
-    check_model_release(out)
+    check_release(out)
     assert read_manifest(out).source["kind"] == "repair"
     recipe = json.loads((out / "featcal_recipe.json").read_text())
     assert recipe["repairs"] == [{"method": "svc", "params": {"alpha": 0.1}}] and "featcal" not in recipe
@@ -411,7 +411,7 @@ def test_svc_then_featcal_is_released_with_both_in_its_recipe_and_card(zoo, repa
     assert recipe["kind"] == "calibration" and recipe["repairs"] == [{"method": "svc", "params": {"alpha": 0.1}}]
     assert recipe["merge"]["method"] == "task_arithmetic" and recipe["featcal"]["num_calibration_examples"] == 8
     release = export_release(out, tmp_path / "release", repo_id=REPO)
-    check_model_release(release)
+    check_release(release)
     text = ModelCard.load(release / "README.md").text
     assert "then repaired with **Singular Value Calibration (SVC)**" in text
     assert "and the merged model was then calibrated with **FeatCal**" in text
@@ -437,7 +437,7 @@ def test_featcal_card_regenerates_only_the_card(calibrated, release, tmp_path, c
     after = snapshot(out)
     assert {k for k in after if after[k][0] != before[k][0]} == {"README.md", "release_manifest.json"}
     assert ModelCard.load(out / "README.md").data.model_name == "me/renamed"
-    check_model_release(out)  # the manifest follows the new card
+    check_release(out)  # the manifest follows the new card
     before = snapshot(calibrated)
     for inside in (calibrated, calibrated / "card"):
         code, err = run_error(capsys, ["card", str(calibrated), "--output", str(inside)])

@@ -28,7 +28,7 @@ from featcal.distributed import World
 from featcal.families.causal_lm.evaluation import held_out_rows
 from featcal.families.causal_lm.settings import LMEvaluationSettings, evaluation_settings
 from featcal.families.causal_lm.texts import load_text_split, render_text
-from featcal.release.model_check import check_model_release
+from featcal.release.check import check_release
 from featcal.runfolder.lock import RunLock
 from featcal.runfolder.reader import read_run
 from tests.support.hub_world import REPO_ROOT
@@ -121,7 +121,7 @@ def test_the_release_is_the_calibrated_folder_with_the_run_s_results(lm_run) -> 
     metrics = json.loads((release / "metrics.json").read_text())
     assert metrics["run_id"] == json.loads((run / "run_config.json").read_text())["run_id"]
     assert metrics["math"] == _metrics(run, "featcal-ta")["math"]
-    checked = check_model_release(release)  # what a push checks, without loading the model
+    checked = check_release(release)  # what a push checks, without loading the model
     assert checked.recipe_sha256 == metrics["run_id"]
     card = (release / "README.md").read_text()
     assert "held out of the calibration" in card and "| math exact match (%) |" in card and "closed" in card
@@ -134,7 +134,7 @@ def test_the_release_is_the_calibrated_folder_with_the_run_s_results(lm_run) -> 
 
 
 def test_a_suite_says_where_its_featcal_parameters_come_from_only_when_they_are_the_defaults(lm_run) -> None:
-    from featcal.release.lm_run_card import run_context
+    from featcal.families.causal_lm.run_card import run_context
 
     run = read_run(lm_run[0])
     assert run_context(run)["featcal_source"] is None  # no suite
@@ -299,3 +299,15 @@ def test_two_processes_under_torchrun_measure_what_one_does(mergebench_world, da
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4) and b["tokens"] == a["tokens"], task
     assert json.loads((out / "run_config.json").read_text())["processes"] == {"world_size": 2, "backend": "gloo"}
     assert done.stdout.count("closed %") == 1, done.stdout  # rank 0 alone prints the results
+
+
+def test_the_card_of_a_language_model_run_refuses_a_repository_without_namespace(lm_run, tmp_path, capsys) -> None:
+    """`featcal card` checks --repo for a language-model run as for every other card, before writing anything."""
+    run, _ = lm_run
+    out = tmp_path / "card"
+    line = _error(capsys, ["card", str(run), "--output", str(out), "--repo", "no-namespace"])
+    assert line == (
+        "featcal: error: --repo 'no-namespace' is invalid: it must be 'namespace/name' "
+        "(it needs a namespace: use 'your-user-or-org/no-namespace')."
+    )
+    assert not out.exists()

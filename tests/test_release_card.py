@@ -248,3 +248,16 @@ def test_a_data_using_merge_s_card_names_its_draw(tmp_path):
 
 def test_a_data_free_merge_s_card_has_no_merge_data(ta8_card):
     assert "merge data" not in ta8_card.text and "features of a few training images" not in ta8_card.text
+
+
+def test_an_extra_card_section_follows_the_template_and_one_with_nothing_to_say_changes_nothing(ta8, monkeypatch):
+    from featcal.release import run_card
+
+    plain = str(render_card(ta8, repo_id=REPO))
+    monkeypatch.setattr(run_card, "CARD_SECTIONS", [lambda run: None])
+    assert str(render_card(ta8, repo_id=REPO)) == plain
+    section = "\n## Comparison\n\n| repair | average |\n|---|---|\n| featcal | 70.00 |\n"
+    monkeypatch.setattr(run_card, "CARD_SECTIONS", [lambda run: None, lambda run: section if run is ta8 else ""])
+    card = str(render_card(ta8, repo_id=REPO))
+    assert card == plain + section
+    assert ModelCard(card).data.model_name == REPO  # the metadata still parses

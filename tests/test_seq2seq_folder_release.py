@@ -19,8 +19,8 @@ from huggingface_hub import ModelCard
 
 from featcal.cli import main
 from featcal.release import push_release
+from featcal.release.check import check_release
 from featcal.release.manifest import read_manifest
-from featcal.release.model_check import check_model_release
 from tests.support.hub_double import Account, HubDouble, isolate_from_the_real_hub
 from tests.support.hub_world import user_env
 from tests.support.tiny_t5 import WORDS, pairs, save_model
@@ -111,7 +111,7 @@ def test_the_release_holds_the_folder_s_files_and_loads_with_its_logits(calibrat
     assert torch.equal(_logits(out), _logits(calibrated))
     manifest = read_manifest(out)
     assert set(manifest.files) == set(RELEASE_FILES) - {"release_manifest.json"}
-    assert check_model_release(out).recipe_sha256 == manifest.recipe_sha256
+    assert check_release(out).recipe_sha256 == manifest.recipe_sha256
 
 
 def test_the_released_config_goes_through_the_family_s_edit_and_the_folder_is_untouched(calibrated, release) -> None:
@@ -167,7 +167,7 @@ def test_a_sentencepiece_t5_s_tokenizer_files_travel_into_the_release(calibrated
     for name in ("spiece.model", "added_tokens.json", "special_tokens_map.json"):
         assert (out / name).read_bytes() == (folder / name).read_bytes(), name
     assert {"spiece.model", "added_tokens.json"} <= set(read_manifest(out).files)
-    check_model_release(out)
+    check_release(out)
     assert main(["-q", "export", str(folder)]) == 0  # an earlier release with those names is replaced
 
 
@@ -263,6 +263,6 @@ def test_an_svc_repaired_t5_is_released_with_only_its_matrices_changed(calibrate
     assert all(torch.equal(after[k], v) for k, v in before.items() if v.dim() != 2)
     assert any(not torch.equal(after[k], v) for k, v in before.items() if v.dim() == 2)
     assert main(["-q", "export", str(out), "--repo", REPO, "--output", str(tmp_path / "release")]) == 0
-    check_model_release(tmp_path / "release")
+    check_release(tmp_path / "release")
     assert read_manifest(tmp_path / "release").source["kind"] == "repair"
     assert "then repaired with **Singular Value Calibration (SVC)**" in (tmp_path / "release" / "README.md").read_text()

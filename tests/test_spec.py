@@ -9,7 +9,7 @@ import pytest
 from featcal.cli import build_parser, main
 from featcal.cli.pipeline_commands import spec_from_args
 from featcal.errors import InvalidParameterError, UnknownNameError
-from featcal.release.card import FEATCAL_PARAMS
+from featcal.release.card_template import FEATCAL_PARAMS
 from featcal.runfolder.record import FeatCalRecord
 from featcal.spec import FeatCalParams, RunSpec, build_spec, load_recipe, recipe_keys
 

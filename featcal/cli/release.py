@@ -27,15 +27,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_card(args: argparse.Namespace) -> int:
-    from featcal.release.lm_run_release import is_lm_run
-    from featcal.release.model_folder import is_model_input
-
-    if is_model_input(args.run_dir):  # a model folder of featcal merge / calibrate (a language model, a T5)
-        from featcal.release.model_card import write_model_card as write_card
-    elif is_lm_run(args.run_dir):  # a language-model run: its results, no plot
-        from featcal.release.lm_run_release import write_lm_run_card as write_card
-    else:
-        from featcal.release.card import write_card
+    from featcal.release.card import write_card
 
     given = given_values(args, CardOptions)
     card = CardOptions(**given)

@@ -65,7 +65,7 @@ class ReleaseParts:
         files: Files a release holds from the base model's preprocessor (the image processor's config).
         task_type: The ``model-index`` task type of its results (``image-classification``).
         task_name: That task's name for people.
-        card_template: The package and file name of the family's model card template.
+        card_template: The package and file name of the family's model card template of a run's release.
         optional_files: Files a release may hold beside those (a tokenizer's optional files), which a new export
             may replace.
         edit_config: Rewrites the released ``config.json`` (as a dict) after transformers wrote it, or None.
@@ -75,9 +75,10 @@ class ReleaseParts:
         folder_card_template: The package and file name of the card template of a model folder's own release
             (``featcal export DIR`` on a folder of ``featcal merge`` or ``featcal calibrate``: no run, no results);
             None for a family whose model folders are released only from the run that made them (CLIP).
-        run_as_model_folder: Whether a run is released as its released stage's model folder, with links to the
-            run's results (:mod:`featcal.release.lm_run_release`), rather than a release of the run's own
-            (:func:`featcal.release.export.export_release`).
+        run_as_model_folder: Whether a run is released as its released stage's model folder, with the run's
+            results (:func:`featcal.release.folder_release.write_folder_release`, the card of that folder with the
+            family's :meth:`~ModelFamily.card_context`), rather than as a release of the run's own (the stage saved
+            as :attr:`model_class`); both by :func:`featcal.release.export.export_release`.
         quiet_loading: A context in which loading the released class drops a transformers message that reports
             no fault of the release (a T5's LM head of its own), or None.
     """
@@ -250,4 +251,6 @@ class ModelFamily(Protocol):
         """What a release of this family's model says and holds beside the weights."""
 
     def card_context(self, run: RunFolder) -> Mapping[str, Any]:
-        """The variables the family's card template reads beside featcal's own (CLIP: the usage snippet)."""
+        """The family's results section of a run's card: the variables its run card template reads beside
+        featcal's own (CLIP: the usage snippet; T5: each task's metric; language models: the held-out results,
+        the harness table and the suite's reference numbers)."""

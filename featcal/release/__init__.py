@@ -1,4 +1,5 @@
-"""Release a run, or a language-model folder: export folder, model card, and a push to the Hugging Face Hub.
+"""Release a run, or a model folder: one exporter, one model card renderer, one check, and a push to the Hugging
+Face Hub.
 
 Names are imported on first use, so the CLI's parser does not load huggingface_hub or jinja2
 through this package.
@@ -8,14 +9,11 @@ from featcal.lazy import lazy_attributes
 
 _EXPORTS = {
     "DEFAULT_LICENSE": "featcal.release.options",
-    "render_card": "featcal.release.card",
+    "render_card": "featcal.release.run_card",
     "write_card": "featcal.release.card",
     "Release": "featcal.release.check",
     "check_release": "featcal.release.check",
     "export_release": "featcal.release.export",
-    "export_model_release": "featcal.release.model_release",
-    "check_model_release": "featcal.release.model_check",
-    "write_model_card": "featcal.release.model_card",
     "PushResult": "featcal.release.push",
     "push_release": "featcal.release.push",
     "RunFolder": "featcal.runfolder",

@@ -1,4 +1,5 @@
-"""Turn a finished run into a release folder: exactly the files that `featcal push` uploads."""
+"""The one exporter: turn a run's released stage, or a model folder, into a release folder: exactly the files that
+`featcal push` uploads (:func:`export_release`)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ from featcal.files.atomic import atomic_folder, atomic_write_json
 from featcal.files.model_files import MODEL_CONFIG, WEIGHTS
 from featcal.hub.downloads import resolve_model_folder
 from featcal.hub.refs import check_repo_id, is_hub_id, local_path
-from featcal.metrics import WEIGHTS_SHA256, weights_sha256
+from featcal.metrics import RUN_ID, WEIGHTS_SHA256, weights_sha256
 from featcal.outputs import check_output_folder
-from featcal.release.card import CARD_FILE, write_card_files
+from featcal.release.card_template import CARD_FILE
+from featcal.release.folder_card import render_folder_card
+from featcal.release.folder_release import local_inputs, release_names, write_folder_release
 from featcal.release.manifest import MANIFEST, manifest_of, tensors_sha256, write_manifest
-from featcal.release.model_folder import is_model_input, releases_run_as_folder
+from featcal.release.model_folder import default_release_folder, is_model_input, read_model_folder
 from featcal.release.plot import PLOT_FILE
 from featcal.release.published import published_config
+from featcal.release.run_card import render_card, write_card_files
 from featcal.runfolder.layout import DIAGNOSTICS_PLOT, METRICS, RELEASE_DIR, RUN_CONFIG, calibrated_stage_name
 from featcal.runfolder.lock import RunLock
 from featcal.runfolder.reader import RunFolder, read_run
@@ -36,7 +40,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# What every release holds, whatever its family; a family adds its preprocessor's files.
+# What a run's own release holds, whatever its family; a family adds its preprocessor's files.
 COMMON_FILES = (MODEL_CONFIG, WEIGHTS, CARD_FILE, METRICS, RUN_CONFIG, MANIFEST)
 OPTIONAL_FILES = (PLOT_FILE, DIAGNOSTICS_PLOT, SWEEP_PLOT)
 
@@ -46,8 +50,8 @@ def required_files(family: ModelFamily) -> tuple[str, ...]:
     return (*COMMON_FILES, *family.release.files)
 
 
-def release_names(family: ModelFamily) -> re.Pattern[str]:
-    """The names a release folder of ``family``'s model may hold (what ``export`` may replace)."""
+def run_release_names(family: ModelFamily) -> re.Pattern[str]:
+    """The names a run's own release of ``family``'s model may hold (what ``export`` may replace)."""
     names = {*required_files(family), *OPTIONAL_FILES, *family.release.optional_files}
     return re.compile("|".join(map(re.escape, sorted(names))))
 
@@ -170,33 +174,39 @@ def export_release(
     license: str | None = None,
     template: str | Path | None = None,
 ) -> Path:
-    """Write the release folder of a run (default ``<run>/release``) and return its path.
+    """Write the release folder of a run's released stage, or of a model folder, and return its path.
 
-    A model folder written by ``featcal merge`` or ``featcal calibrate`` (a language model's or a T5's: a folder with
-    ``featcal_recipe.json`` or ``config.json`` and no ``run_config.json``) is released by
-    :func:`featcal.release.model_release.export_model_release` instead (default ``<folder>-release``), and a
-    language-model run by :func:`featcal.release.lm_run_release.export_lm_run_release` (its released stage as
-    a model folder's release, with the run's ``metrics.json`` and a card of its results; license ``other``
-    unless given).
+    What is released, whatever the family:
 
-    The folder holds the released model (calibrated when present, else merged) as its family's class (a
-    ``CLIPVisionModel``), the base model's preprocessor (CLIP's image processor config), the model card
-    (``README.md``) and its plot, the evaluation report (``metrics.json``), the recipe (``run_config.json``, with
-    local inputs named ``local:<folder name>``, see :mod:`featcal.release.published`) and the manifest
-    (``release_manifest.json``: the SHA-256 of every other file). The weights' safetensors metadata carries
-    featcal's version, the recipe hash, ``tensors_sha256`` (a hash of the tensor data, see
-    :mod:`featcal.release.manifest`) and ``published_config_sha256`` (the recipe hash of the published
-    ``run_config.json``). It is written in a temporary folder beside it and renamed into place, so it is never seen
-    half-written; exporting the same run again gives the same bytes.
+    - a model folder written by ``featcal merge`` or ``featcal calibrate`` (a folder with ``featcal_recipe.json``
+      or ``config.json`` and no ``run_config.json``; a family whose folders are released on their own, see
+      :func:`~featcal.release.model_folder.read_model_folder`): the folder's files and a card of its recipe
+      (:func:`~featcal.release.folder_release.write_folder_release`; default ``<folder>-release`` beside it);
+    - a run whose family releases it as its released stage's folder
+      (:attr:`~featcal.families.base.ReleaseParts.run_as_model_folder`: a language model's): that folder's
+      release, with the stage's ``metrics.json`` and a card of the run's results (license ``other`` unless given);
+    - any other run: the released model (calibrated when present, else merged) saved as its family's class (a
+      ``CLIPVisionModel``), the base model's preprocessor (CLIP's image processor config), the model card
+      (``README.md``) and its plot, the evaluation report (``metrics.json``), the recipe (``run_config.json``,
+      with local inputs named ``local:<folder name>``, see :mod:`featcal.release.published`) and the manifest
+      (``release_manifest.json``: the SHA-256 of every other file). The weights' safetensors metadata carries
+      featcal's version, the recipe hash, ``tensors_sha256`` (a hash of the tensor data, see
+      :mod:`featcal.release.manifest`) and ``published_config_sha256`` (the recipe hash of the published
+      ``run_config.json``).
+
+    A run's release (default ``<run>/release``) is written while no other process writes the run, from the stage
+    the run's record says it released, checked against its report (:func:`released_source`). Every release is
+    written in a temporary folder beside it and renamed into place, so it is never seen half-written; exporting
+    the same input again gives the same bytes.
 
     Args:
-        run_dir: The run folder written by ``featcal run`` (or a language-model folder, see above).
-        out_dir: Where to write the release (default ``<run>/release``); an existing release there is
-            replaced, a folder holding other files is refused.
+        run_dir: The run folder written by ``featcal run``, or a model folder (see above).
+        out_dir: Where to write the release; an existing release there is replaced, a folder holding other files
+            is refused.
         repo_id: The Hub repository the card names (its usage snippet and ``model-index``).
         license: The license in the card's metadata (default: the family's, see
-            :attr:`~featcal.families.base.ReleaseParts.default_license`; for a model
-            folder, none: see :func:`~featcal.release.model_release.export_model_release`).
+            :attr:`~featcal.families.base.ReleaseParts.default_license`; where it has none ``other``, and the
+            card says none was given).
         template: A Jinja model card template of your own.
 
     Returns:
@@ -209,14 +219,24 @@ def export_release(
         ModelInputError: when the released weights or the base's preprocessor do not load, or a model
             folder is not one of featcal's that is released on its own (a CLIP stage folder is released from its run).
         NoSpaceError: when a model folder's release does not fit on its file system.
-        OutputPathError: when ``out_dir`` is a file or holds files that are not part of a release.
+        OutputPathError: when ``out_dir`` is a file, holds files that are not part of a release, or is or holds
+            an input.
+        InvalidParameterError: for a ``repo_id`` that is not ``namespace/name``.
+        FeatcalError: when the card's template fails to render.
     """
-    if is_model_input(run_dir):  # a model folder of featcal merge / calibrate: no run around it
-        from featcal.release.model_release import export_model_release
-
-        return export_model_release(run_dir, out_dir, repo_id=repo_id, license=license, template=template)
     if repo_id is not None:
         check_repo_id(repo_id, namespace=True)
+    if is_model_input(run_dir):  # a model folder of featcal merge / calibrate: no run around it
+        folder = read_model_folder(run_dir)
+        return write_folder_release(
+            folder,
+            Path(out_dir).expanduser() if out_dir is not None else default_release_folder(folder.path),
+            card=lambda: render_folder_card(folder, repo_id=repo_id, license=license, template=template),
+            recipe_sha256=folder.recipe_sha256,
+            allowed=release_names(folder.family),
+            inputs=local_inputs(folder),
+            release_only=True,
+        )
     run_path = Path(run_dir).expanduser()
     out = Path(out_dir).expanduser() if out_dir is not None else run_path / RELEASE_DIR
     inside = run_path.resolve() in out.resolve().parents
@@ -225,17 +245,25 @@ def export_release(
         run = read_run(run_path)
         family = get_family(run.record.family)
         source = released_source(run)
-        if releases_run_as_folder(run.record.family):  # the language-model release path: links, the run's results
-            from featcal.release.lm_run_release import export_lm_run_release
-
-            return export_lm_run_release(run, out, source, repo_id=repo_id, license=license, template=template)
-        check_output_folder(out, kind="release", allowed=release_names(family))
+        if family.release.run_as_model_folder:  # its stage's folder, with the run's results
+            folder = read_model_folder(run.released.path)
+            return write_folder_release(
+                folder,
+                out,
+                card=lambda: render_card(run, repo_id=repo_id, license=license, template=template),
+                recipe_sha256=run.recipe_sha256,
+                allowed=release_names(folder.family, with_metrics=True),
+                inputs=[folder.path],
+                metrics={**run.released.metrics, RUN_ID: run.recipe_sha256},
+                source=source,
+            )
+        check_output_folder(out, kind="release", allowed=run_release_names(family))
         with atomic_folder(out) as tmp:
             published = published_config(run.raw_config)
             tensors = _write_weights(run, family, tmp, published)
             _write_preprocessor(run, family, tmp)
             atomic_write_json(tmp / RUN_CONFIG, published)
-            atomic_write_json(tmp / METRICS, {**run.released.metrics, "run_id": run.recipe_sha256})
+            atomic_write_json(tmp / METRICS, {**run.released.metrics, RUN_ID: run.recipe_sha256})
             write_card_files(run, tmp, repo_id=repo_id, license=license, template=template)
             names = [p.name for p in tmp.iterdir() if not p.name.startswith(".")]
             write_manifest(tmp, manifest_of(tmp, names, recipe=run.recipe_sha256, tensors=tensors, source=source))

@@ -26,12 +26,6 @@ from featcal.release.manifest import MANIFEST
 from featcal.runfolder.layout import RUN_CONFIG
 
 
-def releases_run_as_folder(family: str) -> bool:
-    """Whether a run of ``family`` is released as its released stage's model folder (``lm_run_release``;
-    :attr:`~featcal.families.base.ReleaseParts.run_as_model_folder`); False for a name of no known family."""
-    return family in family_names() and get_family(family).release.run_as_model_folder
-
-
 def folder_families() -> list[str]:
     """The families whose model folders are released on their own: those with a folder card template."""
     return [name for name in family_names() if get_family(name).release.folder_card_template is not None]

@@ -1,7 +1,6 @@
 """Publish a release folder to the Hugging Face Hub, then check what the Hub lists.
 
-Nothing reaches the Hub before the folder has been checked (:func:`check_release` for a run's release,
-:func:`~featcal.release.model_check.check_model_release` for a language-model folder's), the token has
+Nothing reaches the Hub before the folder has been checked (:func:`~featcal.release.check.check_release`), the token has
 been found and accepted, and the repository's namespace is the token owner's or one of their
 organisations'. The token is passed to ``huggingface_hub`` and never logged or put in a message.
 
@@ -29,7 +28,7 @@ from featcal.hub.refs import check_repo_id
 from featcal.hub.verification import HubFile, hub_files, verify_hub_files
 from featcal.metrics import WEIGHTS_SHA256
 from featcal.outputs import enclosing_run
-from featcal.release.card import CARD_FILE
+from featcal.release.card_template import CARD_FILE
 from featcal.release.check import Release, check_release
 from featcal.release.export import export_release
 from featcal.release.manifest import read_manifest
@@ -200,12 +199,7 @@ def push_release(
     folder = resolve_release_folder(folder, repo_id, dry_run=dry_run)
     run = enclosing_run(folder.resolve())
     with RunLock(run, shared=True) if run is not None else nullcontext():  # no run rewrites it meanwhile
-        if is_model_release(folder):  # a model folder's release (a language model, a T5), or a language-model run's
-            from featcal.release.model_check import check_model_release
-
-            release = check_model_release(folder)
-        else:
-            release = check_release(folder)
+        release = check_release(folder)
         check_source(release.folder)
         return _push(release, repo_id, **options)
 

@@ -37,7 +37,7 @@ class CausalLMFamily(DeclaredFamily):
         files=(),
         task_type="text-generation",
         task_name="Text Generation",
-        card_template=(__name__, "model_card.md.j2"),
+        card_template=(__name__, "run_card.md.j2"),
         folder_card_template=(__name__, "model_card.md.j2"),
         run_as_model_folder=True,
     )
@@ -68,6 +68,8 @@ class CausalLMFamily(DeclaredFamily):
         "evaluator": ".bindings:evaluator",
         "evaluation_settings": ".bindings:evaluation_settings",
         "run_options": ".options:LMEvaluationOptions",
+        # release
+        "card_context": ".run_card:run_context",
     }
 
 

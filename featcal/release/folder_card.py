@@ -12,26 +12,21 @@ run), so the card reports no result: it says so, and how to measure one.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from featcal.errors import OutputPathError, ReleaseError, UnknownNameError
+from featcal.errors import UnknownNameError
 from featcal.families import get_family, mergekit_reader
-from featcal.files.atomic import atomic_write_text
-from featcal.hub.refs import check_repo_id, is_hub_id, split_revision
+from featcal.hub.refs import check_repo_id
 from featcal.model_recipe import ModelRecipe, mergekit_config
-from featcal.release.card import CARD_FILE, FEATCAL_PARAMS, TAGS, _method_info, check_card_folder, render_template_card
-from featcal.release.manifest import MANIFEST, read_manifest, update_manifest
-from featcal.release.model_folder import ModelFolder, default_release_folder, is_model_release, read_model_folder
+from featcal.release.card_template import TAGS, card_metadata, featcal_rows, hub_ids, method_info, render_template_card
+from featcal.release.model_folder import ModelFolder
 from featcal.release.options import NO_LICENSE
 from featcal.release.published import published_model_recipe, published_ref, published_text
 from featcal.version import __version__
-
-logger = logging.getLogger(__name__)
 
 
 def mergekit_refs(recipe: ModelRecipe) -> list[str]:
@@ -42,18 +37,13 @@ def mergekit_refs(recipe: ModelRecipe) -> list[str]:
     return [r for r in (merge.base_model, *merge.models) if r]
 
 
-def _hub_ids(refs: list[str | None]) -> list[str]:
-    """The Hub ids among ``refs``, revisions stripped, each once, in order."""
-    return list(dict.fromkeys(split_revision(r)[0] for r in refs if r and is_hub_id(r)))
-
-
 def _merge_context(folder: ModelFolder) -> dict[str, Any]:
     """How the merged model came about: featcal's method and hyper-parameters (and the same merge in
     mergekit's words, when mergekit has it), mergekit's configuration as mergekit wrote it, or unknown."""
     recipe = folder.recipe
     merge = recipe.merge
     if merge.merged_from is None and merge.method:
-        pretty_name, url = _method_info(merge.method)
+        pretty_name, url = method_info(merge.method)
         published = dataclasses.replace(
             recipe,
             base_model=str(published_ref(recipe.base_model)),
@@ -92,18 +82,6 @@ def _merge_context(folder: ModelFolder) -> dict[str, Any]:
         "source": published_ref(merge.merged_from),
         "tag": None,
     }
-
-
-def _featcal_rows(recipe: ModelRecipe, noun: str) -> list[dict[str, Any]] | None:
-    """The FeatCal parameters with their symbols and meanings (spoken of the family's examples)."""
-    if recipe.featcal is None:
-        return None
-    rows = []
-    for name, value in recipe.featcal.params.to_dict().items():
-        symbol, meaning = FEATCAL_PARAMS.get(name, ("", ""))
-        meaning = meaning.replace("images", f"{noun}s")
-        rows.append({"name": name, "symbol": symbol, "value": value, "meaning": meaning})
-    return rows
 
 
 def _cell(text: str) -> str:
@@ -164,28 +142,27 @@ def model_card_data(folder: ModelFolder, *, model_name: str, license: str) -> Mo
     recipe = folder.recipe
     parts = get_family(recipe.family).release
     merge = _merge_context(folder)
-    base_models = _hub_ids([recipe.base_model, *recipe.experts.values()])
-    datasets = _hub_ids([entry.get("dataset") for entry in recipe.calibration_data.values()])
+    base_models = hub_ids([recipe.base_model, *recipe.experts.values()])
+    datasets = hub_ids([entry.get("dataset") for entry in recipe.calibration_data.values()])
     tags = [*TAGS, *parts.tags, *(["mergekit"] if merge["by"] == "mergekit" else []), merge["tag"]]
-    return ModelCardData(
+    return card_metadata(
+        parts,
         model_name=model_name,
-        library_name="transformers",
         license=license,
-        pipeline_tag=parts.pipeline_tag,
-        base_model=base_models or None,
-        base_model_relation="merge" if base_models else None,
+        base_models=base_models,
         tags=list(dict.fromkeys(t for t in tags if t)),
-        datasets=datasets or None,
+        datasets=datasets,
     )
 
 
-def model_context(
+def folder_context(
     folder: ModelFolder, *, repo_id: str | None, license: str | None, name: str | None = None
 ) -> dict[str, Any]:
-    """The template's variables: everything from the folder's recipe, inputs named as published (a run's
-    language-model card adds its results to them: :mod:`featcal.release.lm_run_card`). The repository is
-    ``repo_id``, else named ``name``, else by the folder (:func:`default_model_name`). ``snippet`` is the
-    first calibration entry's input template (a T5's usage snippet shows it), else None.
+    """The template's variables: everything from the folder's recipe, inputs named as published (the card of a
+    run released as its stage folder adds the family's results section to them:
+    :func:`featcal.release.run_card.render_card`). The repository is ``repo_id``, else named ``name``, else by the
+    folder (:func:`default_model_name`). ``snippet`` is the first calibration entry's input template (a T5's usage
+    snippet shows it), else None.
 
     Args:
         folder: The model folder, read.
@@ -215,7 +192,7 @@ def model_context(
         "calibrated": folder.calibrated,
         "merge": _merge_context(folder),
         "repairs": _repair_context(recipe),
-        "featcal": _featcal_rows(recipe, family.noun),
+        "featcal": featcal_rows(recipe.featcal.params.to_dict(), family.noun) if recipe.featcal else None,
         "seed": recipe.seed,
         "data": _data_rows(recipe),
         "featcal_version": __version__,
@@ -251,7 +228,7 @@ def _repair_context(recipe: ModelRecipe) -> list[dict[str, str]]:
     return out
 
 
-def render_model_card(
+def render_folder_card(
     folder: ModelFolder, *, repo_id: str | None = None, license: str | None = None, template: str | Path | None = None
 ) -> ModelCard:
     """The model card of a model folder's release, from the family's folder card template.
@@ -272,67 +249,9 @@ def render_model_card(
     """
     if repo_id is not None:
         check_repo_id(repo_id, namespace=True)
-    family = get_family(folder.family)
     return render_template_card(
         template,
-        family,
-        lambda: model_context(folder, repo_id=repo_id, license=license),
-        card_template=family.release.folder_card_template,
+        get_family(folder.family),
+        lambda: folder_context(folder, repo_id=repo_id, license=license),
+        folder=True,
     )
-
-
-def write_model_card(
-    model_dir: str | Path,
-    out_dir: str | Path | None = None,
-    *,
-    repo_id: str | None = None,
-    license: str | None = None,
-    template: str | Path | None = None,
-) -> Path:
-    """Write ``README.md`` for a model folder (a language model's or a T5's) into ``out_dir`` (default
-    ``<folder>-release``).
-
-    Only the card changes. In a release of the same folder, its entry in ``release_manifest.json`` is
-    updated, so the release still passes the check before a push (an edit by hand does not).
-
-    Args:
-        model_dir: The model folder written by ``featcal merge`` or ``featcal calibrate``.
-        out_dir: Where to write the card: the folder's release, or a new or empty folder.
-        repo_id: The Hub repository the card names.
-        license: The license in the card's metadata (None: ``other``, and the card says none was given).
-        template: A Jinja model card template of your own.
-
-    Returns:
-        The path of ``README.md``.
-
-    Raises:
-        ModelInputError: when ``model_dir`` is not a model folder of featcal's that is released on its own.
-        ReleaseError: when ``out_dir`` is the release of another model folder, or of a run.
-        OutputPathError: when ``out_dir`` is or lies in the model folder, or holds files that are not a
-            featcal card's or release's.
-        FeatcalError: when the template is missing, fails to render or gives invalid metadata.
-    """
-    folder = read_model_folder(model_dir)
-    out = Path(out_dir).expanduser() if out_dir is not None else default_release_folder(folder.path)
-    inside = folder.path.resolve()
-    if out.resolve() == inside or inside in out.resolve().parents:
-        raise OutputPathError(
-            out, f"The card folder {out} is or lies in the model folder {folder.path}: write the card elsewhere."
-        )
-    if (out / MANIFEST).is_file():
-        recorded = read_manifest(out).recipe_sha256
-        if not is_model_release(out) or recorded != folder.recipe_sha256:
-            raise ReleaseError(
-                out,
-                f"{out} holds another release (recipe {recorded[:12]}) than that of {folder.path} (recipe "
-                f"{folder.recipe_sha256[:12]}): write the card into another folder, or export this folder there.",
-            )
-    else:
-        check_card_folder(out)
-    card = render_model_card(folder, repo_id=repo_id, license=license, template=template)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / CARD_FILE
-    atomic_write_text(path, str(card))
-    update_manifest(out, {CARD_FILE: True})
-    logger.info("Wrote the model card %s", path)
-    return path

@@ -1,31 +1,16 @@
-"""The model card of a language-model run's release: the model card of its released stage folder (its
-recipe: merge, FeatCal, calibration data), with the run's measured results and the reference numbers
-quoted for its suite, labelled as such.
-
-The template is the ``causal_lm`` family's ``run_card.md.j2``; pass ``template=`` to use your own. Its
-variables are the model card's (:func:`featcal.release.model_card.model_context`) and those of
-:func:`run_context`.
+"""The results section of a language-model run's card: what :func:`run_context` adds to the variables of its
+released stage folder's card (:func:`featcal.release.folder_card.folder_context`): the run's measured results and
+the reference numbers quoted for its suite, labelled as such. The family's run card template,
+``run_card.md.j2``, shows them.
 """
 
 from __future__ import annotations
 
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
-import jinja2
-import yaml
-from huggingface_hub import ModelCard
-
-from featcal.errors import FeatcalError
-from featcal.families import task_schema
-from featcal.release.card import _environment, default_model_name
-from featcal.release.lm_results import STAGES, harness_results, task_results
-from featcal.release.model_card import model_context
-from featcal.release.model_folder import ModelFolder
+from featcal.families.causal_lm.run_results import STAGES, harness_results, task_results
+from featcal.families.registry import task_schema
 from featcal.runfolder.reader import RunFolder
-
-RUN_CARD_TEMPLATE = ("featcal.families.causal_lm", "run_card.md.j2")
 
 
 def _measure(measure: Any) -> dict[str, Any] | None:
@@ -101,40 +86,3 @@ def run_context(run: RunFolder) -> dict[str, Any]:
         "suite": suite if text_suite else None,
         "backbone": backbone if text_suite else None,
     }
-
-
-def render_run_card(
-    run: RunFolder, folder: ModelFolder, *, repo_id: str | None, license: str | None, template: str | Path | None
-) -> ModelCard:
-    """The model card of a language-model run's release.
-
-    Args:
-        run: The run folder.
-        folder: Its released stage, read as a model folder.
-        repo_id: The Hub repository the card names.
-        license: The license in the metadata; None gives ``other`` and a line saying none was given.
-        template: A Jinja model card template of your own.
-
-    Returns:
-        The card.
-
-    Raises:
-        FeatcalError: when the template is missing, fails to render or gives invalid metadata.
-    """
-    from featcal.families import get_family
-
-    env, source = _environment(template, get_family(run.record.family))
-    package, name = RUN_CARD_TEMPLATE
-    if template is None:  # the run's card, not the model folder's
-        source = resources.files(package).joinpath(name).read_text(encoding="utf-8")
-    shown = template or f"{package}/{name}"
-    named = model_context(folder, repo_id=repo_id, license=license, name=default_model_name(run))
-    context = {**named, **run_context(run)}
-    try:
-        text = env.from_string(source).render(**context)
-    except jinja2.TemplateError as exc:
-        raise FeatcalError(f"Model card template {shown} failed to render: {exc}") from None
-    try:
-        return ModelCard(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise FeatcalError(f"Model card template {shown} gives invalid metadata: {exc}") from None
