@@ -153,6 +153,20 @@ class RunSpec:
         None, help="folder of lm-evaluation-harness task definitions (YAML) beside the harness's own",
         group=EVALUATION, metavar="DIR",
     )  # fmt: skip
+    eval_protocol: str = option(
+        "held-out", help="language models: held-out (featcal's held-out rows of each task) or mergebench (also "
+        "MergeBench's five domains through lm-evaluation-harness and, for coding, featcal's sandbox; a run of the "
+        "mergebench suite; docs/causal-lm.md)", group=EVALUATION, choices=("held-out", "mergebench"),
+    )  # fmt: skip
+    benchmark_data: str | None = option(
+        None, help="mergebench protocol: folder of local copies of the benchmarks' data "
+        "(<dataset id>/<configuration or default>/<split>.jsonl) read instead of the Hub", group=EVALUATION,
+        metavar="DIR",
+    )  # fmt: skip
+    allow_code_execution: bool = option(
+        False, help="mergebench protocol: run the coding domain's model-generated programs in featcal's sandbox "
+        "(docs/code-eval.md); the protocol is refused without it", group=EVALUATION,
+    )  # fmt: skip
     device: str = option("auto", help="auto, cpu, cuda or cuda:N (merging, calibration and evaluation)", group=RUNTIME)
     precision: str = option(
         "float32", help="float32 (IEEE everywhere, cuDNN included), tf32 (TF32 in CUDA matmuls and convolutions, "
@@ -204,6 +218,7 @@ class RunSpec:
             raise InvalidParameterError(
                 "lm_eval_include", self.lm_eval_include, "given with lm_eval_tasks, the tasks to run from it"
             )
+        self._check_protocol()
         if self.skip_ta and not self.ta_model_path:
             raise InvalidParameterError(
                 "ta_model_path", None, "the merged model folder to start from, since skip_ta is set"
@@ -221,6 +236,24 @@ class RunSpec:
             raise InvalidParameterError(
                 "diagnose_split", self.diagnose_split, "test, since skip_featcal is set (no calibration images)"
             )
+
+    def _check_protocol(self) -> None:
+        """Refuse an evaluation protocol the run cannot have, and its options without it."""
+        if self.eval_protocol == "mergebench":
+            if self.suite != "mergebench":
+                raise InvalidParameterError(
+                    "eval_protocol", self.eval_protocol, "set on a run of the mergebench suite (suite mergebench), "
+                    "whose five domains it evaluates, or held-out",
+                )  # fmt: skip
+            if self.allow_code_execution is not True:
+                raise InvalidParameterError(
+                    "allow_code_execution", self.allow_code_execution, "given with eval_protocol mergebench: its "
+                    "coding domain runs model-generated programs, in featcal's sandbox (docs/code-eval.md)",
+                )  # fmt: skip
+        else:
+            for name in ("benchmark_data", "allow_code_execution"):
+                if getattr(self, name):
+                    raise InvalidParameterError(name, getattr(self, name), "given with eval_protocol mergebench")
 
     def method_params(self) -> dict[str, Any]:
         """The merging method's hyper-parameters: ``merge_params`` with ``ta_scaling_factor`` folded in."""

@@ -25,6 +25,7 @@ from featcal.release.model_card import model_context
 from featcal.release.model_folder import ModelFolder
 from featcal.runfolder.reader import RunFolder
 
+MODEL_INDEX_RESULTS = "model_index_results"  # a family's card_context key: EvalResults the card's model-index adds
 RUN_CARD_TEMPLATE = ("featcal.families.causal_lm", "run_card.md.j2")
 
 
@@ -123,18 +124,25 @@ def render_run_card(
     """
     from featcal.families import get_family
 
-    env, source = _environment(template, get_family(run.record.family))
+    family = get_family(run.record.family)
+    env, source = _environment(template, family)
     package, name = RUN_CARD_TEMPLATE
     if template is None:  # the run's card, not the model folder's
         source = resources.files(package).joinpath(name).read_text(encoding="utf-8")
     shown = template or f"{package}/{name}"
     named = model_context(folder, repo_id=repo_id, license=license, name=default_model_name(run))
-    context = {**named, **run_context(run)}
+    own = dict(family.card_context(run))
+    extra = list(own.pop(MODEL_INDEX_RESULTS, None) or ())  # the family's model-index results beside the tasks'
+    context = {**named, **run_context(run), **own}
     try:
         text = env.from_string(source).render(**context)
     except jinja2.TemplateError as exc:
         raise FeatcalError(f"Model card template {shown} failed to render: {exc}") from None
     try:
-        return ModelCard(text)
+        card = ModelCard(text)
+        if extra:
+            card.data.eval_results = [*(card.data.eval_results or []), *extra]
+            card.data.model_name = card.data.model_name or named.get("title") or run.path.name
+        return card
     except (ValueError, yaml.YAMLError) as exc:
         raise FeatcalError(f"Model card template {shown} gives invalid metadata: {exc}") from None

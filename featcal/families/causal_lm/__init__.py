@@ -186,7 +186,11 @@ class CausalLMFamily:
         return {}
 
     def card_context(self, run: RunFolder) -> Mapping[str, Any]:
-        return {}
+        """MergeBench's scores: the card's section, ``model-index`` results and what was not run
+        (:func:`featcal.families.causal_lm.mergebench_eval.card.card_context`)."""
+        from featcal.families.causal_lm.mergebench_eval.card import card_context
+
+        return card_context(run)
 
 
 FAMILY = CausalLMFamily()
