@@ -97,6 +97,18 @@ def test_the_coding_prompts_and_stops_are_bigcode_s() -> None:
     assert coding.stop_at_stop_word("x = 1", ("\nif",)) == "x = 1"
 
 
+def test_a_sample_stops_being_extended_once_its_text_after_the_prompt_holds_a_stop_word() -> None:
+    import torch
+
+    from tests.support.tiny_lm_world import tokenizer
+
+    tok = tokenizer()
+    ids = torch.tensor([tok("w1 w2 w3")["input_ids"], tok("w1 w4 w5")["input_ids"], tok("w2 w4 w5")["input_ids"]])
+    # the prompt is "<s>" and one word: the third row's w2 is its prompt's, not its sample's
+    assert coding._StopWords(2, ("w2",), tok)(ids, None).tolist() == [True, False, False]
+    assert coding._StopWords(2, ("w3", "w5"), tok)(ids, None).tolist() == [True, True, True]
+
+
 def test_the_averages_are_the_raw_mean_and_the_mean_normalised_by_each_expert() -> None:
     experts = {"instruction": 0.5, "math": 0.4, "multilingual": 0.5, "coding": 0.2, "safety": 0.8}
     merged = {"instruction": 0.25, "math": 0.4, "multilingual": 0.5, "coding": 0.1, "safety": 0.8}

@@ -5,8 +5,10 @@ bigcode-evaluation-harness (``humanevalplus``, ``mbppplus``, as MergeBench's eva
 with HumanEval+'s ``prompt`` stripped, or for MBPP+ with a docstring of the task and its first test
 (``'\"\"\"\\n{prompt}\\n{test_list[0]}\\n\"\"\"\\n'``); draws 10 samples per problem at temperature 0.2, top-p
 0.95 and no top-k, each at most 512 tokens long with its prompt; cuts each sample at the first of the
-task's stop words; and runs the prompt, the sample and the task's tests (HumanEval+'s ``check`` called on
-the entry point). The programs run here in featcal's sandbox (:mod:`featcal.sandbox`), never in this process.
+task's stop words (a sample stops being extended at its first, as bigcode's stopping criterion stops a
+batch once each of its samples has one: the text kept is the same); and runs the prompt, the sample and the
+task's tests (HumanEval+'s ``check`` called on the entry point). The programs run here in featcal's sandbox
+(:mod:`featcal.sandbox`), never in this process.
 """
 
 from __future__ import annotations
@@ -72,6 +74,19 @@ def stop_at_stop_word(text: str, stop: Sequence[str]) -> str:
     return text[:cut]
 
 
+class _StopWords:
+    """A stopping criterion: a sample is done once its text after the prompt holds a stop word."""
+
+    def __init__(self, start: int, stop: Sequence[str], tokenizer: Any) -> None:
+        self.start, self.stop, self.tokenizer = start, tuple(stop), tokenizer
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        texts = self.tokenizer.batch_decode(input_ids[:, self.start :], skip_special_tokens=True)
+        return torch.tensor([any(w in t for w in self.stop) for t in texts], device=input_ids.device)
+
+
 def sample_completions(model: Any, tokenizer: Any, prompts: Sequence[str], stop: Sequence[str]) -> list[list[str]]:
     """:data:`CODE_SAMPLES` sampled completions of each prompt, cut at the stop words.
 
@@ -85,7 +100,7 @@ def sample_completions(model: Any, tokenizer: Any, prompts: Sequence[str], stop:
         Per prompt, its samples (the text after the prompt).
     """
     import torch
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, StoppingCriteriaList
 
     device = next(model.parameters()).device
     config = GenerationConfig(
@@ -97,7 +112,10 @@ def sample_completions(model: Any, tokenizer: Any, prompts: Sequence[str], stop:
     for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
         with torch.no_grad():
-            generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            criteria = StoppingCriteriaList([_StopWords(ids.shape[1], stop, tokenizer)])
+            generated = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, stopping_criteria=criteria
+            )
         texts = tokenizer.batch_decode(generated[:, ids.shape[1] :], skip_special_tokens=True)
         out.append([stop_at_stop_word(text, stop) for text in texts])
     return out
