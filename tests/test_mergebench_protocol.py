@@ -202,3 +202,39 @@ def test_a_mergebench_run_scores_every_stage_by_the_protocol(eos_world, benchmar
     mergebench = [r for r in index if r["dataset"]["type"] == "mergebench"]
     shown = {m["type"]: m["value"] for r in mergebench for m in r["metrics"]}
     assert shown["average"] == round(100 * merged["average"], 2) and shown["math"] == 0.0
+
+
+@pytest.mark.slow
+def test_the_protocol_reads_every_benchmark_from_the_hub_under_its_real_id(eos_world, benchmark_data, tmp_path):
+    """Over HTTP against the Hub double: the base and the experts under MergeBench's ids, the calibration sets,
+    and every benchmark dataset under its own id (``openai/gsm8k``, ``evalplus/humanevalplus``, ...); the run
+    starts from an empty ``HF_HOME`` and names no local copy."""
+    from tests.support.hub_double import HubDouble
+    from tests.support.hub_world import featcal_cli, user_env
+    from tests.support.mergebench_data import write_hub_cards
+    from tests.support.tiny_lm_world import TASKS, rows, write_text_dataset
+
+    base, experts = eos_world
+    benchmarks = write_hub_cards(benchmark_data)
+    run = tmp_path / "run"
+    with HubDouble() as hub:
+        hub.publish_folder("meta-llama/Llama-3.2-3B", base, summary="Upload model")
+        for i, task in enumerate(TASKS):
+            hub.publish_folder(f"MergeBench/Llama-3.2-3B_{task}", experts[task], summary="Upload model")
+            write_text_dataset(tmp_path / "val" / task, rows(task, seed=200 + i))
+            hub.publish_folder(f"MergeBench/{task}_val", tmp_path / "val" / task, repo_type="dataset")
+        for repo_id in benchmarks:
+            hub.publish_folder(repo_id, benchmark_data / repo_id, repo_type="dataset")
+        args = [
+            "run", "--suite", "mergebench", "--backbone", "llama-3.2-3b", "--skip-featcal", "--device", "cpu",
+            "--num-calibration-examples", "8", "--max-eval-samples", "2", "--eval-max-new-tokens", "4", "--threads",
+            "1", "--eval-protocol", "mergebench", "--allow-code-execution", "--output-dir", str(run),
+        ]  # fmt: skip
+        result = featcal_cli(args, user_env(hub.url, tmp_path / "user"), timeout=900)
+        served = list(hub.served)
+    assert result.returncode == 0, result.stderr[-4000:]
+    scores = json.loads((run / "ta" / "metrics.json").read_text())["mergebench"]
+    assert list(scores["domains"]) == list(DOMAIN_NAMES) and None not in scores["domains"].values()
+    fetched = {s.path for s in served if s.method == "GET" and s.status == 200}
+    for repo_id in benchmarks:  # 11 datasets: each read from the Hub under its real id
+        assert any(p.startswith(f"/datasets/{repo_id}/resolve/") for p in fetched), repo_id

@@ -153,3 +153,25 @@ def save_eos_world(root: Path) -> tuple[Path, dict[str, Path]]:
         tok.save_pretrained(folder)
     base = folders.pop("base")
     return base, folders
+
+
+def write_hub_cards(folder: Path) -> list[str]:
+    """Make each dataset of the local copies under ``folder`` a Hub dataset repository: a README whose
+    ``configs`` name each configuration's split files, as the Hub's dataset cards do. Returns the ids."""
+    import yaml
+
+    ids = sorted({p.parent.parent.relative_to(folder).as_posix() for p in folder.rglob("*.jsonl")})
+    for repo_id in ids:
+        root = folder / repo_id
+        configs = [
+            {
+                "config_name": config.name,
+                "data_files": [
+                    {"split": f.stem, "path": f"{config.name}/{f.name}"} for f in sorted(config.glob("*.jsonl"))
+                ],
+            }
+            for config in sorted(p for p in root.iterdir() if p.is_dir())
+        ]
+        header = yaml.safe_dump({"configs": configs}, sort_keys=False)
+        (root / "README.md").write_text(f"---\n{header}---\n\n# Tiny stand-in of {repo_id}\n", encoding="utf-8")
+    return ids

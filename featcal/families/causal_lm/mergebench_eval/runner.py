@@ -30,6 +30,7 @@ from featcal.families.causal_lm.mergebench_eval.protocol import (
     PROTOCOL,
     SAFETY_VARIANT,
     domain,
+    harness_task_names,
 )
 from featcal.families.causal_lm.mergebench_eval.scores import domain_scores, raw_average
 
@@ -89,6 +90,8 @@ class MergeBenchEvaluation:
     def __init__(self, settings: ProtocolSettings) -> None:
         check_protocol(settings.data, settings.allow_code_execution)
         self.settings = settings
+        self._harness_set_up: Any = None
+        self._definitions: tempfile.TemporaryDirectory[str] | None = None
 
     def configure(self, limit: int | None, batch_size: int) -> None:
         """Set the examples per task (None: all) and the harness's batch size of the run's evaluations."""
@@ -129,16 +132,20 @@ class MergeBenchEvaluation:
         }
 
     def _harness(self, model: Any, tokenizer: Any, tasks: Sequence[Any]) -> dict[str, dict[str, float]]:
+        """The harness's results of ``tasks``; the harness (and the local definitions) are set up once."""
         from featcal.families.causal_lm.harness import Harness
 
-        names = [t.name for t in tasks]
-        if self.settings.data is None:
-            harness = Harness(names, limit=self.settings.limit, batch_size=self.settings.batch_size)
-            return harness.run(model, tokenizer)
-        with tempfile.TemporaryDirectory(prefix="featcal-mergebench-tasks-") as folder:
-            write_local_definitions(Path(self.settings.data), tasks, Path(folder))
-            harness = Harness(names, folder, limit=self.settings.limit, batch_size=self.settings.batch_size)
-            return harness.run(model, tokenizer)
+        if self._harness_set_up is None:
+            folder = None
+            if self.settings.data is not None:  # kept while this object lives: the harness reads it at each run
+                self._definitions = tempfile.TemporaryDirectory(prefix="featcal-mergebench-tasks-")
+                folder = self._definitions.name
+                every = [t for name in DOMAIN_NAMES for t in domain(name).harness]
+                write_local_definitions(Path(self.settings.data), every, Path(folder))
+            self._harness_set_up = Harness(harness_task_names(), folder)
+        harness = self._harness_set_up
+        harness.limit, harness.batch_size = self.settings.limit, self.settings.batch_size
+        return harness.run(model, tokenizer, [t.name for t in tasks])
 
     def _code_rows(self, code: Any) -> list[dict[str, Any]]:
         if self.settings.data is None:
