@@ -58,6 +58,24 @@ def test_a_tiny_model_goes_through_every_task_of_the_protocol_from_local_copies(
     assert list(out["domains"]) == list(DOMAIN_NAMES) and out["safety"] == SAFETY_VARIANT
 
 
+def test_a_local_definition_is_the_harness_s_own_reading_the_local_copies(benchmark_data, tmp_path) -> None:
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from featcal.families.causal_lm.mergebench_eval.local_data import harness_definition, write_local_definitions
+
+    tasks = [t for t in domain("multilingual").harness if t.name == "arc_fr"] + list(domain("math").harness)
+    write_local_definitions(benchmark_data, tasks, tmp_path)
+    for task in tasks:
+        own, local = harness_definition(task), load_yaml(tmp_path / f"{task.name}.yaml", resolve_func=False)
+        data = ("dataset_path", "dataset_name", "dataset_kwargs")
+        assert {k: v for k, v in local.items() if k not in data} == {k: v for k, v in own.items() if k not in data}
+        files = local["dataset_kwargs"]["data_files"]
+        splits = [own[k] for k in ("training_split", "validation_split", "test_split", "fewshot_split") if own.get(k)]
+        assert sorted(files) == sorted(set(splits)) and local["dataset_path"] == "json", task.name
+        assert all(Path(f).is_file() and Path(f).is_relative_to(benchmark_data.resolve()) for f in files.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["arc_fr.yaml", "gsm8k_cot.yaml"]
+
+
 def _samples(rows: list[dict], key: str, right: int) -> dict[str, list[str]]:
     """Ten samples per problem, ``right`` of them the canonical solution, the others a wrong body (a sample
     continues the stripped HumanEval+ prompt, as bigcode's do: from its line's end)."""
