@@ -104,10 +104,23 @@ def test_the_coding_domain_scores_the_programs_it_runs_in_the_sandbox(monkeypatc
     assert result["pass@1"] == pytest.approx(right / 10) and result["samples"] == 10
 
 
+def test_a_sandbox_that_cannot_import_numpy_is_refused_before_any_sample(monkeypatch) -> None:
+    """HumanEval+'s and MBPP+'s tests import numpy: where the sandbox cannot, every program would fail, so
+    the coding domain stops with the sandbox's reason instead of scoring 0."""
+    from featcal.errors import SandboxUnavailableError
+    from featcal.sandbox.runner import Outcome
+
+    failed = Outcome("failed", "exit status 1: ModuleNotFoundError", "", "", 0.1)
+    monkeypatch.setattr(coding, "run_program", lambda *args, **kwargs: failed)
+    monkeypatch.setattr(coding, "sample_completions", lambda *args: pytest.fail("sampled"))
+    with pytest.raises(SandboxUnavailableError, match="import numpy.*ModuleNotFoundError"):
+        coding.run_code_task(None, None, coding_task("mbppplus"), MBPP_ROWS, allow_code_execution=True)
+
+
 def test_the_coding_prompts_and_stops_are_bigcode_s() -> None:
     mbpp = coding.problem(coding_task("mbppplus"), MBPP_ROWS[0])
     assert mbpp.prompt == '"""\nWrite a function to double a number.\nassert double(2) == 4\n"""\n'
-    assert mbpp.entry_point is None and mbpp.test.startswith("\nassert double(2) == 4")
+    assert mbpp.entry_point is None and mbpp.test == "\n" + MBPP_ROWS[0]["test"]  # bigcode's reference
     human = coding.problem(coding_task("humanevalplus"), HUMANEVAL_ROWS[0])
     assert human.prompt == HUMANEVAL_ROWS[0]["prompt"].strip() and human.entry_point == "add"
     text = "    return a + b\n\ndef other():\n    pass\n"

@@ -4,7 +4,8 @@ Each dataset the protocol reads (lm-evaluation-harness's definitions say which: 
 ``test``, ``alexandrainst/m_arc`` ``fr`` ``train``/``validation``/``test``, ...) gets a JSON-lines file per
 split with a few rows, each with the columns the Hub's dataset has, under
 ``<folder>/<dataset id>/<configuration or default>/<split>.jsonl``. The coding benchmarks' rows have
-canonical solutions that pass their tests, and tests that fail a wrong program.
+canonical solutions that pass their tests, and tests that fail a wrong program; the tests import numpy, as
+HumanEval+'s and MBPP+'s do.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ HUMANEVAL_ROWS = [
         "prompt": 'def add(a, b):\n    """Return the sum of a and b."""\n',
         "canonical_solution": "    return a + b\n",
         "entry_point": "add",
-        "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-1, 1) == 0\n",
+        "test": "import numpy as np\n\n\ndef check(candidate):\n    assert candidate(1, 2) == 3\n"
+        "    assert np.allclose(candidate(0.5, 0.25), 0.75)\n",
     }
 ]
 MBPP_ROWS = [
@@ -55,7 +57,7 @@ MBPP_ROWS = [
         "source_file": "mbpp.jsonl",
         "test_imports": [],
         "test_list": ["assert double(2) == 4", "assert double(0) == 0", "assert double(-1) == -2"],
-        "test": "assert double(2) == 4\nassert double(5) == 10\n",
+        "test": "import numpy as np\n\nassert double(2) == 4\nassert np.allclose(double(0.5), 1.0)\n",
     }
 ]
 

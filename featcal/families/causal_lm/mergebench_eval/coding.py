@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from featcal.errors import SandboxUnavailableError
 from featcal.families.causal_lm.mergebench_eval.protocol import (
     CODE_MAX_LENGTH,
     CODE_SAMPLES,
@@ -26,8 +28,39 @@ from featcal.families.causal_lm.mergebench_eval.protocol import (
     CODE_TOP_P,
     CodeTask,
 )
-from featcal.sandbox.runner import Limits
+from featcal.sandbox.runner import Limits, require_opt_in, run_program
 from featcal.sandbox.scoring import Problem, score_completions
+
+
+def numpy_prelude(limits: Limits) -> str:
+    """The lines run before each program so that it can import numpy, as the benchmarks' tests do.
+
+    HumanEval+'s and MBPP+'s tests begin with ``import numpy as np``; the sandbox's Python sees the standard
+    library alone (``-I -S``), so the folder numpy is installed in is appended to the program's module
+    path (read-only, as every folder the sandbox shows), with OpenBLAS held to one thread (its buffers
+    stay within the program's memory limit). One program checks, in the sandbox, that numpy imports.
+
+    Args:
+        limits: The programs' limits.
+
+    Returns:
+        The prelude's source.
+
+    Raises:
+        SandboxUnavailableError: when numpy does not import in the sandbox (its folder is hidden from it,
+            e.g. a virtual environment under HOME), with the sandbox's reason: every program would fail.
+    """
+    import numpy
+
+    folder = str(Path(numpy.__file__).resolve().parent.parent)
+    prelude = f'import os, sys\nos.environ.setdefault("OPENBLAS_NUM_THREADS", "1")\nsys.path.append({folder!r})\n'
+    outcome = run_program(prelude + "import numpy\n", limits, allow_code_execution=True)
+    if not outcome.passed:
+        raise SandboxUnavailableError(
+            f"MergeBench's coding tests import numpy, which does not import in featcal's sandbox from {folder} "
+            f"({outcome.reason}): install numpy outside the folders the sandbox hides (docs/code-eval.md)."
+        )
+    return prelude
 
 
 def problem(task: CodeTask, row: Mapping[str, Any]) -> Problem:
@@ -138,12 +171,16 @@ def run_code_task(
 
     Raises:
         CodeExecutionNotAllowedError: without the opt-in; nothing ran.
+        SandboxUnavailableError: when the sandbox cannot import numpy, which the benchmarks' tests import.
     """
+    require_opt_in(allow_code_execution)
+    limits = Limits(wall_s=task.timeout_s, cpu_s=max(1, int(task.timeout_s)))
+    prelude = numpy_prelude(limits)
     problems = [problem(task, row) for row in rows]
     samples = sample_completions(model, tokenizer, [p.prompt for p in problems], task.stop)
     completions = {p.task_id: s for p, s in zip(problems, samples)}
-    limits = Limits(wall_s=task.timeout_s, cpu_s=max(1, int(task.timeout_s)))
+    programs = [replace(p, prompt=prelude + p.prompt) for p in problems]  # the model saw the prompt alone
     score = score_completions(
-        problems, completions, ks=(1,), limits=limits, allow_code_execution=allow_code_execution, progress=False
+        programs, completions, ks=(1,), limits=limits, allow_code_execution=allow_code_execution, progress=False
     )
     return {"pass@1": score.pass_at_k["pass@1"], "problems": float(len(problems)), "samples": float(CODE_SAMPLES)}
