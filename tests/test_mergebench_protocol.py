@@ -36,35 +36,13 @@ def eos_world(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     return save_eos_world(tmp_path_factory.mktemp("eos"))
 
 
-def test_a_tiny_model_goes_through_every_task_of_the_protocol_from_local_copies(benchmark_data, eos_world) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from featcal.families.causal_lm.mergebench_eval.runner import MergeBenchEvaluation, ProtocolSettings
-    from tests.support.tiny_lm_world import tokenizer
-
-    base, _ = eos_world
-    evaluation = MergeBenchEvaluation(ProtocolSettings(str(benchmark_data), True, limit=2, batch_size=8))
-    out = evaluation.run(AutoModelForCausalLM.from_pretrained(base).eval(), tokenizer())
-    codes = [c.name for d in DOMAINS for c in d.code]
-    assert set(out["tasks"]) == {*harness_task_names(), *codes}  # 17 harness tasks, 2 coding benchmarks
-    for d in DOMAINS:  # every metric a domain's score reads was measured
-        for t in d.harness:
-            assert t.metric in out["tasks"][t.name], (t.name, out["tasks"][t.name])
-    multilingual = [out["tasks"][t.name]["acc,none"] for t in domain("multilingual").harness]
-    assert out["domains"]["multilingual"] == pytest.approx(fmean(multilingual))
-    assert out["tasks"]["humanevalplus"]["samples"] == 10 and out["tasks"]["mbppplus"]["problems"] == 1
-    # the model ends every generation at once: no answer, no passing program
-    assert out["domains"]["math"] == 0.0 and out["domains"]["coding"] == 0.0
-    assert list(out["domains"]) == list(DOMAIN_NAMES) and out["safety"] == SAFETY_VARIANT
-
-
 def test_a_local_definition_is_the_harness_s_own_reading_the_local_copies(benchmark_data, tmp_path) -> None:
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    from featcal.families.causal_lm.mergebench_eval.local_data import harness_definition, write_local_definitions
+    from featcal.families.causal_lm.mergebench_eval.local_data import harness_definition, write_definitions
 
     tasks = [t for t in domain("multilingual").harness if t.name == "arc_fr"] + list(domain("math").harness)
-    write_local_definitions(benchmark_data, tasks, tmp_path)
+    write_definitions(tasks, tmp_path, benchmark_data)
     for task in tasks:
         own, local = harness_definition(task), load_yaml(tmp_path / f"{task.name}.yaml", resolve_func=False)
         data = ("dataset_path", "dataset_name", "dataset_kwargs")
@@ -74,6 +52,10 @@ def test_a_local_definition_is_the_harness_s_own_reading_the_local_copies(benchm
         assert sorted(files) == sorted(set(splits)) and local["dataset_path"] == "json", task.name
         assert all(Path(f).is_file() and Path(f).is_relative_to(benchmark_data.resolve()) for f in files.values())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["arc_fr.yaml", "gsm8k_cot.yaml"]
+    hub = tmp_path / "hub"  # without local copies: the harness's own definition, data source included
+    hub.mkdir()
+    write_definitions(tasks, hub)
+    assert all(load_yaml(hub / f"{t.name}.yaml", resolve_func=False) == harness_definition(t) for t in tasks)
 
 
 def _samples(rows: list[dict], key: str, right: int) -> dict[str, list[str]]:
@@ -208,6 +190,8 @@ def test_bad_protocol_inputs_are_refused_in_one_line_before_any_work(
 
 
 def test_a_mergebench_run_scores_every_stage_by_the_protocol(eos_world, benchmark_data, data_file, tmp_path) -> None:
+    """A tiny model whose generations end at once goes through every task of the protocol, lm-eval reading the
+    local copies; each expert runs its own domain; the card and model-index show the scores."""
     out = tmp_path / "run"
     argv = _run_args(eos_world, benchmark_data, data_file, out, "--allow-code-execution", "--skip-featcal",
                      "--eval-experts")  # fmt: skip
@@ -216,7 +200,17 @@ def test_a_mergebench_run_scores_every_stage_by_the_protocol(eos_world, benchmar
     assert record == {"name": "mergebench", "benchmark_data": str(benchmark_data.resolve()),
                       "allow_code_execution": True}  # fmt: skip
     merged = json.loads((out / "ta" / "metrics.json").read_text())["mergebench"]
-    assert list(merged["domains"]) == list(DOMAIN_NAMES)
+    codes = [c.name for d in DOMAINS for c in d.code]
+    assert set(merged["tasks"]) == {*harness_task_names(), *codes}  # every task: 17 harness tasks, 2 coding
+    for d in DOMAINS:  # every metric a domain's score reads was measured
+        for t in d.harness:
+            assert t.metric in merged["tasks"][t.name], (t.name, merged["tasks"][t.name])
+    multilingual = [merged["tasks"][t.name]["acc,none"] for t in domain("multilingual").harness]
+    assert merged["domains"]["multilingual"] == pytest.approx(fmean(multilingual))
+    assert merged["tasks"]["humanevalplus"]["samples"] == 10 and merged["tasks"]["mbppplus"]["problems"] == 1
+    # the model ends every generation at once: no answer, no passing program
+    assert merged["domains"]["math"] == 0.0 and merged["domains"]["coding"] == 0.0
+    assert list(merged["domains"]) == list(DOMAIN_NAMES) and merged["safety"] == SAFETY_VARIANT
     assert merged["average"] == pytest.approx(fmean(merged["domains"].values()))
     experts = json.loads((out / "experts" / "metrics.json").read_text())
     for name in DOMAIN_NAMES:  # each expert on its own domain alone

@@ -95,22 +95,20 @@ def check_local_copies(folder: Path, sources: Sequence[DataSource]) -> None:
                 )
 
 
-def write_local_definitions(folder: Path, tasks: Sequence[HarnessTask], into: Path) -> None:
-    """Write, into ``into``, one definition per task: the harness's own, reading the local copies.
+def write_definitions(tasks: Sequence[HarnessTask], into: Path, folder: Path | None = None) -> None:
+    """Write, into ``into``, one definition per task: the harness's own, reading the local copies in ``folder``
+    (None: the Hub's datasets, as the harness's own definition reads them; the harness then indexes these
+    definitions alone instead of all of its own).
 
     Args:
-        folder: The folder of local copies (checked by :func:`check_local_copies`).
         tasks: The harness tasks.
         into: An empty folder for the definitions.
+        folder: The folder of local copies (checked by :func:`check_local_copies`), or None.
     """
     for task in tasks:
-        source = harness_source(task)
-        files = {split: str(path.resolve()) for split, path in source.files(folder).items()}
-        definition = {
-            "include": str(harness_folder() / task.definition),
-            "task": task.name,
-            "dataset_path": "json",
-            "dataset_name": None,
-            "dataset_kwargs": {"data_files": files},
-        }
+        definition: dict[str, Any] = {"include": str(harness_folder() / task.definition), "task": task.name}
+        if folder is not None:
+            source = harness_source(task)
+            files = {split: str(path.resolve()) for split, path in source.files(folder).items()}
+            definition |= {"dataset_path": "json", "dataset_name": None, "dataset_kwargs": {"data_files": files}}
         (into / f"{task.name}.yaml").write_text(yaml.safe_dump(definition, sort_keys=False), encoding="utf-8")

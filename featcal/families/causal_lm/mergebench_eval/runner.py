@@ -22,7 +22,7 @@ from featcal.families.causal_lm.mergebench_eval.local_data import (
     check_local_copies,
     code_source,
     harness_source,
-    write_local_definitions,
+    write_definitions,
 )
 from featcal.families.causal_lm.mergebench_eval.protocol import (
     CODING,
@@ -135,14 +135,12 @@ class MergeBenchEvaluation:
         """The harness's results of ``tasks``; the harness (and the local definitions) are set up once."""
         from featcal.families.causal_lm.harness import Harness
 
-        if self._harness_set_up is None:
-            folder = None
-            if self.settings.data is not None:  # kept while this object lives: the harness reads it at each run
-                self._definitions = tempfile.TemporaryDirectory(prefix="featcal-mergebench-tasks-")
-                folder = self._definitions.name
-                every = [t for name in DOMAIN_NAMES for t in domain(name).harness]
-                write_local_definitions(Path(self.settings.data), every, Path(folder))
-            self._harness_set_up = Harness(harness_task_names(), folder)
+        if self._harness_set_up is None:  # the definitions are kept while this object lives: read at each run
+            self._definitions = tempfile.TemporaryDirectory(prefix="featcal-mergebench-tasks-")
+            every = [t for name in DOMAIN_NAMES for t in domain(name).harness]
+            data = None if self.settings.data is None else Path(self.settings.data)
+            write_definitions(every, Path(self._definitions.name), data)
+            self._harness_set_up = Harness(harness_task_names(), self._definitions.name)
         harness = self._harness_set_up
         harness.limit, harness.batch_size = self.settings.limit, self.settings.batch_size
         return harness.run(model, tokenizer, [t.name for t in tasks])
