@@ -193,7 +193,7 @@ def test_a_mergebench_run_scores_every_stage_by_the_protocol(eos_world, benchmar
     """A tiny model whose generations end at once goes through every task of the protocol, lm-eval reading the
     local copies; each expert runs its own domain; the card and model-index show the scores."""
     out = tmp_path / "run"
-    argv = _run_args(eos_world, benchmark_data, data_file, out, "--allow-code-execution", "--skip-featcal",
+    argv = _run_args(eos_world, benchmark_data, data_file, out, "--allow-code-execution", "--eval-zero-shot",
                      "--eval-experts")  # fmt: skip
     assert main(["-q", *argv]) == 0
     record = json.loads((out / "run_config.json").read_text())["evaluation"]["protocol"]
@@ -218,15 +218,19 @@ def test_a_mergebench_run_scores_every_stage_by_the_protocol(eos_world, benchmar
     card = (out / "release" / "README.md").read_text()
     assert "### MergeBench" in card and "merged 60.1, calibrated 62.1" in card and SAFETY_VARIANT in card
     own = fmean(experts[name]["mergebench"]["domains"][name] for name in DOMAIN_NAMES)
+    stages = {stage: json.loads((out / stage / "metrics.json").read_text())["mergebench"]["average"]
+              for stage in ("zero-shot", "featcal-ta")}  # fmt: skip
+    columns = [stages["zero-shot"], own, merged["average"], stages["featcal-ta"]]  # base, expert, merged, calibrated
+    assert "| Domain | base | expert | merged | calibrated |" in card
     row = next(line for line in card.splitlines() if line.startswith("| average (raw) |"))
-    assert row == f"| average (raw) | {100 * own:.1f} | {100 * merged['average']:.1f} |"  # experts, merged
+    assert row == "| average (raw) | " + " | ".join(f"{100 * v:.1f}" for v in columns) + " |"
     # the tiny experts score 0 on some domains: no ratio to them, no normalised average
-    assert "| average (normalised by each expert) | – | – |" in card
+    assert "| average (normalised by each expert) | – | – | – | – |" in card
     assert "- coding:" not in card and "- safety: wildguardtest" in card  # coding ran; MergeBench's safety did not
     index = yaml.safe_load(card.split("---")[1])["model-index"][0]["results"]
     mergebench = [r for r in index if r["dataset"]["type"] == "mergebench"]
     shown = {m["type"]: m["value"] for r in mergebench for m in r["metrics"]}
-    assert shown["average"] == round(100 * merged["average"], 2) and shown["math"] == 0.0
+    assert shown["average"] == round(100 * stages["featcal-ta"], 2) and shown["math"] == 0.0  # the released stage
 
 
 @pytest.mark.slow
