@@ -235,7 +235,7 @@ class RunSpec:
         for own in self._families():  # each family's own checks of its options together
             check = getattr(own, "check", None)
             if check is not None:
-                check()
+                check(self)
         if self.skip_ta and not self.ta_model_path:
             raise InvalidParameterError(
                 "ta_model_path", None, "the merged model folder to start from, since skip_ta is set"

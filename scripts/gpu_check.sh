@@ -15,6 +15,12 @@
 #                 sequences of 512 tokens: time and peak memory against the floor of its work; FEATCAL_CHECK_LM
 #                 = TxN sets tasks x sequences, e.g. 5x256 for MergeBench's count at 512 tokens), and
 #                 lm_calibration_speed_<device>_host.json (the same, the feature streams in host memory)
+#   mergebench    (named alone, not part of the default list: it needs the Hub's models and datasets, and hours)
+#                 featcal run --suite mergebench --eval-protocol mergebench --allow-code-execution --eval-zero-shot
+#                 --eval-experts on FEATCAL_CHECK_BACKBONE (default llama-3.2-3b): MergeBench's five domains on every
+#                 stage (docs/causal-lm.md); FEATCAL_CHECK_BENCHMARK_DATA=DIR reads local copies of the benchmarks,
+#                 FEATCAL_CHECK_MERGEBENCH_SAMPLES=N evaluates N examples per task; the stages' metrics.json, the
+#                 card and timings.json go to the report
 # FEATCAL_CHECK_DEVICE=cpu runs the measurements on the CPU (a check that they run: use a small TxN, 1x4,
 # and FEATCAL_CHECK_LM=1x2).
 set -euo pipefail
@@ -67,5 +73,22 @@ if wants measurements; then
   # the same with the feature streams in host memory: what the copies to and from the device cost
   "$python" benchmarks/lm_calibration_speed.py --device "$device" --tasks "${lm_point%x*}" --stream-storage host \
     --examples "${lm_point#*x}" --workdir "$work/lm" --out "$report_dir/lm_calibration_speed_${device}_host.json"
+fi
+if wants mergebench; then
+  backbone="${FEATCAL_CHECK_BACKBONE:-llama-3.2-3b}"
+  run_dir="$report_dir/mergebench_$backbone"
+  extra=()
+  [ -n "${FEATCAL_CHECK_BENCHMARK_DATA:-}" ] && extra+=(--benchmark-data "$FEATCAL_CHECK_BENCHMARK_DATA")
+  [ -n "${FEATCAL_CHECK_MERGEBENCH_SAMPLES:-}" ] && extra+=(--max-eval-samples "$FEATCAL_CHECK_MERGEBENCH_SAMPLES")
+  "$python" -m featcal run --suite mergebench --backbone "$backbone" --device "$device" --eval-zero-shot \
+    --eval-experts --eval-protocol mergebench --allow-code-execution ${extra[@]+"${extra[@]}"} \
+    --output-dir "$run_dir/run" 2>&1 | tee "$report_dir/mergebench_${backbone}.txt"
+  for stage in zero-shot experts ta featcal-ta; do
+    if [ -f "$run_dir/run/$stage/metrics.json" ]; then
+      cp "$run_dir/run/$stage/metrics.json" "$run_dir/metrics_$stage.json"
+    fi
+  done
+  cp "$run_dir/run/timings.json" "$run_dir/timings.json"
+  cp "$run_dir/run/release/README.md" "$run_dir/card.md"
 fi
 echo "gpu_check: report in $report_dir"

@@ -49,6 +49,12 @@ for command in ("run", "calibrate"):
 CHANGES["calibrate"] = (CHANGES["calibrate"][0] | {"--method", "--repair-param"}, CHANGES["calibrate"][1])
 # Representation Surgery's output is evaluated by calibrate itself: its modules are no model (docs/repairs.md)
 CHANGES["calibrate"] = (CHANGES["calibrate"][0] | {"--evaluate"}, CHANGES["calibrate"][1])
+# MergeBench's five domains on a mergebench run, the benchmarks' local copies and the opt-in to running the
+# coding domain's generated programs (docs/causal-lm.md)
+CHANGES["run"] = (
+    CHANGES["run"][0] | {"--eval-protocol", "--benchmark-data", "--allow-code-execution"},
+    CHANGES["run"][1],
+)
 
 
 def listed_options(parser: argparse.ArgumentParser) -> list[str]:

@@ -583,7 +583,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_spec_options(
         p, groups=(TASKS, EVALUATION, RUNTIME),
-        exclude=("expert_model_format", "seed", "data", "eval_max_new_tokens", "lm_eval_tasks", "lm_eval_include"),
+        exclude=("expert_model_format", "seed", "data", "eval_max_new_tokens", "lm_eval_tasks", "lm_eval_include",
+                 "eval_protocol", "benchmark_data", "allow_code_execution"),
     )  # fmt: skip
     command(p, cmd_evaluate)
 

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from featcal.families.base import ModelFamily, ReleaseParts
 
 CARD_FILE = "README.md"
+# A card context's key (a family's ``card_context``): EvalResults the card's model-index adds to the tasks'.
+MODEL_INDEX_RESULTS = "model_index_results"
 TAGS = ["merge", "featcal", "model-merging"]  # the family's follow, then the merging method's
 # The recipe table's symbol and meaning of each FeatCal hyper-parameter, from the run spec.
 FEATCAL_PARAMS = {f.name: (option_of(f).symbol, option_of(f).card) for f, _, _ in option_fields(FeatCalParams)}
@@ -191,7 +193,8 @@ def render_template_card(
     Args:
         template: A Jinja model card template of your own, or None for the family's.
         family: The model family whose template the card uses.
-        context: Gives the template's values; called inside the rendering's error handling.
+        context: Gives the template's values; called inside the rendering's error handling. Its
+            :data:`MODEL_INDEX_RESULTS` entry, if any, is added to the card's ``model-index`` instead.
         folder: Whether the card is a model folder's (the family's
             :attr:`~featcal.families.base.ReleaseParts.folder_card_template`), else a run's
             (:attr:`~featcal.families.base.ReleaseParts.card_template`).
@@ -207,12 +210,18 @@ def render_template_card(
     env, source = _environment(template, card_template)
     shown = template or "/".join(card_template)
     try:
-        text = env.from_string(source).render(**context())
+        values = dict(context())
+        extra = list(values.pop(MODEL_INDEX_RESULTS, None) or ())
+        text = env.from_string(source).render(**values)
     except jinja2.TemplateError as exc:
         raise FeatcalError(f"Model card template {shown} failed to render: {exc}") from None
     text += "".join(section for section in sections() if section is not None)
     try:
-        return ModelCard(text)
+        card = ModelCard(text)
+        if extra:
+            card.data.eval_results = [*(card.data.eval_results or []), *extra]
+            card.data.model_name = card.data.model_name or values.get("title")
+        return card
     except (ValueError, yaml.YAMLError) as exc:
         raise FeatcalError(f"Model card template {shown} gives invalid metadata: {exc}") from None
 

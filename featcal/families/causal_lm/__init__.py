@@ -69,7 +69,7 @@ class CausalLMFamily(DeclaredFamily):
         "evaluation_settings": ".bindings:evaluation_settings",
         "run_options": ".options:LMEvaluationOptions",
         # release
-        "card_context": ".run_card:run_context",
+        "card_context": ".bindings:card_context",
     }
 
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from featcal.checkpoint import Checkpoint
     from featcal.distributed import World
     from featcal.families.causal_lm.evaluation import HeldOutEvaluator
+    from featcal.runfolder.reader import RunFolder
     from featcal.spec import RunSpec
     from featcal.tasks import Task
 
@@ -65,3 +66,12 @@ def evaluation_settings(spec: RunSpec, tasks: Sequence[Task] = ()) -> Mapping[st
     from featcal.families.causal_lm import settings
 
     return settings.evaluation_settings(spec).to_json()
+
+
+def card_context(run: RunFolder) -> Mapping[str, Any]:
+    """The run card's results section (:func:`~featcal.families.causal_lm.run_card.run_context`) and MergeBench's
+    scores when the protocol ran (:func:`~featcal.families.causal_lm.mergebench_eval.card.card_context`)."""
+    from featcal.families.causal_lm.mergebench_eval.card import card_context as protocol_context
+    from featcal.families.causal_lm.run_card import run_context
+
+    return {**run_context(run), **protocol_context(run)}

@@ -18,7 +18,9 @@ calibration renders it (prompt, then response) and cut at the task's ``max_lengt
 Under torchrun each process evaluates its share of every task's rows and the sums (negative
 log-likelihood, tokens, matches, answers counted) are added over the processes. With ``lm_eval`` tasks in
 the settings, lm-evaluation-harness runs on each model too (:mod:`featcal.families.causal_lm.harness`),
-in rank 0 alone.
+in rank 0 alone; with MergeBench's protocol in them (``--eval-protocol mergebench``), its five domains run
+on the base, merged and calibrated models and each expert's own domain on the expert, in rank 0 alone
+(:mod:`featcal.families.causal_lm.mergebench_eval`), their results under ``mergebench``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from featcal.errors import DatasetInputError, ModelInputError
 from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS
 from featcal.families.causal_lm.answers import extract_answer, normalize_answer
 from featcal.families.causal_lm.folders import load_config, load_lm_folder
+from featcal.families.causal_lm.mergebench_eval.protocol import DOMAIN_NAMES, MERGEBENCH
 from featcal.families.causal_lm.settings import LMEvaluationSettings
 from featcal.families.causal_lm.texts import base_tokenizer, encode_texts, load_text_split, render_text
 from featcal.metrics import EXACT_MATCH, LM_EVAL, MetricsReport, TaskMetrics, count_parameters
@@ -264,6 +267,15 @@ class HeldOutEvaluator:
             from featcal.families.causal_lm.harness import Harness
 
             self.harness = Harness(self.settings.lm_eval_tasks, self.settings.lm_eval_include)
+        self.protocol = None
+        if self.settings.protocol is not None:
+            from featcal.families.causal_lm.mergebench_eval.runner import MergeBenchEvaluation, ProtocolSettings
+
+            self.protocol = MergeBenchEvaluation(
+                ProtocolSettings(
+                    self.settings.protocol["benchmark_data"], self.settings.protocol["allow_code_execution"]
+                )
+            )
 
     def base_model(self) -> nn.Module:
         """The base model, loaded from its folder (float32)."""
@@ -292,6 +304,8 @@ class HeldOutEvaluator:
         if self.harness is not None:
             self.harness.limit = max_samples
             self.harness.batch_size = batch_size or default_text_batch_size(self.device, self.hidden_size)
+        if self.protocol is not None:
+            self.protocol.configure(max_samples, batch_size or default_text_batch_size(self.device, self.hidden_size))
         rows = {task.name: held_out_rows(task, self.settings, max_samples, self.world) for task in tasks}
         return HeldOutTexts(rows, batch_size or default_text_batch_size(self.device, self.hidden_size))
 
@@ -320,6 +334,8 @@ class HeldOutEvaluator:
         report = MetricsReport.from_results(results, model_info=count_parameters(model))
         if self.harness is not None and self.world.is_main:
             report = report.with_extra({LM_EVAL: self.harness.run(model, self.tokenizer)})
+        if self.protocol is not None and self.world.is_main:
+            report = report.with_extra({MERGEBENCH: self.protocol.run(model, self.tokenizer)})
         return report
 
     def evaluate_task(self, model: nn.Module, task: Task, *, data: HeldOutTexts, progress: bool) -> TaskMetrics:
@@ -345,6 +361,9 @@ class HeldOutEvaluator:
         if self.harness is not None and names and self.world.is_main:
             harness = {LM_EVAL: self.harness.run(model, self.tokenizer, names)}
             result = dataclasses.replace(result, extra={**result.extra, **harness})
+        if self.protocol is not None and task.name in DOMAIN_NAMES and self.world.is_main:
+            own = {MERGEBENCH: self.protocol.run(model, self.tokenizer, (task.name,))}
+            result = dataclasses.replace(result, extra={**result.extra, **own})
         return result
 
     def _measure(self, model: nn.Module, task: Task, data: HeldOutTexts) -> TaskMetrics:

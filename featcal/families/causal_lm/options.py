@@ -8,9 +8,13 @@ listed with the evaluation's; the run spec carries them opaquely (:meth:`featcal
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from featcal.errors import InvalidParameterError
 from featcal.options import EVALUATION, option, validate
+
+if TYPE_CHECKING:
+    from featcal.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -33,17 +37,50 @@ class LMEvaluationOptions:
         None, help="folder of lm-evaluation-harness task definitions (YAML) beside the harness's own",
         group=EVALUATION, metavar="DIR",
     )  # fmt: skip
+    eval_protocol: str = option(
+        "held-out", help="language models: held-out (featcal's held-out rows of each task) or mergebench (also "
+        "MergeBench's five domains through lm-evaluation-harness and, for coding, featcal's sandbox; a run of the "
+        "mergebench suite; docs/causal-lm.md)", group=EVALUATION, choices=("held-out", "mergebench"),
+    )  # fmt: skip
+    benchmark_data: str | None = option(
+        None, help="mergebench protocol: folder of local copies of the benchmarks' data "
+        "(<dataset id>/<configuration or default>/<split>.jsonl) read instead of the Hub", group=EVALUATION,
+        metavar="DIR",
+    )  # fmt: skip
+    allow_code_execution: bool = option(
+        False, help="mergebench protocol: run the coding domain's model-generated programs in featcal's sandbox "
+        "(docs/code-eval.md); the protocol is refused without it", group=EVALUATION,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)
 
-    def check(self) -> None:
+    def check(self, run: RunSpec) -> None:
         """Refuse options that do not fit together (checked with the run's own, in :class:`~featcal.spec.RunSpec`).
 
+        Args:
+            run: The run whose options these are (its suite decides whether MergeBench's protocol applies).
+
         Raises:
-            InvalidParameterError: for ``lm_eval_include`` without ``lm_eval_tasks``.
+            InvalidParameterError: for ``lm_eval_include`` without ``lm_eval_tasks``; for MergeBench's protocol on
+                a run of another suite or without ``allow_code_execution``; for the protocol's options without it.
         """
         if self.lm_eval_include is not None and not self.lm_eval_tasks:
             raise InvalidParameterError(
                 "lm_eval_include", self.lm_eval_include, "given with lm_eval_tasks, the tasks to run from it"
             )
+        if self.eval_protocol == "mergebench":
+            if run.suite != "mergebench":
+                raise InvalidParameterError(
+                    "eval_protocol", self.eval_protocol, "set on a run of the mergebench suite (suite mergebench), "
+                    "whose five domains it evaluates, or held-out",
+                )  # fmt: skip
+            if self.allow_code_execution is not True:
+                raise InvalidParameterError(
+                    "allow_code_execution", self.allow_code_execution, "given with eval_protocol mergebench: its "
+                    "coding domain runs model-generated programs, in featcal's sandbox (docs/code-eval.md)",
+                )  # fmt: skip
+        else:
+            for name in ("benchmark_data", "allow_code_execution"):
+                if getattr(self, name):
+                    raise InvalidParameterError(name, getattr(self, name), "given with eval_protocol mergebench")

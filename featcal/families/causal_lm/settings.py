@@ -38,6 +38,9 @@ class LMEvaluationSettings:
             models (none: the harness is not run).
         lm_eval_by_task: Those each task's expert is run on (its benchmark's, as the suite maps them).
         lm_eval_include: A folder of task definitions the harness reads beside its own.
+        protocol: MergeBench's five-domain evaluation, when asked for (``--eval-protocol mergebench``): its
+            ``benchmark_data`` folder (None: the Hub's datasets) and ``allow_code_execution``
+            (:mod:`featcal.families.causal_lm.mergebench_eval`); None: the held-out evaluation alone.
     """
 
     seed: int
@@ -46,6 +49,7 @@ class LMEvaluationSettings:
     lm_eval_tasks: tuple[str, ...] = ()
     lm_eval_by_task: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     lm_eval_include: str | None = None
+    protocol: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The settings as ``run_config.json`` records them (the harness's only when it runs)."""
@@ -59,6 +63,8 @@ class LMEvaluationSettings:
                 "by_task": {task: list(names) for task, names in self.lm_eval_by_task.items()},
                 "include": self.lm_eval_include,
             }
+        if self.protocol is not None:
+            data["protocol"] = dict(self.protocol)
         return data
 
     @classmethod
@@ -73,6 +79,7 @@ class LMEvaluationSettings:
             lm_eval_tasks=tuple(harness.get("tasks", ())),
             lm_eval_by_task={task: tuple(names) for task, names in (harness.get("by_task") or {}).items()},
             lm_eval_include=harness.get("include"),
+            protocol=data.get("protocol"),
         )
 
 
@@ -108,7 +115,9 @@ def evaluation_settings(spec: RunSpec) -> LMEvaluationSettings:
 
     Raises:
         InvalidParameterError: for an ``lm_eval_include`` that is not a folder.
+        DatasetInputError: for a ``benchmark_data`` folder that lacks a file MergeBench's protocol reads.
     """
+    from featcal.families.causal_lm.mergebench_eval.settings import protocol_settings
     from featcal.suites import suite_lm_eval
 
     options = spec.options(LMEvaluationOptions)
@@ -128,4 +137,5 @@ def evaluation_settings(spec: RunSpec) -> LMEvaluationSettings:
         lm_eval_tasks=tasks,
         lm_eval_by_task={task: names for task, names in by_task.items() if names} if tasks else {},
         lm_eval_include=include,
+        protocol=protocol_settings(spec),
     )

@@ -1,0 +1,152 @@
+"""MergeBench's scores in a run's model card: a results section beside the paper's averages, and ``model-index``
+entries for the released model.
+
+Everything comes from the run folder: each stage's ``metrics.json`` holds the protocol's results under
+``mergebench`` (the experts' under each task's entry), combined by :func:`.scores.stage_table`. This module
+imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from featcal.families.causal_lm.mergebench_eval.protocol import DOMAIN_NAMES, MERGEBENCH, SAFETY_VARIANT
+from featcal.families.causal_lm.mergebench_eval.scores import stage_table
+
+if TYPE_CHECKING:
+    from featcal.runfolder.reader import RunFolder
+
+STAGES = ("base", "expert", "merged", "calibrated")
+ROWS = (*DOMAIN_NAMES, "average", "normalized")
+ROW_TITLES = {"average": "average (raw)", "normalized": "average (normalised by each expert)"}
+
+
+def protocol_table(run: RunFolder) -> dict[str, Any] | None:
+    """The run's MergeBench scores by stage (:func:`.scores.stage_table`); None when no stage has them.
+
+    Args:
+        run: The run folder.
+    """
+    reports = {
+        "base": (run.base_metrics or {}).get(MERGEBENCH),
+        "merged": (run.merged.metrics or {}).get(MERGEBENCH) if run.merged else None,
+        "calibrated": (run.calibrated.metrics or {}).get(MERGEBENCH) if run.calibrated else None,
+    }
+    experts = {
+        name: entry.get(MERGEBENCH) for name, entry in (run.expert_metrics or {}).items() if isinstance(entry, dict)
+    }
+    if not any(reports.values()) and not any(experts.values()):
+        return None
+    return stage_table(reports, experts)
+
+
+NOT_RUN = (
+    "wildguardtest, harmbench, xstest and do_anything_now (MergeBench's safety-eval fork), whose responses a "
+    "classifier judges (WildGuard, a 7B model): the safety score above is FusionBench's lm-eval variant instead"
+)
+
+
+def card_context(run: RunFolder) -> dict[str, Any]:
+    """The card's variables of the protocol: ``mergebench_section`` (None without its scores), the released
+    model's ``model_index_results``, and, when the protocol ran, ``not_run`` (MergeBench's judged safety alone).
+
+    Args:
+        run: The run folder.
+    """
+    section = results_section(run)
+    context: dict[str, Any] = {"mergebench_section": section, "model_index_results": eval_results(run)}
+    if section is not None:
+        context["not_run"] = [{"task": "safety", "what": NOT_RUN}]
+    return context
+
+
+def _value(row: dict[str, Any], key: str) -> float | None:
+    return row.get(key) if key in ("average", "normalized") else (row.get("domains") or {}).get(key)
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.1f}"
+
+
+def results_section(run: RunFolder) -> str | None:
+    """The card's MergeBench section (Markdown), or None when the run was not evaluated by the protocol.
+
+    Args:
+        run: The run folder.
+
+    Returns:
+        A table of the domain scores and both averages (in %) of every stage measured, the paper's averages on
+        the run's backbone beside the merged and calibrated columns, and what the scores are.
+    """
+    table = protocol_table(run)
+    if table is None:
+        return None
+    stages = [
+        s for s in STAGES if s in table["stages"] and any(_value(table["stages"][s], k) is not None for k in ROWS)
+    ]
+    lines = [
+        "### MergeBench (five domains)",
+        "",
+        "Scored by MergeBench's protocol (`--eval-protocol mergebench`): lm-evaluation-harness on instruction "
+        "(ifeval), math (gsm8k_cot) and multilingual (m_mmlu, arc, hellaswag in fr, es, de, ru) with each task's "
+        "own settings and no chat template; coding as bigcode-evaluation-harness samples it (humanevalplus, "
+        "mbppplus, pass@1 of 10 samples at temperature 0.2), the model-generated programs run in featcal's "
+        f"sandbox only because `--allow-code-execution` was given; safety: {SAFETY_VARIANT}, so its score and the "
+        "averages are not those of the paper's safety protocol. Scores in %; *expert* is each domain's expert on "
+        "its own domain.",
+        "",
+        "| Domain | " + " | ".join(stages) + " |",
+        "|---|" + "---:|" * len(stages),
+    ]
+    for key in ROWS:
+        values = [_pct(_value(table["stages"][s], key)) for s in stages]
+        lines.append(f"| {ROW_TITLES.get(key, key)} | " + " | ".join(values) + " |")
+    reference = _paper(run)
+    if reference:
+        lines += ["", reference]
+    return "\n".join(lines)
+
+
+def _paper(run: RunFolder) -> str | None:
+    from featcal.suites import merged_reference, reference_source
+
+    suite, backbone = run.record.suite, run.record.backbone
+    if suite != "mergebench" or backbone is None:
+        return None
+    method = run.record.merge.method
+    averages = merged_reference(suite, backbone)
+    merged = averages.get(method, {}).get("average")
+    calibrated = averages.get(f"{method}_featcal", {}).get("average")
+    if merged is None and calibrated is None:
+        return None
+    return (
+        f"**The paper's averages (not measured here):** merged {_pct(merged)}, calibrated {_pct(calibrated)} "
+        f"({reference_source(suite, backbone)}). Whether they are raw or normalised averages was not read in the "
+        "papers' text (docs/causal-lm.md); both are shown above."
+    )
+
+
+def eval_results(run: RunFolder) -> list[Any]:
+    """The released model's MergeBench scores (each domain, both averages; in %) as ``model-index`` results.
+
+    Args:
+        run: The run folder.
+
+    Returns:
+        ``huggingface_hub.EvalResult``s; none when the released stage was not scored by the protocol.
+    """
+    from huggingface_hub import EvalResult
+
+    table = protocol_table(run)
+    stage = "calibrated" if run.calibrated else "merged"
+    row = (table or {}).get("stages", {}).get(stage)
+    if row is None:
+        return []
+    return [
+        EvalResult(
+            task_type="text-generation", dataset_type="mergebench", dataset_name="MergeBench (five domains)",
+            metric_type=key, metric_name=ROW_TITLES.get(key, key), metric_value=round(100 * value, 2),
+        )
+        for key in ROWS
+        if (value := _value(row, key)) is not None
+    ]  # fmt: skip

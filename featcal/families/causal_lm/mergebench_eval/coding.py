@@ -1,0 +1,186 @@
+"""MergeBench's coding domain: programs sampled as bigcode-evaluation-harness samples them, run in featcal's
+sandbox, scored by pass@1.
+
+bigcode-evaluation-harness (``humanevalplus``, ``mbppplus``, as MergeBench's evaluate.sh runs them) prompts
+with HumanEval+'s ``prompt`` stripped, or for MBPP+ with a docstring of the task and its first test
+(``'\"\"\"\\n{prompt}\\n{test_list[0]}\\n\"\"\"\\n'``); draws 10 samples per problem at temperature 0.2, top-p
+0.95 and no top-k, each at most 512 tokens long with its prompt; cuts each sample at the first of the
+task's stop words (a sample stops being extended at its first, as bigcode's stopping criterion stops a
+batch once each of its samples has one: the text kept is the same); and runs the prompt, the sample and the
+task's tests (HumanEval+'s ``check`` called on the entry point). The programs run here in featcal's sandbox
+(:mod:`featcal.sandbox`), never in this process.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from featcal.errors import SandboxUnavailableError
+from featcal.families.causal_lm.mergebench_eval.protocol import (
+    CODE_MAX_LENGTH,
+    CODE_SAMPLES,
+    CODE_SEED,
+    CODE_TEMPERATURE,
+    CODE_TOP_P,
+    CodeTask,
+)
+from featcal.sandbox.runner import Limits, require_opt_in, run_program
+from featcal.sandbox.scoring import Problem, score_completions
+
+
+def numpy_prelude(limits: Limits) -> str:
+    """The lines run before each program so that it can import numpy, as the benchmarks' tests do.
+
+    HumanEval+'s and MBPP+'s tests begin with ``import numpy as np``; the sandbox's Python sees the standard
+    library alone (``-I -S``), so the folder numpy is installed in is appended to the program's module
+    path (read-only, as every folder the sandbox shows), with OpenBLAS held to one thread (its buffers
+    stay within the program's memory limit). One program checks, in the sandbox, that numpy imports.
+
+    Args:
+        limits: The programs' limits.
+
+    Returns:
+        The prelude's source.
+
+    Raises:
+        SandboxUnavailableError: when numpy does not import in the sandbox (its folder is hidden from it,
+            e.g. a virtual environment under HOME), with the sandbox's reason: every program would fail.
+    """
+    import numpy
+
+    folder = str(Path(numpy.__file__).resolve().parent.parent)
+    prelude = f'import os, sys\nos.environ.setdefault("OPENBLAS_NUM_THREADS", "1")\nsys.path.append({folder!r})\n'
+    outcome = run_program(prelude + "import numpy\n", limits, allow_code_execution=True)
+    if not outcome.passed:
+        raise SandboxUnavailableError(
+            f"MergeBench's coding tests import numpy, which does not import in featcal's sandbox from {folder} "
+            f"({outcome.reason}): install numpy outside the folders the sandbox hides (docs/code-eval.md)."
+        )
+    return prelude
+
+
+def problem(task: CodeTask, row: Mapping[str, Any]) -> Problem:
+    """One benchmark row as the problem bigcode-evaluation-harness builds of it.
+
+    Args:
+        task: ``humanevalplus`` or ``mbppplus``.
+        row: The dataset's row (HumanEval+: task_id, prompt, test, entry_point; MBPP+: task_id, prompt,
+            test_list, test).
+
+    Returns:
+        The problem: its prompt, and the test code run after a sample.
+    """
+    if task.name == "mbppplus":
+        prompt = f'"""\n{row["prompt"]}\n{row["test_list"][0]}\n"""\n'
+        return Problem(f"{task.name}/{row['task_id']}", prompt, "\n" + row["test"])
+    return Problem(str(row["task_id"]), str(row["prompt"]).strip(), str(row["test"]), str(row["entry_point"]))
+
+
+def read_rows(path: Path, limit: int | None) -> list[dict[str, Any]]:
+    """The first ``limit`` rows (all: None) of a JSON-lines copy of a benchmark's split."""
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                rows.append(json.loads(line))
+            if limit is not None and len(rows) == limit:
+                break
+    return rows
+
+
+def hub_rows(task: CodeTask, limit: int | None) -> list[dict[str, Any]]:
+    """The first ``limit`` rows of a benchmark's split, read with ``datasets`` from the Hub (or its cache)."""
+    from datasets import load_dataset
+
+    data = load_dataset(task.dataset, split=task.split)
+    count = len(data) if limit is None else min(limit, len(data))
+    return [dict(data[i]) for i in range(count)]
+
+
+def stop_at_stop_word(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to the first stop word it holds (bigcode's ``_stop_at_stop_token``)."""
+    cut = min((i for i in (text.find(word) for word in stop) if i != -1), default=len(text))
+    return text[:cut]
+
+
+class _StopWords:
+    """A stopping criterion: a sample is done once its text after the prompt holds a stop word."""
+
+    def __init__(self, start: int, stop: Sequence[str], tokenizer: Any) -> None:
+        self.start, self.stop, self.tokenizer = start, tuple(stop), tokenizer
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        texts = self.tokenizer.batch_decode(input_ids[:, self.start :], skip_special_tokens=True)
+        return torch.tensor([any(w in t for w in self.stop) for t in texts], device=input_ids.device)
+
+
+def sample_completions(model: Any, tokenizer: Any, prompts: Sequence[str], stop: Sequence[str]) -> list[list[str]]:
+    """:data:`CODE_SAMPLES` sampled completions of each prompt, cut at the stop words.
+
+    Args:
+        model: A ``*ForCausalLM`` in eval mode.
+        tokenizer: The base's tokenizer.
+        prompts: The problems' prompts.
+        stop: The task's stop words.
+
+    Returns:
+        Per prompt, its samples (the text after the prompt).
+    """
+    import torch
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    device = next(model.parameters()).device
+    config = GenerationConfig(
+        do_sample=True, temperature=CODE_TEMPERATURE, top_p=CODE_TOP_P, top_k=0, max_length=CODE_MAX_LENGTH,
+        num_return_sequences=CODE_SAMPLES, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(CODE_SEED)
+    out = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+        with torch.no_grad():
+            criteria = StoppingCriteriaList([_StopWords(ids.shape[1], stop, tokenizer)])
+            generated = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, stopping_criteria=criteria
+            )
+        texts = tokenizer.batch_decode(generated[:, ids.shape[1] :], skip_special_tokens=True)
+        out.append([stop_at_stop_word(text, stop) for text in texts])
+    return out
+
+
+def run_code_task(
+    model: Any, tokenizer: Any, task: CodeTask, rows: Sequence[Mapping[str, Any]], *, allow_code_execution: bool
+) -> dict[str, float]:
+    """pass@1 of ``model`` on a coding benchmark's rows, its programs run in the sandbox.
+
+    Args:
+        model: A ``*ForCausalLM`` in eval mode.
+        tokenizer: The base's tokenizer.
+        task: The benchmark.
+        rows: Its rows.
+        allow_code_execution: The user's opt-in to running generated code.
+
+    Returns:
+        ``{"pass@1": ..., "problems": ..., "samples": ...}``.
+
+    Raises:
+        CodeExecutionNotAllowedError: without the opt-in; nothing ran.
+        SandboxUnavailableError: when the sandbox cannot import numpy, which the benchmarks' tests import.
+    """
+    require_opt_in(allow_code_execution)
+    limits = Limits(wall_s=task.timeout_s, cpu_s=max(1, int(task.timeout_s)))
+    prelude = numpy_prelude(limits)
+    problems = [problem(task, row) for row in rows]
+    samples = sample_completions(model, tokenizer, [p.prompt for p in problems], task.stop)
+    completions = {p.task_id: s for p, s in zip(problems, samples)}
+    programs = [replace(p, prompt=prelude + p.prompt) for p in problems]  # the model saw the prompt alone
+    score = score_completions(
+        programs, completions, ks=(1,), limits=limits, allow_code_execution=allow_code_execution, progress=False
+    )
+    return {"pass@1": score.pass_at_k["pass@1"], "problems": float(len(problems)), "samples": float(CODE_SAMPLES)}

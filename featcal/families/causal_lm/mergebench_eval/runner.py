@@ -1,0 +1,151 @@
+"""MergeBench's five-domain evaluation of one model: lm-evaluation-harness for what it covers, featcal's
+sandbox for the coding domain's programs.
+
+The harness runs through its Python API on the model featcal holds (``HFLM(pretrained=model)``) with each
+task's own settings (few-shot count, generation, filters), no chat template, as MergeBench's evaluate.sh
+runs it. With a folder of local copies the harness reads them (:mod:`.local_data`); without one it
+downloads each dataset from the Hub as lm-eval does. The coding domain's samples are drawn here and run
+in the sandbox (:mod:`.coding`), only when the user opted in.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from featcal.errors import CodeExecutionNotAllowedError
+from featcal.families.causal_lm.mergebench_eval.coding import hub_rows, read_rows, run_code_task
+from featcal.families.causal_lm.mergebench_eval.local_data import (
+    check_local_copies,
+    code_source,
+    harness_source,
+    write_definitions,
+)
+from featcal.families.causal_lm.mergebench_eval.protocol import (
+    CODING,
+    DOMAIN_NAMES,
+    PROTOCOL,
+    SAFETY_VARIANT,
+    domain,
+    harness_task_names,
+)
+from featcal.families.causal_lm.mergebench_eval.scores import domain_scores, raw_average
+
+CODE_OPT_IN = (
+    "MergeBench's coding domain runs model-generated programs: give allow_code_execution to run them in "
+    "featcal's sandbox (docs/code-eval.md)."
+)
+
+
+@dataclass(frozen=True)
+class ProtocolSettings:
+    """How a run evaluates by MergeBench's protocol.
+
+    Attributes:
+        data: The folder of local copies of the benchmarks (None: the Hub's datasets).
+        allow_code_execution: The user's opt-in to running the coding domain's programs.
+        limit: Examples per harness task and problems per coding benchmark (None: all).
+        batch_size: The harness's batch size.
+    """
+
+    data: str | None
+    allow_code_execution: bool
+    limit: int | None = None
+    batch_size: int = 1
+
+
+def check_protocol(data: str | None, allow_code_execution: bool) -> None:
+    """Refuse, before any work, what the protocol cannot run with.
+
+    Args:
+        data: The folder of local copies, or None.
+        allow_code_execution: The opt-in to running generated code.
+
+    Raises:
+        CodeExecutionNotAllowedError: without the opt-in (the coding domain runs programs).
+        DatasetInputError: for a folder lacking a file some task reads.
+        FeatcalError: when lm-eval is not installed.
+    """
+    if allow_code_execution is not True:
+        raise CodeExecutionNotAllowedError(CODE_OPT_IN)
+    if data is not None:
+        sources = [harness_source(t) for name in DOMAIN_NAMES for t in domain(name).harness]
+        sources += [code_source(t) for t in domain(CODING).code]
+        check_local_copies(Path(data), sources)
+
+
+class MergeBenchEvaluation:
+    """MergeBench's protocol set up for a run (checked by :func:`check_protocol` first).
+
+    Args:
+        settings: The run's :class:`ProtocolSettings`.
+
+    Raises:
+        as :func:`check_protocol`.
+    """
+
+    def __init__(self, settings: ProtocolSettings) -> None:
+        check_protocol(settings.data, settings.allow_code_execution)
+        self.settings = settings
+        self._harness_set_up: Any = None
+        self._definitions: tempfile.TemporaryDirectory[str] | None = None
+
+    def configure(self, limit: int | None, batch_size: int) -> None:
+        """Set the examples per task (None: all) and the harness's batch size of the run's evaluations."""
+        self.settings = replace(self.settings, limit=limit, batch_size=batch_size)
+
+    def run(self, model: Any, tokenizer: Any, domains: Sequence[str] = DOMAIN_NAMES) -> dict[str, Any]:
+        """The protocol's results of ``model`` on ``domains``.
+
+        Args:
+            model: A ``*ForCausalLM`` in eval mode, on its device.
+            tokenizer: The base's tokenizer.
+            domains: Some of :data:`~.protocol.DOMAIN_NAMES` (an expert: its own).
+
+        Returns:
+            ``{"protocol", "tasks": {task: {metric: value}}, "domains": {domain: score}, "average", "safety"}``:
+            ``average`` the plain mean of the domains' scores when all five are measured, else None.
+
+        Raises:
+            FeatcalError: when the harness fails (a dataset it cannot read).
+        """
+        tasks = [t for name in domains for t in domain(name).harness]
+        results: dict[str, dict[str, float]] = {}
+        if tasks:
+            results.update(self._harness(model, tokenizer, tasks))
+        for name in domains:
+            for code in domain(name).code:
+                rows = self._code_rows(code)
+                results[code.name] = run_code_task(
+                    model, tokenizer, code, rows, allow_code_execution=self.settings.allow_code_execution
+                )
+        scores = domain_scores(results, domains)
+        return {
+            "protocol": PROTOCOL,
+            "tasks": results,
+            "domains": scores,
+            "average": raw_average(scores),
+            "safety": SAFETY_VARIANT,
+        }
+
+    def _harness(self, model: Any, tokenizer: Any, tasks: Sequence[Any]) -> dict[str, dict[str, float]]:
+        """The harness's results of ``tasks``; the harness (and the local definitions) are set up once."""
+        from featcal.families.causal_lm.harness import Harness
+
+        if self._harness_set_up is None:  # the definitions are kept while this object lives: read at each run
+            self._definitions = tempfile.TemporaryDirectory(prefix="featcal-mergebench-tasks-")
+            every = [t for name in DOMAIN_NAMES for t in domain(name).harness]
+            data = None if self.settings.data is None else Path(self.settings.data)
+            write_definitions(every, Path(self._definitions.name), data)
+            self._harness_set_up = Harness(harness_task_names(), self._definitions.name)
+        harness = self._harness_set_up
+        harness.limit, harness.batch_size = self.settings.limit, self.settings.batch_size
+        return harness.run(model, tokenizer, [t.name for t in tasks])
+
+    def _code_rows(self, code: Any) -> list[dict[str, Any]]:
+        if self.settings.data is None:
+            return hub_rows(code, self.settings.limit)
+        return read_rows(code_source(code).files(Path(self.settings.data))[code.split], self.settings.limit)

@@ -1,0 +1,47 @@
+"""A run's MergeBench protocol settings, as ``run_config.json`` records them (``evaluation.protocol``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from featcal.errors import InvalidParameterError
+from featcal.families.causal_lm.mergebench_eval.protocol import PROTOCOL
+
+if TYPE_CHECKING:
+    from featcal.spec import RunSpec
+
+
+def protocol_settings(spec: RunSpec) -> dict[str, Any] | None:
+    """The protocol's settings of ``spec``, checked before any work; None for the held-out evaluation alone.
+
+    Args:
+        spec: The run's options (their combination checked by
+            :meth:`~featcal.families.causal_lm.options.LMEvaluationOptions.check`).
+
+    Returns:
+        ``{"name": "mergebench", "benchmark_data": folder or None, "allow_code_execution": True}``.
+
+    Raises:
+        InvalidParameterError: for a ``benchmark_data`` that is not a folder.
+        DatasetInputError: for a folder lacking a file the protocol reads.
+        CodeExecutionNotAllowedError: without the opt-in to running generated code.
+        FeatcalError: when lm-eval is not installed.
+    """
+    from featcal.families.causal_lm.options import LMEvaluationOptions
+
+    options = spec.options(LMEvaluationOptions)
+    if options.eval_protocol != PROTOCOL:
+        return None
+    from featcal.families.causal_lm.mergebench_eval.runner import check_protocol
+
+    data = None
+    if options.benchmark_data is not None:
+        folder = Path(options.benchmark_data).expanduser()
+        if not folder.is_dir():
+            raise InvalidParameterError(
+                "benchmark_data", options.benchmark_data, "a folder of local copies of the benchmarks' data"
+            )
+        data = str(folder.resolve())
+    check_protocol(data, options.allow_code_execution)
+    return {"name": PROTOCOL, "benchmark_data": data, "allow_code_execution": options.allow_code_execution}
