@@ -3,8 +3,9 @@
 merge → evaluate → calibrate → evaluate (→ diagnose) → export: a table of steps
 (:class:`~featcal.steps.Step`) that one executor walks, each writing through :mod:`featcal.runfolder`
 into the reference run's layout and skipped when the folder already holds its result from the same
-inputs. Inputs are resolved and checked (:mod:`featcal.resolve`, :mod:`featcal.data`) before the
-first file is written.
+inputs. Inputs are checked (:mod:`featcal.run_checks`, through :mod:`featcal.prepare`) before the first
+file is written; the run record, the steps' identities and the clean-up of stale outputs are
+:mod:`featcal.runfolder`'s (``recording``, ``identities``, ``cleanup``).
 """
 
 from __future__ import annotations

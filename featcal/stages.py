@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,10 +32,12 @@ from featcal.model_recipe import (
     write_model_recipe,
 )
 from featcal.precision import BASE_DTYPE, forward_dtype
-from featcal.resolve import RunInputs
 from featcal.runfolder.record import FeatCalRecord, MergeRecord
 from featcal.runfolder.recording import recorded_dtype
-from featcal.tasks import Task
+
+if TYPE_CHECKING:
+    from featcal.resolve import RunInputs
+    from featcal.tasks import Task
 
 
 def merge_recipe(
