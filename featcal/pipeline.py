@@ -3,8 +3,9 @@
 merge → evaluate → calibrate → evaluate (→ diagnose) → export: a table of steps
 (:class:`~featcal.steps.Step`) that one executor walks, each writing through :mod:`featcal.runfolder`
 into the reference run's layout and skipped when the folder already holds its result from the same
-inputs. Inputs are resolved and checked (:mod:`featcal.resolve`, :mod:`featcal.data`) before the
-first file is written.
+inputs. Inputs are checked (:mod:`featcal.run_checks`, through :mod:`featcal.prepare`) before the first
+file is written; the run record, the steps' identities and the clean-up of stale outputs are
+:mod:`featcal.runfolder`'s (``recording``, ``identities``, ``cleanup``).
 """
 
 from __future__ import annotations
@@ -18,22 +19,18 @@ from typing import Any
 
 import torch
 
-from featcal.data import DatasetFacts, validate_datasets
 from featcal.devices import default_eval_batch_size
 from featcal.diagnostics.report import CALIBRATED, MERGED
 from featcal.distributed import SINGLE, World
-from featcal.errors import InvalidParameterError
 from featcal.files.faults import fault_point
 from featcal.files.reading import read_json
-from featcal.fingerprints import digest, folder_fingerprint
 from featcal.memory import MemoryMeter, release_free_memory
-from featcal.merging import get_method
-from featcal.merging.data import check_data_family
 from featcal.metrics import WEIGHTS_SHA256, MetricsReport, weights_sha256
-from featcal.model_recipe import read_model_recipe
-from featcal.outputs import check_run_output_folder
 from featcal.precision import fixed_precision
-from featcal.resolve import RunInputs, resolve_inputs
+from featcal.prepare import Prepared
+from featcal.run_checks import prepare_run
+from featcal.runfolder.cleanup import clear_stale, export_identity
+from featcal.runfolder.identities import stage_identities
 from featcal.runfolder.layout import (
     CALIBRATE_STEP,
     DIAGNOSE_STEP,
@@ -44,7 +41,6 @@ from featcal.runfolder.layout import (
     MERGE_STEP,
     METRICS,
     RELEASE_DIR,
-    RUN_CONFIG,
     RUN_LOG,
     STAGES_FILE,
     TIMINGS,
@@ -56,147 +52,16 @@ from featcal.runfolder.layout import (
 from featcal.runfolder.ledger import StageLedger
 from featcal.runfolder.leftovers import remove_leftovers
 from featcal.runfolder.lock import RunLock
-from featcal.runfolder.reader import check_same_run
-from featcal.runfolder.record import EvaluationRecord, FeatCalRecord, MergeRecord, RunRecord, write_run_config
-from featcal.runfolder.reports import restamp_report, write_stage_report
+from featcal.runfolder.record import RunRecord, write_run_config
+from featcal.runfolder.recording import merge_calibration, merges_from_data
+from featcal.runfolder.reports import stage_report, write_stage_report
 from featcal.runfolder.timings import evaluation_step, write_timings
 from featcal.spec import RunSpec
-from featcal.stages import (
-    calibrate,
-    check_calibration_shares,
-    merge,
-    merge_calibration,
-    merge_data,
-    recorded_dtype,
-    save_merge,
-)
+from featcal.stages import calibrate, merge, merge_data, save_merge
 from featcal.steps import Step, StepExecutor
-from featcal.suites import DEFAULT_BACKBONE, DEFAULT_SUITE
-from featcal.threads import choose_threads, torch_threads
-from featcal.version import __version__
+from featcal.threads import torch_threads
 
 logger = logging.getLogger(__name__)
-
-
-def run_record(spec: RunSpec, inputs: RunInputs, data: DatasetFacts | None = None) -> RunRecord:
-    """What ``run_config.json`` records: the spec's reproducible part, with tasks and models resolved.
-
-    Its hash is the run's id (``run_id``, and ``recipe_sha256`` in the released weights). When some
-    task's train split holds fewer examples than ``num_calibration_examples`` (and that was allowed),
-    the FeatCal section records the number each such task used. The commit every Hub model and
-    dataset was read at is recorded too, so the run can be repeated on the same inputs.
-    """
-    calibration_counts = data.calibration_counts if data is not None else {}
-    commits = {"models": inputs.model_commits(), "datasets": dict(data.commits) if data is not None else {}}
-    # The FeatCal section records the examples each task used; so does a data-using merge's section.
-    return RunRecord(
-        featcal_version=__version__,
-        base_model_id=inputs.base_ref,
-        experts=inputs.expert_refs,
-        tasks=tuple(t.name for t in inputs.tasks),
-        tasks_table={t.name: t.to_dict() for t in inputs.tasks},
-        seed=spec.seed,
-        merge=merge_record(spec, inputs, calibration_counts),
-        featcal=None if spec.skip_featcal else FeatCalRecord(spec.featcal, dict(calibration_counts or {})),
-        evaluation=EvaluationRecord(
-            spec.max_eval_samples,
-            {**inputs.family.evaluation_record(), **inputs.family.evaluation_settings(spec, inputs.tasks)},
-        ),
-        precision=spec.precision,
-        family=inputs.family.name,
-        hub_commits={kind: refs for kind, refs in commits.items() if refs},
-        output_dtype=recorded_dtype(spec.output_dtype),
-        **suite_record(spec),
-    )
-
-
-def merges_from_data(spec: RunSpec) -> bool:
-    """Whether the run's merge step reads the tasks' calibration data (a data-using method, not skip_ta)."""
-    return not spec.skip_ta and get_method(spec.merge_method).uses_data
-
-
-def merge_record(spec: RunSpec, inputs: RunInputs, counts: Mapping[str, int] | None = None) -> MergeRecord:
-    """The run's merge: its method and hyper-parameters, and for a data-using method the calibration draw
-    (FeatCal's: ``num_calibration_examples``, batch and seed; ``counts``, the examples of the tasks that had
-    fewer); with ``skip_ta``, the folder it starts from and what that folder's own recipe says of its merge
-    (nothing, when it records none).
-
-    Raises:
-        InvalidParameterError: with ``skip_ta``, for a folder whose merge was repaired (SVC), which a run's
-            record and card do not describe yet.
-    """
-    if not spec.skip_ta:
-        calibration = merge_calibration(spec.featcal, spec.seed, counts or {}) if merges_from_data(spec) else None
-        return MergeRecord(spec.merge_method, inputs.merge_params, calibration=calibration)
-    recipe = read_model_recipe(spec.ta_model_path)
-    if recipe is not None and recipe.repairs:
-        raise InvalidParameterError(
-            "ta_model_path", spec.ta_model_path, "a merged folder without repairs: this one's merge was repaired "
-            f"({', '.join(r['method'] for r in recipe.repairs)}), which a run does not record yet; calibrate it with "
-            "`featcal calibrate --merged DIR` instead (docs/repairs.md)",
-        )  # fmt: skip
-    described = None if recipe is None else {"method": recipe.merge.method, "params": dict(recipe.merge.params)}
-    return MergeRecord(spec.merge_method, {}, spec.ta_model_path, described)
-
-
-def suite_record(spec: RunSpec) -> dict[str, str]:
-    """The suite and backbone chosen, when not the defaults (``ta8``, ``b32``).
-
-    The tasks, models and references they select are recorded in full anyway; leaving the defaults
-    out keeps the record, and so the run id, of a run on the defaults free of them.
-    """
-    chosen = {"suite": (spec.suite, DEFAULT_SUITE), "backbone": (spec.backbone, DEFAULT_BACKBONE)}
-    return {key: value for key, (value, default) in chosen.items() if value != default}
-
-
-def stage_identities(spec: RunSpec, inputs: RunInputs, data: DatasetFacts) -> dict[str, str]:
-    """The identity of every step this run can compute, by ledger name (requested or not).
-
-    Each identity covers exactly what the step's result depends on, and the identities of the steps
-    it reads from, so a change redoes that step and everything after it.
-    """
-    merged, calibrated = merged_stage_name(spec.merge_method), calibrated_stage_name(spec.merge_method)
-    base = folder_fingerprint(inputs.base_folder)
-    experts = [folder_fingerprint(inputs.experts[t.name].path) for t in inputs.tasks if t.name in inputs.experts]
-    tests = [data.fingerprints[t.name].get("test") for t in inputs.tasks]
-    trains = [data.fingerprints[t.name].get("train") for t in inputs.tasks]
-    table = {t.name: t.to_dict() for t in inputs.tasks}
-    settings = inputs.family.evaluation_settings(spec, inputs.tasks)  # none for CLIP: its identities stay as they were
-    evaluation = digest("evaluation", __version__, base, table, tests, spec.max_eval_samples, *filter(None, [settings]))
-    ids = {evaluate_step(ZERO_SHOT_DIR): digest(evaluation), evaluate_step(EXPERTS_DIR): digest(evaluation, experts)}
-    # A stored dtype other than the base's changes the written weights: part of the identities when set.
-    stored = [] if recorded_dtype(spec.output_dtype) is None else ["output_dtype", spec.output_dtype]
-    if not spec.skip_ta:
-        # A data-using merge depends on the draw too: the train splits, how many of their examples, the seed
-        # that picks them and the batch (which moves its sums by float rounding), as FeatCal's step does.
-        drawn = (
-            ["data", spec.featcal.num_calibration_examples, spec.featcal.calibration_batch_size, spec.seed, trains,
-             data.calibration_counts]
-            if merges_from_data(spec) else []
-        )  # fmt: skip
-        merge_id = digest(
-            MERGE_STEP, __version__, spec.merge_method, inputs.merge_params, base, experts, *drawn, *stored
-        )
-        calibrate_from = ids[MERGE_STEP] = merge_id
-        ids[evaluate_step(merged)] = digest(evaluation, merge_id)
-    else:
-        calibrate_from = digest("from", folder_fingerprint(spec.ta_model_path))
-        ids[evaluate_step(merged)] = digest(evaluation, calibrate_from)
-    # bf16 forwards change the calibrated weights and are part of the identity; tf32, which changes only
-    # the rounding of CUDA matmuls, is not (a tf32 run reuses a float32 calibration, and the reverse).
-    forwards = ["forwards", spec.precision] if spec.precision == "bf16" else []
-    calibrate_id = digest(
-        CALIBRATE_STEP, __version__, calibrate_from, spec.featcal.to_dict(), spec.seed, base, experts, trains,
-        data.calibration_counts, *forwards, *stored,
-    )  # fmt: skip
-    ids[CALIBRATE_STEP] = calibrate_id
-    ids[evaluate_step(calibrated)] = digest(evaluation, calibrate_id)
-    split = "train" if spec.diagnose_split == "calibration" else "test"
-    ids[DIAGNOSE_STEP] = digest(
-        DIAGNOSE_STEP, __version__, calibrate_id, spec.skip_featcal, experts, spec.diagnose_split, spec.diagnose_images,
-        [data.fingerprints[t.name].get(split) for t in inputs.tasks],
-    )  # fmt: skip
-    return ids
 
 
 def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsReport]:
@@ -226,51 +91,18 @@ def run_pipeline(spec: RunSpec, world: World = SINGLE) -> dict[str, MetricsRepor
     device = world.compute_device(spec.device)
     out = Path(spec.output_dir)
     with world.main_first("checking the inputs"):
-        check_run_output_folder(out)
-        merged_from = Path(spec.ta_model_path).resolve() if spec.skip_ta else None
-        if merged_from is not None and out.resolve() in (merged_from, *merged_from.parents):
-            raise InvalidParameterError(
-                "ta_model_path", spec.ta_model_path, "a folder outside the output folder, whose stage folders the run "
-                "replaces (run without skip_ta to reuse the run's own merge, or copy the folder elsewhere)",
-            )  # fmt: skip
-        torch.manual_seed(spec.seed)
-        need_experts = not (spec.skip_ta and spec.skip_featcal and not spec.eval_experts)
-        inputs = resolve_inputs(spec, need_experts=need_experts)
-        family = inputs.family
-        if merges_from_data(spec):
-            check_data_family(spec.merge_method, family)
-        preprocessor = family.preprocessor(inputs.base_folder)
-        calibrates = not spec.skip_featcal or merges_from_data(spec)  # some step reads the calibration draw
-        data = validate_datasets(
-            family,
-            inputs.tasks,
-            ("train", "test") if calibrates else ("test",),
-            calibration_examples=spec.featcal.num_calibration_examples if calibrates else None,
-            allow_fewer=spec.allow_fewer_calibration_examples,
-            seed=spec.seed,
-            preprocessor=preprocessor,
-            held_out_after=spec.featcal.num_calibration_examples,
-        )
-        if calibrates:
-            check_calibration_shares(
-                inputs.tasks, data.calibration_counts, spec.featcal.num_calibration_examples, world, family.noun
-            )
-        record = run_record(spec, inputs, data)
-        if not spec.force:
-            check_same_run(out, list(record.tasks), record.base_model_id)
-        threads = choose_threads(spec.threads, family.hidden_size(inputs.config))
-        settings = family.evaluation_settings(spec, inputs.tasks)
-        evaluator = family.evaluator(inputs.base_folder, device, world=world, settings=settings)
-        # A merged model to start from is checked before the folder is touched (and read when needed).
-        if spec.skip_ta:
-            family.check_model_folder(Path(spec.ta_model_path), inputs.base)
-    identities = stage_identities(spec, inputs, data)
+        checked = prepare_run(spec, out, world)
+    identities = stage_identities(spec, checked.prepared.inputs, checked.prepared.data)
     created = not out.exists()
     try:
-        with RunLock(out) if world.is_main else nullcontext(), fixed_precision(spec.precision), torch_threads(threads):
-            run = _Run(spec, out, inputs, identities, data, device, evaluator, preprocessor, world)
+        with (
+            RunLock(out) if world.is_main else nullcontext(),
+            fixed_precision(spec.precision),
+            torch_threads(checked.threads),
+        ):
+            run = _Run(spec, out, checked.prepared, identities, device, world)
             world.barrier("reading the run folder")  # every process has read the ledger before rank 0 changes it
-            return run.execute(record)
+            return run.execute(checked.record)
     except BaseException:
         if world.is_main and created and not (out / STAGES_FILE).exists():
             shutil.rmtree(out, ignore_errors=True)  # nothing finished: leave no half-made folder
@@ -304,18 +136,16 @@ class _Run:
         self,
         spec: RunSpec,
         out: Path,
-        inputs: RunInputs,
+        prepared: Prepared,
         identities: Mapping[str, str],
-        data: DatasetFacts,
         device: torch.device,
-        evaluator: Any,
-        preprocessor: Any,
         world: World = SINGLE,
     ) -> None:
+        inputs = prepared.inputs
         self.spec, self.out, self.inputs, self.identities = spec, out, inputs, identities
-        self.data = data  # what validation learnt of the datasets: recorded beside a data-using merge
+        self.data = prepared.data  # what validation learnt of the datasets: recorded beside a data-using merge
         self.family = inputs.family
-        self.device, self.evaluator, self.preprocessor = device, evaluator, preprocessor
+        self.device, self.evaluator, self.preprocessor = device, prepared.evaluator, prepared.preprocessor
         self.world, self.writes = world, world.is_main
         ledger = StageLedger(out, writes=self.writes) if spec.force else StageLedger.read(out, writes=self.writes)
         self.ledger = ledger
@@ -423,7 +253,10 @@ class _Run:
         if self.writes:
             remove_leftovers(out)
         self.record, self.run_id = record, record.run_id
-        self._clear_stale()  # with --force the ledger starts empty: every earlier stage folder goes
+        # with --force the ledger starts empty: every earlier stage folder goes
+        clear_stale(
+            out, self.ledger, self.identities, merge_method=spec.merge_method, run_id=self.run_id, writes=self.writes
+        )
         if self.writes:
             write_run_config(out, record, processes=self.world.record())
         fault_point("after:run_config")
@@ -558,63 +391,13 @@ class _Run:
 
     def _restamped(self, folder: str) -> MetricsReport:
         """A finished stage's report, restamped with this run's id by rank 0."""
-        if self.writes:
-            return restamp_report(self.out / folder, self.run_id)
-        return MetricsReport.from_json(read_json(self.out / folder / METRICS)).with_run_id(self.run_id)
-
-    def _fresh(self, name: str) -> bool:
-        return name in self.identities and self.ledger.is_done(name, self.identities[name])
-
-    def _clear_stale(self) -> None:
-        """Remove outputs whose inputs changed, of stages this run cannot produce, and any release
-        that is not of exactly this run; a run folder without a ledger is redone whole."""
-        if self.writes and not self.ledger.done and (self.out / RUN_CONFIG).is_file():
-            self._clear_unrecorded()
-        done = self.ledger.done
-        stale = [n for n in done if n != EXPORT_STEP and not self._fresh(n)]
-        # A stage whose outputs lie in a stale stage's folder (ta/metrics.json in ta/) goes with it.
-        removed = [path for name in stale for path in done[name].get("outputs", [])]
-        stale += [
-            name
-            for name, entry in done.items()
-            if name != EXPORT_STEP and name not in stale
-            and any(out.startswith(f"{path}/") for out in entry.get("outputs", []) for path in removed)
-        ]  # fmt: skip
-        for name in stale:
-            logger.info("%s: inputs or outputs changed; its earlier output is removed and redone", name)
-            self.ledger.discard(name)
-        export = self.ledger.done.get(EXPORT_STEP)
-        if export is not None and export.get("identity") != self._export_identity():
-            self.ledger.discard(EXPORT_STEP)
-
-    def _clear_unrecorded(self) -> None:
-        """Stage folders of an earlier run that recorded no ledger (or was forced): all redone."""
-        try:
-            old = read_json(self.out / RUN_CONFIG)
-        except ValueError:  # damaged: replaced under --force like any other run
-            old = {}
-        old = old if isinstance(old, dict) else {}
-        merge_entry = old.get("merge") if isinstance(old.get("merge"), dict) else {}
-        methods = {self.spec.merge_method, merge_entry.get("method", self.spec.merge_method)}
-        names = {ZERO_SHOT_DIR, EXPERTS_DIR, RELEASE_DIR}
-        names |= {merged_stage_name(m) for m in methods} | {calibrated_stage_name(m) for m in methods}
-        for name in sorted(names):
-            if (self.out / name).is_dir():
-                shutil.rmtree(self.out / name)
-        for name in (TIMINGS, DIAGNOSTICS, DIAGNOSTICS_PLOT):
-            (self.out / name).unlink(missing_ok=True)
-
-    def _export_identity(self) -> str:
-        return digest(EXPORT_STEP, __version__, self.run_id, sorted(
-            (name, entry.get("identity"), entry.get("weights"))
-            for name, entry in self.ledger.done.items() if name != EXPORT_STEP
-        ))  # fmt: skip
+        return stage_report(self.out / folder, self.run_id, writes=self.writes)
 
     def _export(self) -> bool:
         """Write the release folder unless it is up to date; whether it was written."""
         from featcal.release.export import export_release
 
-        identity = self._export_identity()
+        identity = export_identity(self.ledger, self.run_id)
         if self.ledger.is_done(EXPORT_STEP, identity) and (self.out / RELEASE_DIR).is_dir():
             logger.info("Release: %s/ is up to date; skipped", RELEASE_DIR)
             return False

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,7 +21,6 @@ from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError
 from featcal.merging import get_method
 from featcal.merging.data import MergeData
-from featcal.metrics import CALIBRATION_EXAMPLES_USED
 from featcal.model_recipe import (
     CALIBRATION,
     MERGE,
@@ -33,67 +32,25 @@ from featcal.model_recipe import (
     write_model_recipe,
 )
 from featcal.precision import BASE_DTYPE, forward_dtype
-from featcal.resolve import RunInputs
 from featcal.runfolder.record import FeatCalRecord, MergeRecord
-from featcal.tasks import Task
+from featcal.runfolder.recording import recorded_dtype
 
-
-def recorded_dtype(output_dtype: str) -> str | None:
-    """What a recipe records of ``--output-dtype``: None (nothing) for ``base``, so that a folder written
-    without the option records what it did before the option existed."""
-    return None if output_dtype == BASE_DTYPE else output_dtype
+if TYPE_CHECKING:
+    from featcal.resolve import RunInputs
+    from featcal.tasks import Task
 
 
 def merge_recipe(
     inputs: RunInputs, method: str, calibration: Mapping[str, Any] | None = None, output_dtype: str = BASE_DTYPE
 ) -> ModelRecipe:
     """What a merge of ``inputs`` by ``method``, written in ``output_dtype``, records beside its weights
-    (``calibration``: the data a data-using method merged from, :func:`merge_calibration`)."""
+    (``calibration``: the data a data-using method merged from,
+    :func:`~featcal.runfolder.recording.merge_calibration`)."""
     record = MergeRecord(method, inputs.merge_params, calibration=calibration)
     return ModelRecipe(
         MERGE, inputs.family.name, inputs.base_ref, inputs.expert_refs, record,
         output_dtype=recorded_dtype(output_dtype),
     )  # fmt: skip
-
-
-def merge_calibration(
-    params: FeatCalParams,
-    seed: int,
-    counts: Mapping[str, int],
-    fingerprints: Mapping[str, Mapping[str, str]] | None = None,
-    tasks: Sequence[Task] = (),
-) -> dict[str, Any]:
-    """The record of the calibration draw a data-using merge read (:attr:`MergeRecord.calibration`).
-
-    Args:
-        params: Its ``num_calibration_examples`` and ``calibration_batch_size``.
-        seed: The seed of the shuffle that picked each task's examples.
-        counts: The examples used by each task whose train split holds fewer than asked for.
-        fingerprints: Each task's splits' identities (:class:`~featcal.data.DatasetFacts`); with them (a
-            merged folder's recipe) each task's train split is recorded too.
-        tasks: The tasks, for the dataset each split is of.
-
-    Returns:
-        ``num_calibration_examples``, ``calibration_batch_size``, ``seed``; ``calibration_examples_used``
-        when some task had fewer; ``datasets`` (dataset, split, fingerprint by task) with ``fingerprints``.
-    """
-    record: dict[str, Any] = {
-        "num_calibration_examples": params.num_calibration_examples,
-        "calibration_batch_size": params.calibration_batch_size,
-        "seed": seed,
-    }
-    if counts:
-        record[CALIBRATION_EXAMPLES_USED] = dict(counts)
-    if fingerprints is not None:
-        record["datasets"] = {
-            t.name: {
-                "dataset": t.dataset.path,
-                "split": t.dataset.calibration_split(),
-                "fingerprint": fingerprints[t.name]["train"],
-            }
-            for t in tasks
-        }
-    return record
 
 
 def merge_data(
@@ -194,7 +151,7 @@ def save_merge(
 ) -> Path:
     """Write a merge's folder: the model (atomically, its weights stored in ``output_dtype``, one of the
     family's ``output_dtypes``), then its recipe beside the weights (``calibration``: the data a
-    data-using method merged from, :func:`merge_calibration`)."""
+    data-using method merged from, :func:`~featcal.runfolder.recording.merge_calibration`)."""
     folder = inputs.family.save_model(state, inputs.config, Path(folder), output_dtype=output_dtype)
     write_model_recipe(folder, merge_recipe(inputs, method, calibration, output_dtype))
     return folder

@@ -134,8 +134,8 @@ def test_the_merge_identity_covers_the_draw_of_a_data_using_method_only(world) -
     from featcal.cli import build_parser
     from featcal.cli.pipeline_commands import spec_from_args
     from featcal.data import DatasetFacts
-    from featcal.pipeline import stage_identities
     from featcal.resolve import resolve_inputs
+    from featcal.runfolder.identities import stage_identities
 
     def merge_id(method: str, *options: str, train: str = "a", counts: dict | None = None) -> str:
         spec = spec_from_args(build_parser().parse_args(

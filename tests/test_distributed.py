@@ -369,7 +369,7 @@ def test_two_processes_calibrate_a_language_model_as_one_does(lm_merge, tmp_path
 
 def test_tasks_need_a_calibration_image_per_process() -> None:
     from featcal.errors import DatasetInputError
-    from featcal.pipeline import check_calibration_shares
+    from featcal.stages import check_calibration_shares
     from featcal.tasks import load_task_file
 
     tasks = list(load_task_file(FIXTURE / "tasks.json").tasks.values())

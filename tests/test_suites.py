@@ -156,7 +156,7 @@ def test_the_default_run_folder_is_named_after_backbone_and_suite():
 
 
 def test_the_record_names_suite_and_backbone_only_when_chosen():
-    from featcal.pipeline import suite_record
+    from featcal.runfolder.recording import suite_record
 
     assert suite_record(RunSpec()) == {}
     assert suite_record(RunSpec(suite="ta8", backbone="b32")) == {}

@@ -8,8 +8,6 @@ command runs in every process (:func:`featcal.distributed.session`); rank 0 alon
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +19,6 @@ from featcal.repairs.options import DEFAULT_REPAIR, MODULE_REPAIRS, RepairChoice
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
 
 if TYPE_CHECKING:
-    from featcal.distributed import World
     from featcal.repairs.registry import Repair
 
 
@@ -31,17 +28,6 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     return build_spec(
         cli=given_values(args), recipe=recipe, recipe_source=getattr(args, "recipe", None), progress=show_progress(args)
     )
-
-
-@contextmanager
-def compute_settings(spec: RunSpec, inputs) -> Iterator[None]:
-    """The command's CUDA precision and torch threads (``--precision``, ``--threads``), restored after."""
-    from featcal.precision import fixed_precision
-    from featcal.threads import choose_threads, torch_threads
-
-    threads = choose_threads(spec.threads, inputs.family.hidden_size(inputs.config))
-    with fixed_precision(spec.precision), torch_threads(threads):
-        yield
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -61,29 +47,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not spec.no_export and (out / RELEASE_DIR).is_dir():
         print(path_line("Release folder", out / RELEASE_DIR))
     return 0
-
-
-def _metrics_output(output: str | None, model: str | None) -> Path | None:
-    """Where `featcal evaluate` writes its metrics, checked: ``--output``, else the model folder's
-    ``metrics.json``, which is refused where it is a run's or a release's own record."""
-    from featcal.errors import OutputPathError
-    from featcal.outputs import check_output_file
-    from featcal.release.manifest import MANIFEST
-    from featcal.runfolder.layout import METRICS, RUN_CONFIG
-
-    if output is not None:
-        return check_output_file(output, kind="metrics file")
-    if model is None:
-        return None
-    folder = Path(model)
-    if (folder / MANIFEST).is_file() or (folder.parent / RUN_CONFIG).is_file():
-        owner = "a release" if (folder / MANIFEST).is_file() else f"the run {folder.parent}"
-        raise OutputPathError(
-            folder / METRICS,
-            f"{folder / METRICS} is {owner}'s record of its evaluation: pass --output FILE to write these "
-            "metrics elsewhere.",
-        )
-    return check_output_file(folder / METRICS, kind="metrics file")
 
 
 # The options of `featcal merge` that say which calibration examples a data-using method reads.
@@ -116,43 +79,12 @@ def check_merge_data_options(args: argparse.Namespace, spec: RunSpec) -> bool:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from featcal.data import validate_datasets
-    from featcal.distributed import session
-    from featcal.merging.data import check_data_family
-    from featcal.outputs import check_output_folder
-    from featcal.resolve import resolve_inputs
-    from featcal.runfolder.lock import OutputLock
-    from featcal.stages import check_calibration_shares, merge, merge_calibration, merge_data, save_merge
+    from featcal.single_stage.merge import merge_model
 
     spec = spec_from_args(args)
-    uses_data = check_merge_data_options(args, spec)
-    output = check_output_folder(args.output, kind="merged model")  # before any download
-    calibration, data = None, None
-    with session(spec.device, spec.dist_timeout) as world, ExitStack() as held:
-        device = world.compute_device(spec.device)
-        with world.main_first("checking the inputs"):
-            inputs = resolve_inputs(spec)
-            if world.is_main:  # one writer of the folder until it is written (released after the save)
-                held.enter_context(OutputLock(output, kind="merged model"))
-            check_output_folder(output, kind="merged model", inputs=inputs.local_folders())
-            if uses_data:  # each task's calibration examples, read before the merge starts
-                family, params = inputs.family, spec.featcal
-                check_data_family(spec.merge_method, family)
-                preprocessor = family.preprocessor(inputs.base_folder)
-                facts = validate_datasets(
-                    family, inputs.tasks, splits=("train",), calibration_examples=params.num_calibration_examples,
-                    allow_fewer=spec.allow_fewer_calibration_examples, seed=spec.seed, preprocessor=preprocessor,
-                )  # fmt: skip
-                counts = facts.calibration_counts
-                check_calibration_shares(inputs.tasks, counts, params.num_calibration_examples, world, family.noun)
-                calibration = merge_calibration(params, spec.seed, counts, facts.fingerprints, inputs.tasks)
-                data = merge_data(inputs, preprocessor, params, spec.seed, world=world, progress=spec.progress)
-        with compute_settings(spec, inputs):
-            state = merge(inputs, spec.merge_method, device, world=world, data=data, output_dtype=spec.output_dtype)
-        if not world.is_main:
-            return 0
-        folder = save_merge(inputs, spec.merge_method, state, output, calibration, output_dtype=spec.output_dtype)
-    print(path_line(f"Merged model ({spec.merge_method}, {len(inputs.tasks)} experts)", folder))
+    merged = merge_model(spec, args.output, uses_data=check_merge_data_options(args, spec))
+    if merged is not None:
+        print(path_line(f"Merged model ({spec.merge_method}, {merged.experts} experts)", merged.folder))
     return 0
 
 
@@ -161,14 +93,9 @@ DATA_FREE_OPTIONS = ("cache_dir", "device", "precision", "threads", "dist_timeou
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from featcal.data import validate_datasets
-    from featcal.distributed import session
     from featcal.errors import InvalidParameterError
-    from featcal.outputs import check_output_folder
     from featcal.repairs.catalog import get_repair
-    from featcal.resolve import resolve_inputs
-    from featcal.runfolder.lock import OutputLock
-    from featcal.stages import calibrate
+    from featcal.single_stage.calibrate import calibrate_model
 
     choice = RepairChoice(**given_values(args, RepairChoice))
     repair = get_repair(choice.method)
@@ -189,56 +116,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             "repair_params", given, f"given only with a repair other than {repair.name}, whose "
             "parameters have flags of their own (--lambda-ratio, ...: `featcal calibrate --help`)",
         )  # fmt: skip
-    spec = spec_from_args(args)
-    output = check_output_folder(args.output, kind="calibrated model", inputs=[args.merged])  # before any download
-    with session(spec.device, spec.dist_timeout) as world, ExitStack() as held:
-        device = world.compute_device(spec.device)
-        with world.main_first("checking the inputs"):
-            inputs = resolve_inputs(spec, merged=args.merged)
-            family = inputs.family
-            if world.is_main:  # one writer of the folder until it is written
-                held.enter_context(OutputLock(output, kind="calibrated model"))
-            check_output_folder(output, kind="calibrated model", inputs=[*inputs.local_folders(), args.merged])
-            preprocessor = family.preprocessor(inputs.base_folder)
-            data = validate_datasets(
-                family,
-                inputs.tasks,
-                splits=("train",),
-                calibration_examples=spec.featcal.num_calibration_examples,
-                allow_fewer=spec.allow_fewer_calibration_examples,
-                seed=spec.seed,
-                preprocessor=preprocessor,
-            )
-            family.check_model_folder(Path(args.merged), inputs.base)
-        with compute_settings(spec, inputs):
-            calibrate(
-                inputs, args.merged, output if world.is_main else None, spec.featcal, seed=spec.seed,
-                device=device, preprocessor=preprocessor, progress=spec.progress, world=world,
-                precision=spec.precision, counts=data.calibration_counts, output_dtype=spec.output_dtype,
-                stream_storage=spec.stream_storage,
-            )  # fmt: skip
-    if not world.is_main:
-        return 0
-    print(path_line("Calibrated model", output))
+    folder = calibrate_model(spec_from_args(args), args.merged, args.output)
+    if folder is not None:
+        print(path_line("Calibrated model", folder))
     return 0
-
-
-@contextmanager
-def one_process(spec: RunSpec, repair: Repair) -> Iterator[World]:
-    """The session of a repair that runs in one process (all but FeatCal).
-
-    Raises:
-        FeatcalError: under torchrun with more than one process.
-    """
-    from featcal.distributed import session
-    from featcal.errors import FeatcalError
-
-    with session(spec.device, spec.dist_timeout) as world:
-        if world.distributed:
-            raise FeatcalError(
-                f"featcal calibrate --method {repair.name} runs in one process: start it without torchrun."
-            )
-        yield world
 
 
 def repair_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any]) -> int:
@@ -250,9 +131,7 @@ def repair_folder(args: argparse.Namespace, repair: Repair, params: dict[str, An
         FeatcalError: under torchrun with more than one process.
     """
     from featcal.errors import InvalidParameterError
-    from featcal.outputs import check_output_folder
-    from featcal.repairs.apply import recorded_inputs, repair_state, save_repair
-    from featcal.resolve import check_output_dtype
+    from featcal.single_stage.repair import repair_weights
 
     values = given_values(args)
     given = [name for name in values if name not in DATA_FREE_OPTIONS]
@@ -262,20 +141,7 @@ def repair_folder(args: argparse.Namespace, repair: Repair, params: dict[str, An
             f"{repair.name} is data-free and reads the base and experts its --merged folder records",
         )  # fmt: skip
     resolved = repair.resolved_params(**params)
-    spec = spec_from_args(args)
-    output = check_output_folder(args.output, kind="repaired model", inputs=[args.merged])  # before any download
-    with one_process(spec, repair) as world:
-        inputs = recorded_inputs(args.merged, repair, cache_dir=spec.cache_dir)
-        check_output_dtype(inputs.family, spec.output_dtype)
-        check_output_folder(output, kind="repaired model", inputs=[*inputs.local_folders(), args.merged])
-        merged = inputs.family.check_model_folder(Path(args.merged), inputs.base)
-        experts = [inputs.experts[name] for name in inputs.expert_refs]
-        with compute_settings(spec, inputs):
-            state = repair_state(
-                repair, resolved, inputs.base, experts, merged, device=world.compute_device(spec.device),
-                output_dtype=spec.output_dtype,
-            )  # fmt: skip
-    folder = save_repair(inputs, args.merged, repair, resolved, state, output, output_dtype=spec.output_dtype)
+    folder = repair_weights(spec_from_args(args), repair, resolved, args.merged, args.output)
     print(path_line(f"Repaired model ({repair.name})", folder))
     return 0
 
@@ -312,37 +178,12 @@ def lot_folder(args: argparse.Namespace, repair: Repair, params: dict[str, Any])
         ModelInputError: for a folder calibrated already, or a model that does not fit.
         FeatcalError: under torchrun with more than one process.
     """
-    from featcal.data import validate_datasets
-    from featcal.outputs import check_output_folder
-    from featcal.repairs.apply import check_uncalibrated, save_repair
-    from featcal.repairs.lot import check_lot_family, lot_state
-    from featcal.resolve import resolve_inputs
-    from featcal.stages import merge_calibration, merge_data
+    from featcal.single_stage.repair import repair_lot
 
     refuse_featcal_parameters(args, repair)
     resolved = repair.resolved_params(**params)
-    spec = spec_from_args(args)
-    output = check_output_folder(args.output, kind="repaired model", inputs=[args.merged])  # before any download
-    with one_process(spec, repair) as world:
-        check_uncalibrated(args.merged, repair)
-        inputs = resolve_inputs(spec, merged=args.merged)
-        family = inputs.family
-        check_lot_family(family)
-        check_output_folder(output, kind="repaired model", inputs=[*inputs.local_folders(), args.merged])
-        preprocessor = family.preprocessor(inputs.base_folder)
-        facts = validate_datasets(
-            family, inputs.tasks, splits=("train",), calibration_examples=spec.featcal.num_calibration_examples,
-            allow_fewer=spec.allow_fewer_calibration_examples, seed=spec.seed, preprocessor=preprocessor,
-        )  # fmt: skip
-        merged = family.check_model_folder(Path(args.merged), inputs.base)
-        draw = merge_calibration(spec.featcal, spec.seed, facts.calibration_counts, facts.fingerprints, inputs.tasks)
-        data = merge_data(inputs, preprocessor, spec.featcal, spec.seed, world=world, progress=spec.progress)
-        experts = [inputs.experts[t.name] for t in inputs.tasks]
-        with compute_settings(spec, inputs):
-            state = lot_state(inputs.base, experts, merged, data, world.compute_device(spec.device), world)
-    recorded = {**resolved, "calibration": draw}
-    folder = save_repair(inputs, args.merged, repair, recorded, state, output, output_dtype=spec.output_dtype)
-    print(path_line(f"Repaired model ({repair.name}, {len(inputs.tasks)} tasks)", folder))
+    repaired = repair_lot(spec_from_args(args), repair, resolved, args.merged, args.output)
+    print(path_line(f"Repaired model ({repair.name}, {repaired.tasks} tasks)", repaired.folder))
     return 0
 
 
@@ -357,112 +198,27 @@ def surgery_folder(args: argparse.Namespace, repair: Repair, params: dict[str, A
         DatasetInputError: for a task without a train split (or, with ``--evaluate``, a test split).
         FeatcalError: under torchrun with more than one process.
     """
-    from featcal.data import validate_datasets
-    from featcal.outputs import check_output_folder
-    from featcal.repairs.apply import check_uncalibrated
-    from featcal.repairs.surgery import check_surgery_family
-    from featcal.repairs.surgery_run import evaluate_surgery, run_surgery, save_surgery
-    from featcal.resolve import resolve_inputs
-    from featcal.stages import merge_calibration
+    from featcal.single_stage.repair import repair_modules
 
     refuse_featcal_parameters(args, repair)
     resolved = repair.resolved_params(**params)
-    spec = spec_from_args(args)
-    output = check_output_folder(args.output, kind="repair output", inputs=[args.merged])  # before any download
-    with one_process(spec, repair) as world:
-        check_uncalibrated(args.merged, repair)
-        inputs = resolve_inputs(spec, merged=args.merged)
-        family = inputs.family
-        check_surgery_family(family, repair)
-        check_output_folder(output, kind="repair output", inputs=[*inputs.local_folders(), args.merged])
-        preprocessor = family.preprocessor(inputs.base_folder)
-        n, seed = spec.featcal.num_calibration_examples, spec.seed
-        facts = validate_datasets(
-            family, inputs.tasks, splits=("train", "test") if evaluate else ("train",), calibration_examples=n,
-            allow_fewer=spec.allow_fewer_calibration_examples, seed=seed, preprocessor=preprocessor,
-        )  # fmt: skip
-        family.check_model_folder(Path(args.merged), inputs.base)
-        draw = merge_calibration(spec.featcal, seed, facts.calibration_counts, facts.fingerprints, inputs.tasks)
-        device = world.compute_device(spec.device)
-        evaluator = family.evaluator(inputs.base_folder, device, world=world, settings=family.evaluation_settings(spec))
-        with compute_settings(spec, inputs):
-            merged = family.load_model(Path(args.merged), inputs.base)
-            batches = {t.name: family.calibration_inputs(t, preprocessor, n, seed, world=world) for t in inputs.tasks}
-            pixels = {name: _only_input(batch.inputs) for name, batch in batches.items()}
-            result, cost = run_surgery(
-                evaluator.classifier, merged, lambda name: family.build_model(inputs.config, inputs.experts[name]),
-                pixels, resolved, seed=seed,
-                batch_size=spec.featcal.calibration_batch_size, repair=repair,
-            )  # fmt: skip
-            report: dict[str, Any] = {**cost, "loss_first_step": result.losses[0], "loss_last_step": result.losses[-1]}
-            if evaluate:
-                evaluator.prepare(inputs.tasks)
-                images = evaluator.test_data(
-                    inputs.tasks, batch_size=spec.eval_batch_size, num_workers=spec.eval_num_workers,
-                    max_samples=spec.max_eval_samples,
-                )  # fmt: skip
-                report["accuracy"] = evaluate_surgery(
-                    evaluator.classifier, merged, result.modules, inputs.tasks, images, repair
-                )
-    folder = save_surgery(inputs, args.merged, {**resolved, "calibration": draw}, result, report, output, repair)
-    print(path_line(f"{repair.pretty_name} modules ({len(inputs.tasks)} tasks)", folder))
+    repaired = repair_modules(spec_from_args(args), repair, resolved, args.merged, args.output, evaluate=evaluate)
+    print(path_line(f"{repair.pretty_name} modules ({repaired.tasks} tasks)", repaired.folder))
     if evaluate:
-        for task, acc in report["accuracy"].items():
+        for task, acc in repaired.report["accuracy"].items():
             print(f"{task}: accuracy {acc['accuracy']:.4f} (merge alone {acc['accuracy_without']:.4f})")
     return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from contextlib import nullcontext
+    from featcal.single_stage.evaluate import evaluate_model
 
-    from featcal.data import validate_datasets
-    from featcal.distributed import session
-    from featcal.files.atomic import atomic_write_json
-    from featcal.metrics import WEIGHTS_SHA256, weights_sha256
-    from featcal.outputs import check_metrics_output
-    from featcal.resolve import resolve_inputs
-    from featcal.runfolder.layout import ZERO_SHOT_DIR
-    from featcal.runfolder.lock import RunLock
-
-    spec = spec_from_args(args)
-    output = _metrics_output(args.output, args.model)
-    run = None
-    with session(spec.device, spec.dist_timeout) as world:
-        device = world.compute_device(spec.device)
-        with world.main_first("checking the inputs"):
-            inputs = resolve_inputs(spec, need_experts=False, model=args.model)
-            family = inputs.family
-            if args.output is not None:  # the model folder's own metrics.json is checked by _metrics_output
-                datasets = [t.dataset.path for t in inputs.tasks]
-                files = [spec.tasks_file] if spec.tasks_file else []
-                run = check_metrics_output(
-                    output, inputs=[*inputs.local_folders(), *files, *datasets, *([args.model] if args.model else [])]
-                )  # fmt: skip
-            validate_datasets(
-                family, inputs.tasks, splits=("test",), held_out_after=spec.featcal.num_calibration_examples
-            )
-            evaluator = family.evaluator(
-                inputs.base_folder, device, world=world, settings=family.evaluation_settings(spec, inputs.tasks)
-            )
-            model = family.load_model(Path(args.model), inputs.base) if args.model else evaluator.base_model()
-        with compute_settings(spec, inputs):
-            data = evaluator.test_data(
-                inputs.tasks,
-                batch_size=spec.eval_batch_size,
-                num_workers=spec.eval_num_workers,
-                max_samples=spec.max_eval_samples,
-            )
-            report = evaluator.evaluate(model, inputs.tasks, data=data, progress=spec.progress)
-    if args.model:  # the report is the record of these weights
-        report = report.with_extra({WEIGHTS_SHA256: weights_sha256(Path(args.model))})
-    if not world.is_main:
+    evaluated = evaluate_model(spec_from_args(args), args.model, args.output)
+    if evaluated is None:
         return 0
-    if output:
-        with RunLock(run) if run is not None else nullcontext():  # a run's evaluations/ under its lock
-            atomic_write_json(output, report.to_json())
-    print(format_results({Path(args.model).name if args.model else ZERO_SHOT_DIR: report}))
-    if output:
-        print(path_line("Metrics", output))
+    print(format_results({evaluated.name: evaluated.report}))
+    if evaluated.output:
+        print(path_line("Metrics", evaluated.output))
     return 0
 
 
@@ -592,9 +348,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_options(p, SuiteChoice, exclude=("json",), helps={"suite": "show the averages published for it",
                                                           "backbone": "… on this backbone"})  # fmt: skip
     command(p, cmd_methods)
-
-
-def _only_input(inputs: dict[str, Any]) -> Any:
-    """The one tensor an image family's calibration batch hands its stem (a CLIP tower's pixels)."""
-    (tensor,) = inputs.values()
-    return tensor

@@ -207,9 +207,9 @@ def diagnose_run(run_dir: str | Path, spec: RunSpec) -> tuple[DriftReport, Path,
             holds no merged model.
         DatasetInputError: when a task's split cannot be loaded.
     """
-    from featcal.data import validate_datasets
     from featcal.devices import default_eval_batch_size, resolve_device
     from featcal.precision import fixed_precision
+    from featcal.prepare import DatasetCheck, prepare
     from featcal.resolve import run_inputs
     from featcal.runfolder.lock import RunLock
     from featcal.runfolder.reader import read_run
@@ -227,10 +227,11 @@ def diagnose_run(run_dir: str | Path, spec: RunSpec) -> tuple[DriftReport, Path,
     if split == "calibration":
         n = record.featcal.params.num_calibration_examples
         counts = {t.name: int(record.calibration_examples_used.get(t.name, n)) for t in run.tasks}
-    inputs = run_inputs(run, spec.cache_dir)
-    family = inputs.family
-    validate_datasets(family, list(run.tasks), ("train",) if split == "calibration" else ("test",))
-    preprocessor = family.preprocessor(inputs.base_folder)
+    prepared = prepare(
+        lambda: run_inputs(run, spec.cache_dir),
+        DatasetCheck(("train",) if split == "calibration" else ("test",), with_preprocessor=False),
+    )
+    inputs, family, preprocessor = prepared.inputs, prepared.family, prepared.preprocessor
     models = {name: family.load_model(folder, inputs.base) for name, folder in folders.items()}
     load = drift_inputs(
         family, run.tasks, preprocessor, split=split, num_examples=spec.diagnose_images, seed=record.seed,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from featcal.files.atomic import atomic_write_json
+from featcal.files.reading import read_json
 from featcal.metrics import MetricsReport
 from featcal.runfolder.layout import METRICS, RUN_LOG
 from featcal.runfolder.reader import read_json_file
@@ -23,3 +24,11 @@ def restamp_report(folder: Path, run_id: str) -> MetricsReport:
     if report.run_id != run_id:
         write_stage_report(folder, report, run_id)
     return report.with_run_id(run_id)
+
+
+def stage_report(folder: Path, run_id: str, *, writes: bool = True) -> MetricsReport:
+    """A finished stage's report under ``run_id``: restamped in its folder by the process that writes the run
+    (:func:`restamp_report`), read as it is by the others."""
+    if writes:
+        return restamp_report(folder, run_id)
+    return MetricsReport.from_json(read_json(folder / METRICS)).with_run_id(run_id)

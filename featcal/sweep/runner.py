@@ -17,13 +17,13 @@ import torch
 from featcal.calibration.params import FeatCalParams
 from featcal.calibration.sweep import featcal_calibrate_many
 from featcal.checkpoint import check_finite_state
-from featcal.data import validate_datasets
 from featcal.devices import resolve_device
 from featcal.distributed import SINGLE
 from featcal.errors import RunFolderError
 from featcal.precision import fixed_precision, forward_dtype
+from featcal.prepare import DatasetCheck, Evaluation, prepare
 from featcal.progress import Progress
-from featcal.resolve import run_inputs
+from featcal.resolve import RunInputs, run_inputs
 from featcal.runfolder.layout import CALIBRATE_STEP, merged_stage_name
 from featcal.runfolder.leftovers import remove_leftovers
 from featcal.runfolder.lock import RunLock
@@ -81,21 +81,29 @@ def run_sweep(run_dir: str | Path, spec: RunSpec, request: SweepRequest | None =
     sizes = request.sizes or ((base.num_calibration_examples,) if request.parameter is not None else DEFAULT_SIZES)
     settings = sweep_settings(base, sizes, request.parameter)
     compute = resolve_device(spec.device)
-    inputs = run_inputs(run, spec.cache_dir)
-    family = inputs.family
-    found = merged_model_folder(run)
-    if found is None:
-        stage = merged_stage_name(run.method)
-        raise RunFolderError(
-            run.path / stage, f"Run folder {run.path} holds no merged model ({stage}/): run `featcal run` on it first."
-        )
-    merged_name, merged_folder = found
-    data = validate_datasets(
-        family, inputs.tasks, ("train", "test"), calibration_examples=max(sizes),
-        allow_fewer=spec.allow_fewer_calibration_examples, seed=run.record.seed,
+    found: list[tuple[str, Path]] = []
+
+    def check_merged(_inputs: RunInputs) -> None:
+        merged = merged_model_folder(run)
+        if merged is None:
+            stage = merged_stage_name(run.method)
+            raise RunFolderError(
+                run.path / stage,
+                f"Run folder {run.path} holds no merged model ({stage}/): run `featcal run` on it first.",
+            )
+        found.append(merged)
+
+    prepared = prepare(
+        lambda: run_inputs(run, spec.cache_dir),
+        DatasetCheck(
+            ("train", "test"), max(sizes), spec.allow_fewer_calibration_examples, run.record.seed,
+            with_preprocessor=False,
+        ),
+        check_inputs=check_merged,
+        evaluation=Evaluation(spec.device, SINGLE, lambda _inputs: run.record.evaluation.details),
     )  # fmt: skip
-    evaluator = family.evaluator(inputs.base_folder, compute, world=SINGLE, settings=run.record.evaluation.details)
-    preprocessor = family.preprocessor(inputs.base_folder)
+    inputs, family, data, evaluator = prepared.inputs, prepared.family, prepared.data, prepared.evaluator
+    (merged_name, merged_folder), preprocessor = found[0], prepared.preprocessor
     merged = family.load_model(merged_folder, inputs.base)
     seed = run.record.seed
     by_name = {t.name: t for t in inputs.tasks}
