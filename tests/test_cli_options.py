@@ -49,6 +49,9 @@ for command in ("run", "calibrate"):
 CHANGES["calibrate"] = (CHANGES["calibrate"][0] | {"--method", "--repair-param"}, CHANGES["calibrate"][1])
 # Representation Surgery's output is evaluated by calibrate itself: its modules are no model (docs/repairs.md)
 CHANGES["calibrate"] = (CHANGES["calibrate"][0] | {"--evaluate"}, CHANGES["calibrate"][1])
+# several repairs side by side on a run's merge, and the table of them (docs/repairs.md)
+CHANGES["run"] = (CHANGES["run"][0] | {"--repair"}, CHANGES["run"][1])
+ADDED["compare"] = ["RUN"]
 
 
 def listed_options(parser: argparse.ArgumentParser) -> list[str]:

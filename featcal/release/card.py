@@ -333,15 +333,18 @@ def render_card(
     card gives their one-line summary, and ``drift_plot`` names the image of them it shows; likewise
     for a sweep (``featcal sweep``): its table, and ``sweep_plot``.
     """
+    from featcal.repairs.compare_table import with_comparison
+
     if repo_id is not None:
         check_repo_id(repo_id, namespace=True)
-    return render_template_card(
+    card = render_template_card(
         template,
         get_family(run.record.family),
         lambda: _context(
             run, repo_id=repo_id, license=license, plot=plot, drift_plot=drift_plot, sweep_plot=sweep_plot
         ),
     )
+    return with_comparison(card, run.path)  # the repairs compared on the run's merge (featcal run --repair)
 
 
 def render_template_card(

@@ -135,6 +135,9 @@ def render_run_card(
     except jinja2.TemplateError as exc:
         raise FeatcalError(f"Model card template {shown} failed to render: {exc}") from None
     try:
-        return ModelCard(text)
+        card = ModelCard(text)
     except (ValueError, yaml.YAMLError) as exc:
         raise FeatcalError(f"Model card template {shown} gives invalid metadata: {exc}") from None
+    from featcal.repairs.compare_table import with_comparison
+
+    return with_comparison(card, run.path)  # the repairs compared on the run's merge (featcal run --repair)
