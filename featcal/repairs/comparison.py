@@ -93,10 +93,13 @@ def check_comparison(spec: RunSpec, names: Sequence[str]) -> list[Repair]:
     inputs = resolve_inputs(spec, need_experts=False)
     family = inputs.family
     for repair in repairs:
-        if repair.name in MODULE_REPAIRS:
-            check_surgery_family(family, repair)
-        elif repair.name == "lot":
-            check_lot_family(family)
+        try:
+            if repair.name in MODULE_REPAIRS:
+                check_surgery_family(family, repair)
+            elif repair.name == "lot":
+                check_lot_family(family)
+        except InvalidParameterError as exc:  # worded for --method; here the repair is named by --repair
+            raise InvalidParameterError("repair", exc.value, exc.expected) from None
     if any(repair.uses_data for repair in repairs):
         validate_datasets(
             family, inputs.tasks, ("train",), calibration_examples=spec.featcal.num_calibration_examples,
