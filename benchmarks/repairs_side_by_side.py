@@ -8,9 +8,9 @@
 For each merge, one run (merge, evaluate, FeatCal) with one torch thread, then each repair on that merge
 through :func:`featcal.repairs.compare_run.run_compared`, one repair at a time so that the machine's load
 average (``os.getloadavg``) can be recorded before and after each. Each repair runs as ``featcal calibrate
---method NAME`` in a child process of its own: its wall time and peak RSS (``ru_maxrss``) are that
-process's. Writes ``benchmarks/results/repairs_side_by_side_<zoo>_seed<seed>.json`` and a markdown table
-beside it (``.md``); scores in %.
+--method NAME`` in a child process of its own: its wall time and peak RSS (its own ``VmHWM``) are that
+process's. Writes ``benchmarks/results/repairs_side_by_side_<zoo>_seed<seed>.json`` and a markdown table beside
+it (``.md``); scores in %.
 """
 
 from __future__ import annotations

@@ -159,9 +159,24 @@ def test_each_child_is_given_the_run_options_its_repair_reads() -> None:
         featcal=dict(num_calibration_examples=8, lambda_ratio=0.1), skip_featcal=True,
     )  # fmt: skip
     svc = comparison.repair_command(spec, get_repair("svc"), Path("m"), Path("o"))
-    assert svc[3:] == ["-q", "calibrate", "--method", "svc", "--merged", "m", "--output", "o", "--threads", "1"]
-    lot = comparison.repair_command(spec, get_repair("lot"), Path("m"), Path("o"))[11:]
+    assert svc == ["-q", "calibrate", "--method", "svc", "--merged", "m", "--output", "o", "--threads", "1"]
+    lot = comparison.repair_command(spec, get_repair("lot"), Path("m"), Path("o"))[8:]
     assert lot == ["--backbone", "b32", "--tasks", "a", "b", "--tasks-file", "t.json", "--base-model-id", "base",
                    "--num-calibration-examples", "8", "--threads", "1", "--seed", "7"]  # fmt: skip
-    featcal = comparison.repair_command(spec, get_repair("featcal"), Path("m"), Path("o"))[11:]
+    featcal = comparison.repair_command(spec, get_repair("featcal"), Path("m"), Path("o"))[8:]
     assert featcal == [*lot[:-4], "--lambda-ratio", "0.1", *lot[-4:]]  # FeatCal's parameters too, not the merge's
+
+
+def test_a_child_s_peak_memory_is_its_own_not_its_parent_s() -> None:
+    """A parent holding 768 MiB starts a child that needs far less (about 0.25 GiB): the child's peak is reported
+    without the parent's (``ru_maxrss`` would report at least the parent's, inherited at exec)."""
+    held = b"\x01" * (768 * 2**20)  # touched pages of this process
+    cost = comparison.measure_child(["methods"], what="featcal methods")
+    assert len(held) == 768 * 2**20
+    assert 0 < cost.peak_rss_bytes < 512 * 2**20 and cost.seconds > 0
+
+
+def test_a_failing_child_is_worded_with_its_last_error_line(tmp_path) -> None:
+    with pytest.raises(comparison.FeatcalError) as info:
+        comparison.measure_child(["compare", str(tmp_path)], what="The x repair")
+    assert str(info.value).startswith("The x repair failed: featcal: error: ")

@@ -76,7 +76,7 @@ def floor_line(rows: Sequence[Mapping[str, Any]]) -> str:
         return ""
     return (
         f"Each repair ran as `featcal calibrate --method NAME` in a process of its own; wall time and peak RSS "
-        f"(`ru_maxrss`) are that process's, imports and loading included: a process that only imports torch, "
+        f"(its own `VmHWM`) are that process's, imports and loading included: a process that only imports torch, "
         f"transformers and featcal took {floor['seconds']:.1f} s and {floor['peak_rss_bytes'] / GIB:.2f} GiB."
     )
 

@@ -4,8 +4,9 @@ Every requested repair starts from the run's merged folder and reads the run's c
 tasks, ``num_calibration_examples`` and seed). Each runs as ``featcal calibrate --method NAME`` in a child
 process of its own, so that its wall time and peak resident memory are its own: the time is the child's
 wall clock from start to exit (imports, loading the models and data, the repair, writing its output), the
-peak RSS the child's ``ru_maxrss`` as ``wait4`` reports it. A child that only imports what a repair imports
-(torch, transformers, featcal) is measured once per comparison as the floor every child pays. The repaired
+peak RSS the child's own high-water mark, which it reports itself (:mod:`featcal.repairs.measured`). A child
+that only imports what a repair imports (torch, transformers, featcal) is measured once per comparison as the
+floor every child pays. The repaired
 models (and, for Representation Surgery and ProbSurgery, the merge with their modules) are then evaluated in
 this process on the run's test examples.
 
@@ -18,7 +19,7 @@ result whose identity is unchanged and redoes the others.
 from __future__ import annotations
 
 import dataclasses
-import os
+import json
 import shutil
 import subprocess
 import sys
@@ -40,7 +41,6 @@ COMPARISON_VERSION = 1
 CALIBRATION_DRAW = ("num_calibration_examples", "calibration_batch_size", "allow_fewer_calibration_examples")
 DATA_FREE = ("cache_dir", "device", "precision", "threads", "dist_timeout", "output_dtype")
 NOT_READ = ("seed",)  # a data-free repair reads no draw
-FLOOR_IMPORTS = "import torch, transformers, featcal.stages, featcal.repairs.catalog"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,36 +148,36 @@ def read_options(repair: Repair) -> list[str]:
 
 
 def repair_command(spec: RunSpec, repair: Repair, merged: Path, output: Path) -> list[str]:
-    """The child's command line: ``featcal -q calibrate --method NAME --merged DIR --output DIR`` with the run's
-    options the repair reads."""
+    """The repair's command line: ``featcal -q calibrate --method NAME --merged DIR --output DIR`` with the run's
+    options the repair reads (without the program's name)."""
     flags = option_flags(spec, [name for name in read_options(repair) if repair.uses_data or name not in NOT_READ])
-    return [sys.executable, "-m", "featcal", "-q", "calibrate", "--method", repair.name, "--merged", str(merged),
-            "--output", str(output), *flags]  # fmt: skip
+    return ["-q", "calibrate", "--method", repair.name, "--merged", str(merged), "--output", str(output), *flags]
 
 
-def measure_child(argv: Sequence[str], *, what: str) -> ChildCost:
-    """Run ``argv`` to its end; its wall time and its own peak RSS (``wait4``'s ``ru_maxrss``, KiB on Linux).
+def measure_child(args: Sequence[str], *, what: str) -> ChildCost:
+    """Run ``featcal args ...`` (no ``args``: only the imports) in a child process to its end: its wall time,
+    measured here, and its own peak RSS, which it reports itself (:mod:`featcal.repairs.measured`).
 
     Raises:
         FeatcalError: naming ``what`` and the child's last line of error output when it fails.
     """
-    with tempfile.TemporaryFile() as errors:
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile() as errors:
+        report = Path(tmp) / "peak.json"
+        argv = [sys.executable, "-m", "featcal.repairs.measured", str(report), *args]
         start = time.perf_counter()
-        child = subprocess.Popen(list(argv), stdout=subprocess.DEVNULL, stderr=errors)
-        _, status, usage = os.wait4(child.pid, 0)
+        status = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=errors, check=False).returncode
         seconds = time.perf_counter() - start
-        child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it
-        if child.returncode != 0:
+        if status != 0 or not report.is_file():
             errors.seek(0)
             lines = [line for line in errors.read().decode(errors="replace").splitlines() if line.strip()]
-            last = lines[-1] if lines else f"exit status {child.returncode}"
-            raise FeatcalError(f"{what} failed: {last}")
-    return ChildCost(seconds, usage.ru_maxrss * 1024)
+            raise FeatcalError(f"{what} failed: {lines[-1] if lines else f'exit status {status}'}")
+        peak = json.loads(report.read_text())["peak_rss_bytes"]
+    return ChildCost(seconds, int(peak))
 
 
 def measure_floor() -> ChildCost:
     """The cost of a child that only imports what every repair's command imports (torch, transformers, featcal)."""
-    return measure_child([sys.executable, "-c", FLOOR_IMPORTS], what="The import floor of the repair processes")
+    return measure_child([], what="The import floor of the repair processes")
 
 
 def result_identity(run_id: str, merged_weights: Mapping[str, str], argv: Sequence[str]) -> str:
@@ -185,7 +185,7 @@ def result_identity(run_id: str, merged_weights: Mapping[str, str], argv: Sequen
     from featcal.fingerprints import digest
     from featcal.version import __version__
 
-    return digest("repair-comparison", COMPARISON_VERSION, __version__, run_id, dict(merged_weights), list(argv[2:]))
+    return digest("repair-comparison", COMPARISON_VERSION, __version__, run_id, dict(merged_weights), list(argv))
 
 
 def compare_repairs(
@@ -262,13 +262,13 @@ def _recorded_params(output: Path) -> dict[str, Any]:
 
 
 def _own_report(repair: Repair, output: Path) -> dict[str, Any]:
-    """What a module repair measured of itself (its embeddings and training alone: ``seconds``,
-    ``peak_host_rss_gib``), kept beside the process's own figures."""
+    """What a module repair measured of itself: the seconds of its embeddings and training alone, kept beside
+    the process's own figures. (Its report's peak memory, ``ru_maxrss``, is left out: in a child process it
+    includes the parent's peak; see :mod:`featcal.repairs.measured`.)"""
     from featcal.files.reading import read_json
 
     if repair.name not in MODULE_REPAIRS:
         return {}
     from featcal.repairs.surgery_run import report_file
 
-    report = read_json(output / report_file(repair))
-    return {"own_report": {key: report[key] for key in ("seconds", "peak_host_rss_gib") if key in report}}
+    return {"own_seconds": read_json(output / report_file(repair))["seconds"]}
