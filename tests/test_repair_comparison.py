@@ -180,3 +180,26 @@ def test_a_failing_child_is_worded_with_its_last_error_line(tmp_path) -> None:
     with pytest.raises(comparison.FeatcalError) as info:
         comparison.measure_child(["compare", str(tmp_path)], what="The x repair")
     assert str(info.value).startswith("The x repair failed: featcal: error: ")
+
+
+def test_a_comparison_under_torchrun_is_refused_before_any_work(tmp_path, capsys, monkeypatch) -> None:
+    import contextlib
+
+    import featcal.distributed
+    import featcal.pipeline
+
+    @contextlib.contextmanager
+    def two_processes(device, timeout):
+        yield featcal.distributed.World(rank=0, size=2, backend="gloo")
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the run started under torchrun")
+
+    monkeypatch.setattr(featcal.distributed, "session", two_processes)
+    monkeypatch.setattr(featcal.pipeline, "run_pipeline", no_run)
+    out = tmp_path / "run"
+    code, err = run_error(capsys, [*run_argv(tasks_file(tmp_path), out), "--repair", "svc"])
+    assert code == 2 and err == [
+        "featcal: error: featcal run --repair compares the repairs in one process: start it without torchrun."
+    ]
+    assert not out.exists()
