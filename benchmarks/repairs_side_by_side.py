@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 
 from featcal.memory import GIB
-from featcal.metrics import task_score
 from featcal.repairs.compare_run import run_compared
-from featcal.repairs.compare_table import read_comparison
+from featcal.repairs.compare_table import read_comparison, score
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -70,8 +69,8 @@ def markdown(zoo: str, seed: int, merges: dict[str, list[dict]]) -> str:
         lines += [f"## {merge}", "", "| repair | average % | wall s | peak RSS GiB | load before → after |",
                   "| --- | ---: | ---: | ---: | --- |"]  # fmt: skip
         for row in rows:
-            score = task_score(row["metrics"].get("average"))
-            average = "—" if score is None else f"{100 * score:.2f}"
+            value = score(row["metrics"], "average")
+            average = "—" if value is None else f"{100 * value:.2f}"
             if row["repair"] == "merge":
                 lines.append(f"| merge (no repair) | {average} | — | — | — |")
                 continue

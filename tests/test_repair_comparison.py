@@ -203,3 +203,16 @@ def test_a_comparison_under_torchrun_is_refused_before_any_work(tmp_path, capsys
         "featcal: error: featcal run --repair compares the repairs in one process: start it without torchrun."
     ]
     assert not out.exists()
+
+
+def test_the_table_scores_a_language_task_by_its_exact_match_and_averages_the_tasks() -> None:
+    from featcal.repairs.compare_table import score
+
+    lm = {
+        "add": {"loss": 1.0, "exact_match": 0.25},
+        "cipher": {"loss": 2.0, "exact_match": 0.75},
+        "average": {"loss": 1.5},
+    }
+    assert (score(lm, "add"), score(lm, "average")) == (0.25, 0.5)
+    clip = {"t0": {"accuracy": 0.2, "loss": 1.0}, "t1": {"loss": 1.0}, "average": {"loss": 1.0}}
+    assert (score(clip, "t0"), score(clip, "t1"), score(clip, "average")) == (0.2, None, None)

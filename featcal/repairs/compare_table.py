@@ -1,8 +1,8 @@
 """The table of a run's repair comparison (``<run>/repairs/*.json``): ``featcal compare RUN`` and the model card.
 
-One row per repair, after the merge it starts from: the score per task (accuracy, or the task's own
-metric) and their average in %, the wall time and peak RSS of the repair's own process, and whether its
-result is releasable. Only the results of the run as its ``run_config.json`` now stands are shown.
+One row per repair, after the merge it starts from: the score per task (accuracy, the task's own metric, or
+a language task's exact match) and their mean in %, the wall time and peak RSS of the repair's own process,
+and whether its result is releasable. Only the results of the run as its ``run_config.json`` now stands are shown.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from featcal.errors import FeatcalError
 from featcal.memory import GIB
-from featcal.metrics import AVERAGE, is_task_result, task_score
+from featcal.metrics import AVERAGE, EXACT_MATCH, is_task_result, task_score
 from featcal.repairs.comparison import REPAIRS_DIR
 
 MERGE = "merge"
@@ -44,9 +44,26 @@ def task_names(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return [name for name, value in rows[0]["metrics"].items() if name != AVERAGE and is_task_result(value)]
 
 
+def score(metrics: Mapping[str, Any], task: str) -> float | None:
+    """A task's score (0..1) in a ``metrics.json`` report: its accuracy or its metric's value, else (a language
+    model's task) its exact match; for :data:`AVERAGE`, the mean of the tasks' scores when every task has one.
+
+    Returns:
+        The score, or None where there is none.
+    """
+    if task == AVERAGE:
+        scores = [score(metrics, name) for name, value in metrics.items() if name != AVERAGE and is_task_result(value)]
+        return None if not scores or None in scores else sum(scores) / len(scores)  # type: ignore[arg-type]
+    entry = metrics.get(task)
+    value = task_score(entry)
+    if value is None and isinstance(entry, Mapping) and entry.get(EXACT_MATCH) is not None:
+        value = float(entry[EXACT_MATCH])
+    return value
+
+
 def _score(metrics: Mapping[str, Any], task: str) -> str:
-    score = task_score(metrics.get(task))
-    return "—" if score is None else f"{100 * score:.2f}"
+    value = score(metrics, task)
+    return "—" if value is None else f"{100 * value:.2f}"
 
 
 def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
