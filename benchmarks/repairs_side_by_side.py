@@ -4,6 +4,12 @@
         [--merges task_arithmetic regmean_plusplus wudi] [--repairs featcal surgery probsurgery svc lot]
     python benchmarks/repairs_side_by_side.py --zoo t5x4 --repairs featcal svc
     python benchmarks/repairs_side_by_side.py --zoo lm5 --repairs featcal svc lot
+    python benchmarks/repairs_side_by_side.py --render benchmarks/results/repairs_side_by_side_lm5_seed0.json
+    python benchmarks/repairs_side_by_side.py --zoo mini8 --work-dir DIR --interleave featcal surgery --repeats 3
+
+``--interleave A B`` times the repairs A and B again on the first merge's run in ``--work-dir`` (a folder of an
+earlier comparison), alternately A, B, A, B, ..., each in its own process as the comparison runs it, so that
+both see the same load on a shared machine; it writes ``..._interleaved.json``.
 
 For each merge, one run (merge, evaluate, FeatCal) with one torch thread, then each repair on that merge
 through :func:`featcal.repairs.compare_run.run_compared`, one repair at a time so that the machine's load
@@ -25,7 +31,7 @@ from pathlib import Path
 
 from featcal.memory import GIB
 from featcal.repairs.compare_run import run_compared
-from featcal.repairs.compare_table import read_comparison, score
+from featcal.repairs.compare_table import comparison_table, read_comparison, score
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -78,12 +84,38 @@ def markdown(zoo: str, seed: int, merges: dict[str, list[dict]]) -> str:
             lines.append(
                 f"| {row['repair']} | {average} | {row['seconds']:.1f} | {row['peak_rss_bytes'] / GIB:.2f} | {load} |"
             )
+        lines += ["", "Per task (% ; wall time and peak RSS of the repair's own process):", "", comparison_table(rows)]
         floor = next((row["floor"] for row in rows if row.get("floor")), None)
         if floor:
             lines += ["", f"Import floor of a repair process: {floor['seconds']:.1f} s, "
                       f"{floor['peak_rss_bytes'] / GIB:.2f} GiB."]  # fmt: skip
         lines.append("")
     return "\n".join(lines)
+
+
+def interleave(spec, names: list[str], repeats: int, output: Path) -> None:
+    """Time the repairs ``names`` again on the merge of the run ``spec`` (run already), alternately, ``repeats``
+    times each."""
+    from featcal.repairs import comparison
+    from featcal.repairs.catalog import get_repair
+    from featcal.repairs.compare_run import merged_folder
+    from featcal.runfolder.layout import RUN_CONFIG
+    from featcal.runfolder.record import read_run_config
+
+    record = read_run_config(Path(spec.output_dir) / RUN_CONFIG, f"Run folder {spec.output_dir}")
+    times: dict[str, list[dict]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(repeats):
+            for name in names:
+                out = Path(tmp) / f"{name}-{i}"
+                argv = comparison.repair_command(spec, get_repair(name), merged_folder(spec), out)
+                before = os.getloadavg()
+                cost = comparison.measure_child(argv, what=name)
+                times[name].append({"seconds": cost.seconds, "peak_rss_bytes": cost.peak_rss_bytes,
+                                    "load_before": before, "load_after": os.getloadavg()})  # fmt: skip
+                print(f"{name} #{i}: {cost.seconds:.1f} s, load {before[0]:.2f}", flush=True)
+    result = {"run_id": record.recipe_sha256, "repeats": repeats, "times": times}
+    output.write_text(json.dumps(result, indent=1) + "\n")
 
 
 def main() -> None:
@@ -95,7 +127,22 @@ def main() -> None:
     parser.add_argument("--repairs", nargs="+", default=["featcal", "surgery", "probsurgery", "svc", "lot"])
     parser.add_argument("--work-dir", default=None, help="where the run folders go (default: a temporary folder)")
     parser.add_argument("--output", default=None)
+    parser.add_argument("--render", default=None, metavar="JSON", help="only write the markdown of a recorded JSON")
+    parser.add_argument("--interleave", nargs=2, default=None, metavar="NAME", help="time two repairs alternately")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    if args.interleave:
+        out = Path(args.output or RESULTS / f"repairs_side_by_side_{args.zoo}_seed{args.zoo_seed}_interleaved.json")
+        folder = zoo_folder(args.zoo, args.zoo_seed, args.zoo_cache_dir)
+        spec = run_spec(args.zoo, folder, Path(args.work_dir) / args.merges[0], args.merges[0])
+        interleave(spec, args.interleave, args.repeats, out)
+        return
+    if args.render:
+        recorded = json.loads(Path(args.render).read_text())
+        text = markdown(recorded["zoo"], recorded["zoo_seed"], recorded["merges"])
+        Path(args.render).with_suffix(".md").write_text(text)
+        print(text)
+        return
     output = Path(args.output or RESULTS / f"repairs_side_by_side_{args.zoo}_seed{args.zoo_seed}.json")
     folder = zoo_folder(args.zoo, args.zoo_seed, args.zoo_cache_dir)
     merges: dict[str, list[dict]] = {}
