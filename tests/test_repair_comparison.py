@@ -216,3 +216,29 @@ def test_the_table_scores_a_language_task_by_its_exact_match_and_averages_the_ta
     assert (score(lm, "add"), score(lm, "average")) == (0.25, 0.5)
     clip = {"t0": {"accuracy": 0.2, "loss": 1.0}, "t1": {"loss": 1.0}, "average": {"loss": 1.0}}
     assert (score(clip, "t0"), score(clip, "t1"), score(clip, "average")) == (0.2, None, None)
+
+
+def test_an_up_to_date_result_is_kept_and_force_redoes_it(compared, tmp_path, monkeypatch) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(compared, run)
+    spec = RunSpec(
+        tasks_file=str(compared.parent / "tasks.json"), base_model_id=str(F / "base"), device="cpu", threads=1,
+        featcal=dict(num_calibration_examples=8), output_dir=str(run),
+    )  # fmt: skip
+    calls = []
+
+    def child(args, *, what):
+        calls.append(args)
+        if args:  # a repair's command, not the floor's
+            Path(args[args.index("--output") + 1]).mkdir()
+        return comparison.ChildCost(1.0, 1)
+
+    monkeypatch.setattr(comparison, "measure_child", child)
+    repairs = [get_repair("svc")]
+
+    def again(redo: bool) -> bool:
+        return comparison.compare_repairs(spec, repairs, run, run / "ta", lambda *_: {}, redo=redo)[1]
+
+    assert again(redo=False) and len(calls) == 2  # the copy's command names other folders: the floor and svc
+    assert not again(redo=False) and len(calls) == 2  # up to date: kept
+    assert again(redo=True) and len(calls) == 4  # --force

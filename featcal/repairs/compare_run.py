@@ -125,7 +125,7 @@ def run_compared(
     out, merged = Path(spec.output_dir), merged_folder(spec)
     evaluation = RepairEvaluation(spec, world.compute_device(spec.device), merged)
     with RunLock(out):
-        rows, computed = compare_repairs(spec, repairs, out, merged, evaluation)
+        rows, computed = compare_repairs(spec, repairs, out, merged, evaluation, redo=spec.force)
         baseline = out / REPAIRS_DIR / MERGE_RESULT
         if computed or not baseline.is_file():
             run_id = rows[0]["run_id"]
@@ -133,5 +133,5 @@ def run_compared(
     if not spec.no_export:
         if computed and (out / RELEASE_DIR).is_dir():
             shutil.rmtree(out / RELEASE_DIR)  # its card predates these results: exported again
-        results = run_pipeline(spec, world)
+        results = run_pipeline(spec.replace(force=False), world)  # every stage done above: only the release
     return results, rows

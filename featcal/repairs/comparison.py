@@ -194,6 +194,8 @@ def compare_repairs(
     run_dir: Path,
     merged: Path,
     evaluate: Callable[[Repair, Path], dict[str, Any]],
+    *,
+    redo: bool = False,
 ) -> tuple[list[dict[str, Any]], bool]:
     """Run every repair on ``merged`` in a child process, evaluate its output, and write its result file;
     a result whose identity is unchanged is kept.
@@ -204,6 +206,7 @@ def compare_repairs(
         run_dir: The run folder.
         merged: The merged model folder the repairs start from.
         evaluate: ``evaluate(repair, output)``: the repair's ``metrics.json``-style report.
+        redo: Redo every repair, even one whose result is up to date (``--force``).
 
     Returns:
         Each repair's result, in order, and whether any was computed now.
@@ -228,7 +231,7 @@ def compare_repairs(
         argv = repair_command(spec, repair, merged, output)
         identity = result_identity(run_id, merged_weights, argv)
         kept = read_json(record) if record.is_file() else None
-        if isinstance(kept, dict) and kept.get("identity") == identity and output.is_dir():
+        if not redo and isinstance(kept, dict) and kept.get("identity") == identity and output.is_dir():
             results.append(kept)
             continue
         record.unlink(missing_ok=True)
