@@ -55,6 +55,9 @@ CHANGES["run"] = (
     CHANGES["run"][0] | {"--eval-protocol", "--benchmark-data", "--allow-code-execution"},
     CHANGES["run"][1],
 )
+# several repairs side by side on a run's merge, and the table of them (docs/repairs.md)
+CHANGES["run"] = (CHANGES["run"][0] | {"--repair"}, CHANGES["run"][1])
+ADDED["compare"] = ["RUN"]
 
 
 def listed_options(parser: argparse.ArgumentParser) -> list[str]:

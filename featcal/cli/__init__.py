@@ -33,6 +33,7 @@ COMMAND_MODULES = (
     "featcal.cli.space",
     "featcal.cli.demo",
     "featcal.cli.code_eval",
+    "featcal.cli.compare",
 )
 
 

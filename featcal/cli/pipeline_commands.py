@@ -15,7 +15,7 @@ from featcal.calibration.params import GROUP as FEATCAL
 from featcal.cli.common import format_results, path_line, show_progress
 from featcal.cli.options import add_options, add_spec_options, command, given_values
 from featcal.cli.suites import SuiteChoice
-from featcal.repairs.options import DEFAULT_REPAIR, MODULE_REPAIRS, RepairChoice
+from featcal.repairs.options import DEFAULT_REPAIR, MODULE_REPAIRS, RepairChoice, RepairComparison
 from featcal.spec import EVALUATION, MERGING, RUNTIME, TASKS, RunSpec, build_spec, load_recipe
 
 if TYPE_CHECKING:
@@ -36,12 +36,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     from featcal.runfolder.layout import RELEASE_DIR
 
     spec = spec_from_args(args)
+    repairs = RepairComparison(**given_values(args, RepairComparison)).repair
     with session(spec.device, spec.dist_timeout) as world:
-        results = run_pipeline(spec, world)
+        if repairs:  # featcal run --repair: the repairs side by side on the run's merge
+            from featcal.repairs.compare_run import run_compared
+
+            results, _ = run_compared(spec, repairs, world)
+        else:
+            results = run_pipeline(spec, world)
     if not world.is_main:
         return 0
     if results:
         print(format_results(results))
+    if repairs:
+        from featcal.repairs.compare_table import comparison_text
+
+        print(comparison_text(spec.output_dir))
     out = Path(spec.output_dir)
     print(path_line("Run folder", out))
     if not spec.no_export and (out / RELEASE_DIR).is_dir():
@@ -285,6 +295,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="YAML recipe: option names (without --) mapped to values; flags given here win",
     )
     add_spec_options(p)
+    add_options(p, RepairComparison, section="post-merge repairs side by side (see `featcal methods`; docs/repairs.md)")
     command(p, cmd_run)
 
     p = subparsers.add_parser("merge", help="merge experts into one model folder")

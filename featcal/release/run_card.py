@@ -49,9 +49,18 @@ from featcal.version import __version__
 
 # The model-index metric of a task whose metrics.json entry names its metric (a seq2seq task).
 METRIC_TYPES = {"exact_match": "exact_match", "spearman": "spearmanr"}
+
+
 # Extra sections of a run's card, in order: each takes the run and gives the Markdown appended to its card (a
 # heading and its body), or None when it has nothing to say of the run. Append a renderer to add a section.
-CARD_SECTIONS: list[Callable[[RunFolder], str | None]] = []
+def _repair_comparison(run: RunFolder) -> str | None:
+    """The repairs compared on the run's merge (``featcal run --repair``), imported when a card is rendered."""
+    from featcal.repairs.compare_table import comparison_section
+
+    return comparison_section(run)
+
+
+CARD_SECTIONS: list[Callable[[RunFolder], str | None]] = [_repair_comparison]
 
 
 def default_model_name(run: RunFolder) -> str:

@@ -39,3 +39,21 @@ class RepairChoice:
 
     def __post_init__(self) -> None:
         validate(self)
+
+
+@dataclass(frozen=True)
+class RepairComparison:
+    """Which repairs ``featcal run --repair`` compares side by side on the run's merge (none: the run as before).
+
+    Raises:
+        InvalidParameterError: when a value has the wrong type.
+    """
+
+    repair: list[str] | None = option(
+        None, help="compare these repairs on the run's merge, each on the same calibration draw, with its "
+        "accuracy per task, wall time and peak RSS (featcal, lot, surgery, probsurgery, svc; `featcal compare RUN` "
+        "prints the table; docs/repairs.md)", metavar="NAME", nargs="+",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        validate(self)

@@ -1,0 +1,244 @@
+"""`featcal run --repair ...`: several repairs on one run's merge, on the run's calibration draw, each measured
+in its own process; their results in the run folder, the model card and `featcal compare RUN`; and what is
+refused before any work (an unknown or repeated repair, a repair not defined for the family, a repair that
+reads data when a task has none), on the tiny CLIP fixture."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from featcal.cli import main
+from featcal.release.check import check_release
+from featcal.repairs import comparison
+from featcal.repairs.catalog import get_repair
+from featcal.spec import RunSpec
+from tests.test_surgery import llama_data, run_error
+
+F = Path(__file__).parent / "fixtures" / "tiny-clip-3task"
+TASKS = ("t0", "t1", "t2")
+DRAW = ["--num-calibration-examples", "8", "--device", "cpu", "--threads", "1"]
+
+
+def tasks_file(root: Path, without_train: str | None = None) -> Path:
+    """The fixture's tasks file with absolute paths (one task's dataset without its train split, if asked)."""
+    table = json.loads((F / "tasks.json").read_text())
+    for entry in table["tasks"].values():
+        entry["expert"] = str(F / entry["expert"])
+        entry["dataset"]["path"] = str(F / entry["dataset"]["path"])
+    if without_train is not None:
+        shutil.copytree(F / "data" / without_train, root / without_train)
+        for parquet in (root / without_train / "data").glob("train-*"):
+            parquet.unlink()
+        table["tasks"][without_train]["dataset"]["path"] = str(root / without_train)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tasks.json").write_text(json.dumps(table))
+    return root / "tasks.json"
+
+
+def run_argv(tasks: Path, out: Path) -> list[str]:
+    return ["run", "--tasks-file", str(tasks), "--base-model-id", str(F / "base"), *DRAW, "--output-dir", str(out)]
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory) -> Path:
+    """A run of the fixture whose merge FeatCal and SVC repaired side by side."""
+    root = tmp_path_factory.mktemp("compare")
+    out = root / "run"
+    assert main(["-q", *run_argv(tasks_file(root), out), "--repair", "featcal", "svc"]) == 0
+    return out
+
+
+def test_each_repair_is_recorded_with_its_accuracy_time_and_peak_memory(compared) -> None:
+    results = {name: json.loads((compared / "repairs" / f"{name}.json").read_text()) for name in ("featcal", "svc")}
+    run_id = json.loads((compared / "run_config.json").read_text())["run_id"]
+    for name, result in results.items():
+        assert result["run_id"] == run_id and result["repair"] == name and result["releasable"] is True
+        assert result["seconds"] > 0 and result["peak_rss_bytes"] > 0 and result["floor"]["peak_rss_bytes"] > 0
+        assert sorted(k for k in result["metrics"] if k in TASKS) == list(TASKS) and "average" in result["metrics"]
+        assert (compared / "repairs" / name / "model.safetensors").is_file()
+    assert results["svc"]["params"] == {"alpha": 0.1}
+    assert results["featcal"]["params"]["num_calibration_examples"] == 8
+
+
+def test_the_compared_featcal_is_the_run_s_own_calibration(compared) -> None:
+    """Same merge, same draw (n, seed): the FeatCal of the comparison gives the run's weights and scores."""
+    mine = load_file(compared / "repairs" / "featcal" / "model.safetensors")
+    runs = load_file(compared / "featcal-ta" / "model.safetensors")
+    assert mine.keys() == runs.keys() and all(mine[k].equal(runs[k]) for k in mine)
+    stage = json.loads((compared / "featcal-ta" / "metrics.json").read_text())
+    result = json.loads((compared / "repairs" / "featcal.json").read_text())["metrics"]
+    assert {t: result[t]["accuracy"] for t in TASKS} == {t: stage[t]["accuracy"] for t in TASKS}
+    merge = json.loads((compared / "repairs" / "merge.json").read_text())["metrics"]
+    ta = json.loads((compared / "ta" / "metrics.json").read_text())
+    assert {t: merge[t]["accuracy"] for t in TASKS} == {t: ta[t]["accuracy"] for t in TASKS}
+
+
+def test_compare_prints_the_table_of_the_results(compared, capsys) -> None:
+    capsys.readouterr()
+    assert main(["compare", str(compared)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| repair | t0 | t1 | t2 | average | wall s | peak RSS GiB | releasable |"
+    svc = json.loads((compared / "repairs" / "svc.json").read_text())
+    scores = " | ".join(f"{100 * svc['metrics'][t]['accuracy']:.2f}" for t in (*TASKS, "average"))
+    assert f"| svc | {scores} | {svc['seconds']:.1f} | {svc['peak_rss_bytes'] / 2**30:.2f} | yes |" in lines
+    assert [line.split(" | ")[0] for line in lines[2:5]] == ["| merge (no repair)", "| featcal", "| svc"]
+
+
+def test_the_card_shows_the_comparison_and_the_release_still_checks(compared) -> None:
+    card = (compared / "release" / "README.md").read_text()
+    assert "## Post-merge repairs side by side" in card and "| svc | " in card and "| featcal | " in card
+    check_release(compared / "release")  # the manifest covers the card as written
+
+
+def test_a_resumed_run_keeps_the_results_and_runs_no_repair_again(compared, monkeypatch) -> None:
+    before = {p.name: p.read_bytes() for p in (compared / "repairs").glob("*.json")}
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a repair ran again")
+
+    monkeypatch.setattr(comparison, "measure_child", no_child)
+    argv = run_argv(compared.parent / "tasks.json", compared)
+    assert main(["-q", *argv, "--repair", "featcal", "svc"]) == 0
+    assert {p.name: p.read_bytes() for p in (compared / "repairs").glob("*.json")} == before
+
+
+def test_compare_refuses_a_run_without_a_comparison(compared, tmp_path, capsys) -> None:
+    (tmp_path / "run").mkdir()
+    shutil.copy(compared / "run_config.json", tmp_path / "run" / "run_config.json")
+    code, err = run_error(capsys, ["compare", str(tmp_path / "run")])
+    assert code == 2 and err == [
+        f"featcal: error: {tmp_path / 'run'} holds no repair comparison of its run: run it with "
+        "`featcal run ... --repair NAME ...` first."
+    ]
+
+
+@pytest.mark.parametrize(
+    ("repairs", "said"),
+    [
+        (["featcal", "nosuch"], "Unknown repair 'nosuch'; known: featcal, lot, probsurgery, surgery, svc."),
+        (["svc", "svc"], "--repair 'svc' is invalid: it must be each repair named once (repeated here)."),
+    ],
+)
+def test_an_unknown_or_repeated_repair_is_refused_before_any_work(tmp_path, capsys, repairs, said) -> None:
+    out = tmp_path / "run"
+    code, err = run_error(capsys, [*run_argv(tasks_file(tmp_path), out), "--repair", *repairs])
+    assert code == 2 and len(err) == 1 and err[0].endswith(said), err
+    assert not out.exists()
+
+
+def test_a_data_using_repair_is_refused_when_a_task_has_no_train_split(tmp_path, capsys) -> None:
+    """A run that reads no train split itself (no FeatCal, a data-free merge) still has its repairs' checked."""
+    out = tmp_path / "run"
+    argv = [*run_argv(tasks_file(tmp_path / "w", without_train="t1"), out), "--skip-featcal", "--repair", "lot"]
+    code, err = run_error(capsys, argv)
+    assert code == 2 and len(err) == 1 and err[0].startswith("featcal: error: "), err
+    assert "t1" in err[0] and "train" in err[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("repair", ["surgery", "probsurgery"])
+def test_a_module_repair_on_a_causal_lm_run_is_refused_before_any_work(tmp_path, capsys, repair) -> None:
+    (tmp_path / "data.yaml").write_text(json.dumps(llama_data(tmp_path)))
+    out = tmp_path / "run"
+    argv = ["run", "--data", str(tmp_path / "data.yaml"), "--base-model-id", str(tmp_path / "base"), "--device", "cpu"]
+    code, err = run_error(capsys, [*argv, "--output-dir", str(out), "--repair", "svc", repair])
+    assert code == 2 and len(err) == 1, err
+    assert f"--repair '{repair}' is invalid: it must be a repair defined for " in err[0]
+    assert f"(family causal_lm; `featcal methods` lists the repairs): {repair} trains its modules on a CLIP" in err[0]
+    assert not out.exists()
+
+
+def test_each_child_is_given_the_run_options_its_repair_reads() -> None:
+    spec = RunSpec(
+        tasks_file="t.json", tasks=["a", "b"], base_model_id="base", seed=7, threads=1, merge_params={"k": 1},
+        featcal=dict(num_calibration_examples=8, lambda_ratio=0.1), skip_featcal=True,
+    )  # fmt: skip
+    svc = comparison.repair_command(spec, get_repair("svc"), Path("m"), Path("o"))
+    assert svc == ["-q", "calibrate", "--method", "svc", "--merged", "m", "--output", "o", "--threads", "1"]
+    lot = comparison.repair_command(spec, get_repair("lot"), Path("m"), Path("o"))[8:]
+    assert lot == ["--backbone", "b32", "--tasks", "a", "b", "--tasks-file", "t.json", "--base-model-id", "base",
+                   "--num-calibration-examples", "8", "--threads", "1", "--seed", "7"]  # fmt: skip
+    featcal = comparison.repair_command(spec, get_repair("featcal"), Path("m"), Path("o"))[8:]
+    assert featcal == [*lot[:-4], "--lambda-ratio", "0.1", *lot[-4:]]  # FeatCal's parameters too, not the merge's
+
+
+def test_a_child_s_peak_memory_is_its_own_not_its_parent_s() -> None:
+    """A parent holding 768 MiB starts a child that needs far less (about 0.25 GiB): the child's peak is reported
+    without the parent's (``ru_maxrss`` would report at least the parent's, inherited at exec)."""
+    held = b"\x01" * (768 * 2**20)  # touched pages of this process
+    cost = comparison.measure_child(["methods"], what="featcal methods")
+    assert len(held) == 768 * 2**20
+    assert 0 < cost.peak_rss_bytes < 512 * 2**20 and cost.seconds > 0
+
+
+def test_a_failing_child_is_worded_with_its_last_error_line(tmp_path) -> None:
+    with pytest.raises(comparison.FeatcalError) as info:
+        comparison.measure_child(["compare", str(tmp_path)], what="The x repair")
+    assert str(info.value).startswith("The x repair failed: featcal: error: ")
+
+
+def test_a_comparison_under_torchrun_is_refused_before_any_work(tmp_path, capsys, monkeypatch) -> None:
+    import contextlib
+
+    import featcal.distributed
+    import featcal.pipeline
+
+    @contextlib.contextmanager
+    def two_processes(device, timeout):
+        yield featcal.distributed.World(rank=0, size=2, backend="gloo")
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the run started under torchrun")
+
+    monkeypatch.setattr(featcal.distributed, "session", two_processes)
+    monkeypatch.setattr(featcal.pipeline, "run_pipeline", no_run)
+    out = tmp_path / "run"
+    code, err = run_error(capsys, [*run_argv(tasks_file(tmp_path), out), "--repair", "svc"])
+    assert code == 2 and err == [
+        "featcal: error: featcal run --repair compares the repairs in one process: start it without torchrun."
+    ]
+    assert not out.exists()
+
+
+def test_the_table_scores_a_language_task_by_its_exact_match_and_averages_the_tasks() -> None:
+    from featcal.repairs.compare_table import score
+
+    lm = {
+        "add": {"loss": 1.0, "exact_match": 0.25},
+        "cipher": {"loss": 2.0, "exact_match": 0.75},
+        "average": {"loss": 1.5},
+    }
+    assert (score(lm, "add"), score(lm, "average")) == (0.25, 0.5)
+    clip = {"t0": {"accuracy": 0.2, "loss": 1.0}, "t1": {"loss": 1.0}, "average": {"loss": 1.0}}
+    assert (score(clip, "t0"), score(clip, "t1"), score(clip, "average")) == (0.2, None, None)
+
+
+def test_an_up_to_date_result_is_kept_and_force_redoes_it(compared, tmp_path, monkeypatch) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(compared, run)
+    spec = RunSpec(
+        tasks_file=str(compared.parent / "tasks.json"), base_model_id=str(F / "base"), device="cpu", threads=1,
+        featcal=dict(num_calibration_examples=8), output_dir=str(run),
+    )  # fmt: skip
+    calls = []
+
+    def child(args, *, what):
+        calls.append(args)
+        if args:  # a repair's command, not the floor's
+            Path(args[args.index("--output") + 1]).mkdir()
+        return comparison.ChildCost(1.0, 1)
+
+    monkeypatch.setattr(comparison, "measure_child", child)
+    repairs = [get_repair("svc")]
+
+    def again(redo: bool) -> bool:
+        return comparison.compare_repairs(spec, repairs, run, run / "ta", lambda *_: {}, redo=redo)[1]
+
+    assert again(redo=False) and len(calls) == 2  # the copy's command names other folders: the floor and svc
+    assert not again(redo=False) and len(calls) == 2  # up to date: kept
+    assert again(redo=True) and len(calls) == 4  # --force
