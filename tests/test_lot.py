@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from featcal.cli import main
+from featcal.distributed import SINGLE
 from featcal.merging.regmean_solve import RegMeanSystem
 from featcal.repairs.catalog import get_repair
 from tests.support.tiny_decoder import save_model, texts, tokenizer
@@ -65,6 +66,37 @@ def test_tasks_weigh_by_their_token_counts_not_equally() -> None:
     once, twice = lot_system([x, x], w0, [w1, w2]), lot_system([x, torch.cat([x, x])], w0, [w1, w2])
     assert torch.allclose(once, (w1 + w2) / 2, atol=1e-12)  # same features: the plain mean
     assert torch.allclose(twice, (w1 + 2 * w2) / 3, atol=1e-12)
+
+
+def lot_from_streams(xs: list[torch.Tensor], w0: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    """featcal's LOT as a layer's run computes it: float32 inputs ``[examples, seq, d]`` per task, their Gram
+    accumulated by the input group of :mod:`featcal.merging.regmean_layers`, solved around ``w0``."""
+    from featcal.merging.regmean_layers import _InputGroup
+
+    linear = torch.nn.Linear(w0.shape[1], w0.shape[0], bias=False)
+    group = _InputGroup(["fc"], {"fc": linear}, torch.float32, torch.device("cpu"), exact=True)
+    for x, w in zip(xs, ws):
+        linear.weight.data.copy_(w)
+        group.add(x, None)
+        group.fold({"fc": linear}, 1.0, SINGLE, summed=True)
+    return group.solved({"fc": linear}, "", {"fc.weight": w0.double()})[0]["fc.weight"].double()
+
+
+def test_float32_features_spanning_few_directions_are_solved_as_the_float64_oracle_solves_them() -> None:
+    """A decoder's first layer reads token embeddings: few distinct vectors, so Σ X_tᵀX_t is singular. Its
+    Gram from float32 products had eigenvalues of rounding noise (~1e-7 of the largest) where it is zero,
+    which the pseudo-inverse inverted: weights ~1e3 times the experts' (lm5's exact match 0 on every task)."""
+    g = torch.Generator().manual_seed(7)
+    d_in, d_out, vocab = 48, 6, 12
+    embeddings = 30 * torch.randn(vocab, d_in, generator=g)  # norms ~2e2, as an LM's hidden states' are
+    xs = [embeddings[torch.randint(vocab, (8, 25), generator=g)] for _ in range(3)]  # rank 12 of 48, exactly
+    w0 = torch.randn(d_out, d_in, generator=g) / d_in**0.5
+    ws = [w0 + 0.05 * torch.randn(d_out, d_in, generator=g) for _ in xs]
+    rows = [x.reshape(-1, d_in).double() for x in xs]
+    want = lot_by_lstsq(rows, w0.double(), [w.double() for w in ws])
+    solved = lot_from_streams(xs, w0, ws)
+    assert solved.norm() < 2 * max(w.norm() for w in ws)
+    assert torch.allclose(solved, want, rtol=0, atol=1e-6), float((solved - want).abs().max())
 
 
 def test_lot_is_registered_as_a_releasable_repair_that_reads_data() -> None:

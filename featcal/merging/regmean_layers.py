@@ -19,9 +19,12 @@ A layer's tensors other than the linears' weights (biases, norms) get the expert
 input never reached it too; a tensor whose key matches ``exclude`` keeps the base's value.
 
 LOT Merging (:mod:`featcal.repairs.lot`) reads the same experts' streams (``follow="experts"``) with
-``around`` set: each task's Gram is its sum over the tokens rather than its mean, and each linear solves
-for its update from ``around``'s weight with the pseudo-inverse
-(:meth:`~featcal.merging.regmean_solve.RegMeanSystem.solve_update`).
+``around`` set: each task's Gram is its sum over the tokens rather than its mean, its products are float64
+(exact for float32 inputs), and each linear solves for its update from ``around``'s weight with the
+pseudo-inverse (:meth:`~featcal.merging.regmean_solve.RegMeanSystem.solve_update`). The pseudo-inverse
+keeps every eigenvalue of Σ_t G_t above float64's rounding: float32 products would leave, where the
+tokens span fewer directions than the input has, eigenvalues of float32 rounding noise (about 1e-7 of the
+largest) that it would invert into weights thousands of times the experts'.
 """
 
 from __future__ import annotations
@@ -63,12 +66,20 @@ class _Stream:
 class _InputGroup:
     """The linears of a layer that read one input: that input's Gram for the current task, and their system."""
 
-    def __init__(self, names: list[str], linears: Mapping[str, nn.Module], dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        names: list[str],
+        linears: Mapping[str, nn.Module],
+        dtype: torch.dtype,
+        device: torch.device,
+        exact: bool = False,
+    ):
         self.names = names
         self.dim = linears[names[0]].in_features
         out_features = sum(linears[name].out_features for name in names)
         self.moments = SecondMoments.zeros(self.dim, device=device)
-        self.gram = GramAccumulator(self.dim, 0, device=device, dtype=product_dtype(dtype))
+        products = torch.float64 if exact else product_dtype(dtype)  # float64: exact for float32 inputs
+        self.gram = GramAccumulator(self.dim, 0, device=device, dtype=products)
         self.system = RegMeanSystem.empty(self.dim, out_features, device=device)
         self.tokens = torch.zeros((), device=device, dtype=torch.float64)  # this process's tokens that weigh
         self.counted = torch.zeros((), device=device, dtype=torch.float64)  # ... those of the tasks folded in
@@ -161,8 +172,9 @@ def merge_layers(
         device: Where the streams, statistics and solves live.
         world: Under torchrun, ``data.load_inputs`` gives each process its part of the examples and the
             statistics are summed over the processes; rank 0's merged layer is everyone's.
-        around: LOT's solve: each task's Gram summed over its tokens, each linear the update
-            W_0 + G⁺ Σ_t G_t (W_t − W_0) from this state's weight W_0 (``ratio`` should be 1). None: RegMean's.
+        around: LOT's solve: each task's Gram summed over its tokens (float64 products), each linear the
+            update W_0 + G⁺ Σ_t G_t (W_t − W_0) from this state's weight W_0 (``ratio`` should be 1). None:
+            RegMean's.
         others: Whose mean the layer's other floating-point tensors get; default the experts.
 
     Returns:
@@ -189,7 +201,9 @@ def merge_layers(
         groups: list[_InputGroup] | None = None
         for expert, stream in zip(experts, streams):
             load_params(layer, expert, prefix)
-            groups = _collect(model, adapter, layer, linears, stream, groups, data.batch_size, follow == "experts")
+            groups = _collect(
+                model, adapter, layer, linears, stream, groups, data.batch_size, follow == "experts", around is not None
+            )  # fmt: skip
             for group in groups:
                 group.fold(linears, ratio, world, summed=around is not None)
         anchor = None if around is None else _layer_tensors(layer, around, prefix, device)
@@ -297,9 +311,11 @@ def _collect(
     groups: list[_InputGroup] | None,
     batch_size: int,
     advance: bool,
+    exact: bool = False,
 ) -> list[_InputGroup]:
     """One task's sums for every input of the layer's linears (the groups are made from the first forward
-    when None); with ``advance``, the stream becomes the layer's output."""
+    when None, with ``exact`` their products in float64); with ``advance``, the stream becomes the layer's
+    output."""
     recorder = Recorder(linears)
     try:
         for start in range(0, stream.hidden.shape[0], batch_size):
@@ -307,7 +323,7 @@ def _collect(
             hidden = stream.hidden[start : start + batch_size]
             out = adapter.run_layer(layer, hidden, adapter.layer_context(model, batch, hidden))
             if groups is None:
-                groups = _groups(recorder, linears, hidden.dtype, hidden.device)
+                groups = _groups(recorder, linears, hidden.dtype, hidden.device, exact)
             for group in groups:
                 group.add(recorder.inputs[group.names[0]], batch.token_weights)
             recorder.clear()
@@ -319,13 +335,14 @@ def _collect(
 
 
 def _groups(
-    recorder: Recorder, linears: Mapping[str, nn.Module], dtype: torch.dtype, device: torch.device
+    recorder: Recorder, linears: Mapping[str, nn.Module], dtype: torch.dtype, device: torch.device, exact: bool
 ) -> list[_InputGroup]:
-    """The linears that ran, grouped by the input they read (one tensor: one group), in firing order."""
+    """The linears that ran, grouped by the input they read (one tensor: one group), in firing order; with
+    ``exact``, each group's products in float64."""
     by_input: dict[int, list[str]] = {}
     for name, x in recorder.inputs.items():
         by_input.setdefault(id(x), []).append(name)
-    return [_InputGroup(names, linears, dtype, device) for names in by_input.values()]
+    return [_InputGroup(names, linears, dtype, device, exact) for names in by_input.values()]
 
 
 @torch.no_grad()
