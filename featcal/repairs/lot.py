@@ -9,7 +9,9 @@ vector T_t = W_t − W_0, LOT minimises the feature drift Σ_t ‖X_t (W_0 + T) 
 
     T* = (Σ_t G_t)⁺ Σ_t G_t T_t,      W = W_0 + T*,
 
-with ⁺ the Moore–Penrose pseudo-inverse (W_0 is kept where no task's input reaches). As a repair of a
+with ⁺ the Moore–Penrose pseudo-inverse (W_0 is kept where no task's input reaches), the Grams' products
+in float64 so that it sees a singular Σ_t G_t's zero eigenvalues as zero (float32 rounding noise there,
+inverted, ruined a decoder's first layer, whose inputs are a few token embeddings). As a repair of a
 merge, every tensor this does not solve (biases, norms, embeddings, heads) keeps the merge's value; the
 paper's closed form for normalisation layers (its Eq. 12) is not applied.
 """
