@@ -267,3 +267,36 @@ def test_the_protocol_reads_every_benchmark_from_the_hub_under_its_real_id(eos_w
     fetched = {s.path for s in served if s.method == "GET" and s.status == 200}
     for repo_id in benchmarks:  # 11 datasets: each read from the Hub under its real id
         assert any(p.startswith(f"/datasets/{repo_id}/resolve/") for p in fetched), repo_id
+
+
+@pytest.mark.parametrize("family", ["seq2seq", "clip_vision"])
+@pytest.mark.parametrize("protocol", [False, True])
+def test_a_mergebench_run_of_another_family_s_tasks_is_refused_before_any_work(tmp_path, capsys, family, protocol):
+    """``--suite mergebench`` given a T5 data file or a CLIP tasks file (whose tasks would otherwise run as that
+    family's, the suite's protocol and paper numbers silently left aside) is refused in one line, exit 2, before
+    any model is looked for (the files name models that do not exist): nothing is written."""
+    (tmp_path / "rows.jsonl").write_text('{"sentence": "w1 w2", "label": 0}\n')
+    if family == "seq2seq":
+        entry = {"dataset": str(tmp_path / "rows.jsonl"), "input": "{sentence}", "target": "{label}",
+                 "labels": ["w1", "w2"]}  # fmt: skip
+        (tmp_path / "data.yaml").write_text(json.dumps({"experts": {str(tmp_path / "no-expert"): entry}}))
+        given = ["--data", str(tmp_path / "data.yaml"), "--base-model-id", str(tmp_path / "no-base")]
+        holds = "holds T5 encoder-decoder tasks (seq2seq)"
+    else:
+        task = {
+            "dataset": {"path": "no-data"},
+            "expert": "no-expert",
+            "classnames": ["a", "b"],
+            "templates": ["a photo of a {}."],
+        }
+        (tmp_path / "tasks.json").write_text(json.dumps({"base_model": "no-base", "tasks": {"cars": task}}))
+        given = ["--tasks-file", str(tmp_path / "tasks.json")]
+        holds = "holds CLIP vision tower tasks (clip_vision)"
+    out = tmp_path / "run"
+    extra = ["--eval-protocol", "mergebench", "--allow-code-execution"] if protocol else []
+    before = sorted(p.name for p in tmp_path.iterdir())
+    message = _error(capsys, ["run", "--suite", "mergebench", *given, "--device", "cpu", "--output-dir", str(out),
+                              *extra])  # fmt: skip
+    assert message.startswith("featcal: error: --suite 'mergebench' is invalid") and holds in message, message
+    assert "leave out --suite mergebench" in message and "causal_lm" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and not out.exists()
