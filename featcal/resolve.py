@@ -20,7 +20,7 @@ from featcal.files.reading import check_model_text_files
 from featcal.hub.downloads import resolve_model_folder
 from featcal.merging import get_method
 from featcal.runfolder.layout import RUN_CONFIG
-from featcal.suites import task_table
+from featcal.suites import DEFAULT_SUITE, suite_family, task_table
 from featcal.tasks import Task
 
 if TYPE_CHECKING:
@@ -261,6 +261,28 @@ def check_model_family(folder: str | Path, family: ModelFamily, source: str) -> 
         )  # fmt: skip
 
 
+def check_suite_family(spec: RunSpec, family: ModelFamily, source: str) -> None:
+    """Refuse a suite named with tasks of another family (``--suite mergebench`` with a T5 data file or a CLIP
+    tasks file), before any model is looked for: the suite's settings (its evaluation protocol, its paper's
+    numbers) would not apply to those tasks. The default suite is not checked: a data file alone leaves it.
+
+    Args:
+        spec: The run's options.
+        family: The tasks' family.
+        source: Where the tasks come from, in words (``the data file data.yaml``).
+
+    Raises:
+        InvalidParameterError: naming the suite, the tasks' family and what to pass instead.
+    """
+    own = suite_family(spec.suite)
+    if spec.suite != DEFAULT_SUITE and family.name != own:
+        raise InvalidParameterError(
+            "suite", spec.suite, f"a suite of the tasks' family: {source} holds {family.title} tasks ({family.name}), "
+            f"while {spec.suite}'s are of the {own} family; leave out --suite {spec.suite} (and its options) or give "
+            f"tasks of the {own} family",
+        )  # fmt: skip
+
+
 def resolve_inputs(
     spec: RunSpec, *, need_experts: bool = True, merged: str | Path | None = None, model: str | Path | None = None
 ) -> RunInputs:
@@ -272,8 +294,8 @@ def resolve_inputs(
     (:func:`check_model_family`).
 
     Raises:
-        InvalidParameterError: for tasks, a base or an expert pattern that cannot be used, or a model of
-            another family than the tasks'.
+        InvalidParameterError: for tasks, a base or an expert pattern that cannot be used, a suite or a model
+            of another family than the tasks' (:func:`check_suite_family`, :func:`check_model_family`).
         ModelInputError: as :func:`resolve_models`.
     """
     if spec.data is not None:
@@ -286,11 +308,12 @@ def resolve_inputs(
         names = spec.tasks or (list(task_table(spec.tasks_file, replace=True).tasks) if spec.tasks_file else None)
     tasks = table.select(names)
     family = tasks_family(tasks)
+    source = (
+        f"the data file {spec.data}" if spec.data is not None
+        else f"the tasks file {spec.tasks_file}" if spec.tasks_file else f"the suite {spec.suite}"
+    )  # fmt: skip
+    check_suite_family(spec, family, source)
     if model is not None:
-        source = (
-            f"the data file {spec.data}" if spec.data is not None
-            else f"the tasks file {spec.tasks_file}" if spec.tasks_file else f"the suite {spec.suite}"
-        )  # fmt: skip
         check_model_family(model, family, source)
     check_output_dtype(family, spec.output_dtype)
     described_base, described_experts = merge_description(merged) if merged is not None else (None, None)

@@ -20,7 +20,8 @@
 #                 --eval-experts on FEATCAL_CHECK_BACKBONE (default llama-3.2-3b): MergeBench's five domains on every
 #                 stage (docs/causal-lm.md); FEATCAL_CHECK_BENCHMARK_DATA=DIR reads local copies of the benchmarks,
 #                 FEATCAL_CHECK_MERGEBENCH_SAMPLES=N evaluates N examples per task; the stages' metrics.json, the
-#                 card and timings.json go to the report
+#                 card and timings.json go to the report; ifeval needs nltk's punkt_tab installed beforehand
+#                 (`python -m nltk.downloader punkt_tab`, or NLTK_DATA=DIR), which the run checks before any work
 # FEATCAL_CHECK_DEVICE=cpu runs the measurements on the CPU (a check that they run: use a small TxN, 1x4,
 # and FEATCAL_CHECK_LM=1x2).
 set -euo pipefail

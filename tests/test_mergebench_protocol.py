@@ -36,6 +36,31 @@ def eos_world(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     return save_eos_world(tmp_path_factory.mktemp("eos"))
 
 
+def write_punkt_tab(folder: Path) -> Path:
+    """nltk data holding a ``punkt_tab`` for English in its real layout (four parameter files), with two
+    abbreviations and no other learned parameter: built here, nothing downloaded."""
+    english = folder / "tokenizers" / "punkt_tab" / "english"
+    english.mkdir(parents=True)
+    (english / "abbrev_types.txt").write_text("dr\nmr\n")
+    for name in ("collocations.tab", "sent_starters.txt", "ortho_context.tab"):
+        (english / name).write_text("")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def nltk_data(tmp_path_factory) -> Path:
+    return write_punkt_tab(tmp_path_factory.mktemp("nltk_data"))
+
+
+@pytest.fixture(autouse=True)
+def punkt_tab_installed(nltk_data, monkeypatch) -> Path:
+    """nltk reads the data built here alone (its path as NLTK_DATA sets it), never a folder of the machine's."""
+    import nltk
+
+    monkeypatch.setattr(nltk.data, "path", [str(nltk_data)])
+    return nltk_data
+
+
 def test_a_local_definition_is_the_harness_s_own_reading_the_local_copies(benchmark_data, tmp_path) -> None:
     from lm_eval.tasks._yaml_loader import load_yaml
 
@@ -234,7 +259,9 @@ def test_a_mergebench_run_scores_every_stage_by_the_protocol(eos_world, benchmar
 
 
 @pytest.mark.slow
-def test_the_protocol_reads_every_benchmark_from_the_hub_under_its_real_id(eos_world, benchmark_data, tmp_path):
+def test_the_protocol_reads_every_benchmark_from_the_hub_under_its_real_id(
+    eos_world, benchmark_data, tmp_path, punkt_tab_installed
+):
     """Over HTTP against the Hub double: the base and the experts under MergeBench's ids, the calibration sets,
     and every benchmark dataset under its own id (``openai/gsm8k``, ``evalplus/humanevalplus``, ...); the run
     starts from an empty ``HF_HOME`` and names no local copy."""
@@ -259,7 +286,8 @@ def test_the_protocol_reads_every_benchmark_from_the_hub_under_its_real_id(eos_w
             "--num-calibration-examples", "8", "--max-eval-samples", "2", "--eval-max-new-tokens", "4", "--threads",
             "1", "--eval-protocol", "mergebench", "--allow-code-execution", "--output-dir", str(run),
         ]  # fmt: skip
-        result = featcal_cli(args, user_env(hub.url, tmp_path / "user"), timeout=900)
+        env = user_env(hub.url, tmp_path / "user") | {"NLTK_DATA": str(punkt_tab_installed)}
+        result = featcal_cli(args, env, timeout=900)
         served = list(hub.served)
     assert result.returncode == 0, result.stderr[-4000:]
     scores = json.loads((run / "ta" / "metrics.json").read_text())["mergebench"]
@@ -267,3 +295,95 @@ def test_the_protocol_reads_every_benchmark_from_the_hub_under_its_real_id(eos_w
     fetched = {s.path for s in served if s.method == "GET" and s.status == 200}
     for repo_id in benchmarks:  # 11 datasets: each read from the Hub under its real id
         assert any(p.startswith(f"/datasets/{repo_id}/resolve/") for p in fetched), repo_id
+
+
+@pytest.mark.parametrize("family", ["seq2seq", "clip_vision"])
+@pytest.mark.parametrize("protocol", [False, True])
+def test_a_mergebench_run_of_another_family_s_tasks_is_refused_before_any_work(tmp_path, capsys, family, protocol):
+    """``--suite mergebench`` given a T5 data file or a CLIP tasks file (whose tasks would otherwise run as that
+    family's, the suite's protocol and paper numbers silently left aside) is refused in one line, exit 2, before
+    any model is looked for (the files name models that do not exist): nothing is written."""
+    (tmp_path / "rows.jsonl").write_text('{"sentence": "w1 w2", "label": 0}\n')
+    if family == "seq2seq":
+        entry = {"dataset": str(tmp_path / "rows.jsonl"), "input": "{sentence}", "target": "{label}",
+                 "labels": ["w1", "w2"]}  # fmt: skip
+        (tmp_path / "data.yaml").write_text(json.dumps({"experts": {str(tmp_path / "no-expert"): entry}}))
+        given = ["--data", str(tmp_path / "data.yaml"), "--base-model-id", str(tmp_path / "no-base")]
+        holds = "holds T5 encoder-decoder tasks (seq2seq)"
+    else:
+        task = {
+            "dataset": {"path": "no-data"},
+            "expert": "no-expert",
+            "classnames": ["a", "b"],
+            "templates": ["a photo of a {}."],
+        }
+        (tmp_path / "tasks.json").write_text(json.dumps({"base_model": "no-base", "tasks": {"cars": task}}))
+        given = ["--tasks-file", str(tmp_path / "tasks.json")]
+        holds = "holds CLIP vision tower tasks (clip_vision)"
+    out = tmp_path / "run"
+    extra = ["--eval-protocol", "mergebench", "--allow-code-execution"] if protocol else []
+    before = sorted(p.name for p in tmp_path.iterdir())
+    message = _error(capsys, ["run", "--suite", "mergebench", *given, "--device", "cpu", "--output-dir", str(out),
+                              *extra])  # fmt: skip
+    assert message.startswith("featcal: error: --suite 'mergebench' is invalid") and holds in message, message
+    assert "leave out --suite mergebench" in message and "causal_lm" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and not out.exists()
+
+
+def test_a_protocol_run_without_nltk_s_punkt_tab_is_refused_before_any_work(
+    eos_world, benchmark_data, data_file, tmp_path, capsys, monkeypatch
+) -> None:
+    """ifeval's checks read nltk's punkt_tab; offline without it the harness would fail when scoring, after every
+    ifeval prompt was generated: the run is refused in one line, exit 2, naming the data, the folders searched and
+    the command that gets it; nothing is written, nothing downloaded."""
+    import nltk
+
+    empty = tmp_path / "no-nltk-data"
+    empty.mkdir()
+    monkeypatch.setattr(nltk.data, "path", [str(empty)])
+    monkeypatch.setattr(nltk, "download", lambda *args, **kwargs: pytest.fail("downloaded"))
+    out = tmp_path / "run"
+    message = _error(capsys, _run_args(eos_world, benchmark_data, data_file, out, "--allow-code-execution"))
+    assert "needs nltk's punkt_tab data" in message and str(empty) in message, message
+    assert "`python -m nltk.downloader punkt_tab`" in message and "NLTK_DATA" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no-nltk-data"] and not any(empty.iterdir())
+
+
+def test_ifeval_s_checks_that_read_punkt_tab_score_with_the_data_the_check_asks_for(monkeypatch, tmp_path) -> None:
+    """The instructions whose check tokenizes with Punkt (sentences, words) score a response with the punkt_tab
+    built here, and fail with LookupError without it: what the check before any work prevents. (The rehearsal's
+    model answers nothing, and ifeval checks no instruction on an empty response.)"""
+    import nltk
+    from lm_eval.tasks.ifeval import instructions_util
+    from lm_eval.tasks.ifeval.utils import process_results
+
+    def forget() -> None:  # nltk and ifeval keep the tokenizers they loaded
+        nltk.data._resource_cache.clear()
+        nltk.tokenize._get_punkt_tokenizer.cache_clear()
+        instructions_util._get_sentence_tokenizer.cache_clear()
+
+    doc = {
+        "key": 1,
+        "prompt": "Write three sentences, one word in capitals.",
+        "instruction_id_list": ["length_constraints:number_sentences", "change_case:capital_word_frequency"],
+        "kwargs": [
+            {"num_sentences": 3, "relation": "at least"},
+            {"capital_frequency": 1, "capital_relation": "at least"},
+        ],
+    }
+    response = "Dr. Smith came home. He was TIRED. Then he slept."  # "Dr." ends no sentence: an abbreviation
+    empty = tmp_path / "none"
+    empty.mkdir()
+    forget()
+    monkeypatch.setattr(nltk.data, "path", [str(empty)])
+    with pytest.raises(LookupError, match="punkt_tab"):
+        process_results(doc, [response])
+    forget()
+    monkeypatch.setattr(nltk.data, "path", [str(write_punkt_tab(tmp_path / "nltk"))])
+    scores = process_results(doc, [response])
+    assert scores["prompt_level_strict_acc"] is True and scores["inst_level_strict_acc"] == [True, True]
+    assert instructions_util.count_sentences(response) == 3
+    short = process_results({**doc, "kwargs": [{"num_sentences": 4, "relation": "at least"}, doc["kwargs"][1]]},
+                            [response])  # fmt: skip
+    assert short["inst_level_strict_acc"] == [False, True]
+    forget()

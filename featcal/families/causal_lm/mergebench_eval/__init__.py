@@ -4,5 +4,6 @@
 points lm-evaluation-harness's task definitions at local copies of the benchmarks' data; :mod:`.coding`
 samples programs as bigcode-evaluation-harness does and runs them in featcal's sandbox; :mod:`.runner`
 runs the protocol on a model; :mod:`.scores` combines the results into per-domain scores and averages;
-:mod:`.card` shows them in a model card. ``docs/causal-lm.md`` describes it.
+:mod:`.card` shows them in a model card; :mod:`.nltk_data` checks the nltk data ifeval reads.
+``docs/causal-lm.md`` describes it.
 """

@@ -24,6 +24,7 @@ from featcal.families.causal_lm.mergebench_eval.local_data import (
     harness_source,
     write_definitions,
 )
+from featcal.families.causal_lm.mergebench_eval.nltk_data import check_punkt_tab
 from featcal.families.causal_lm.mergebench_eval.protocol import (
     CODING,
     DOMAIN_NAMES,
@@ -67,10 +68,12 @@ def check_protocol(data: str | None, allow_code_execution: bool) -> None:
     Raises:
         CodeExecutionNotAllowedError: without the opt-in (the coding domain runs programs).
         DatasetInputError: for a folder lacking a file some task reads.
-        FeatcalError: when lm-eval is not installed.
+        FeatcalError: when lm-eval is not installed, or nltk's ``punkt_tab`` data, which ifeval's checks read,
+            is not (:func:`.nltk_data.check_punkt_tab`).
     """
     if allow_code_execution is not True:
         raise CodeExecutionNotAllowedError(CODE_OPT_IN)
+    check_punkt_tab()
     if data is not None:
         sources = [harness_source(t) for name in DOMAIN_NAMES for t in domain(name).harness]
         sources += [code_source(t) for t in domain(CODING).code]
