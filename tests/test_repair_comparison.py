@@ -172,6 +172,39 @@ def test_compare_refuses_a_run_without_a_comparison(compared, tmp_path, capsys) 
     ]
 
 
+@pytest.fixture(scope="module")
+def lm_compared(tmp_path_factory) -> Path:
+    """A tiny Llama run (two tasks evaluated by their loss) whose merge FeatCal and SVC repaired side by side."""
+    root = tmp_path_factory.mktemp("lm")
+    (root / "data.yaml").write_text(json.dumps(llama_data(root)))
+    argv = ["run", "--data", str(root / "data.yaml"), "--base-model-id", str(root / "base"), *DRAW]
+    assert main(["-q", *argv, "--output-dir", str(root / "run"), "--repair", "featcal", "svc"]) == 0
+    return root / "run"
+
+
+def test_a_causal_lm_run_compares_its_repairs_and_releases_its_own_model(lm_compared, capsys) -> None:
+    results = {name: json.loads((lm_compared / "repairs" / f"{name}.json").read_text()) for name in ("featcal", "svc")}
+    for name, result in results.items():
+        assert result["releasable"] is True and result["seconds"] > 0 and result["peak_rss_bytes"] > 0
+        assert all(result["metrics"][task]["loss"] > 0 for task in ("math", "coding")), name
+        assert (lm_compared / "repairs" / name / "model.safetensors").is_file()
+    mine = load_file(lm_compared / "repairs" / "featcal" / "model.safetensors")
+    runs = load_file(lm_compared / "featcal-ta" / "model.safetensors")
+    assert mine.keys() == runs.keys() and all(mine[k].equal(runs[k]) for k in mine)  # the run's draw
+    released = load_file(lm_compared / "release" / "model.safetensors")
+    assert released.keys() == runs.keys() and all(released[k].equal(runs[k]) for k in runs)
+    check_release(lm_compared / "release")
+    card = (lm_compared / "release" / "README.md").read_text()
+    head = "| repair | math loss | coding loss | average loss | wall s | peak RSS GiB | releasable |"
+    assert head in card and "A column headed `NAME loss` gives the task's loss" in card
+    capsys.readouterr()
+    assert main(["compare", str(lm_compared)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    svc = results["svc"]["metrics"]
+    losses = " | ".join(f"{svc[t]['loss']:.4f}" for t in ("math", "coding", "average"))
+    assert lines[0] == head and lines[4].startswith(f"| svc | {losses} | ")
+
+
 @pytest.mark.parametrize(
     ("repairs", "said"),
     [
