@@ -162,6 +162,39 @@ def test_force_on_the_command_line_redoes_every_repair(compared, tmp_path, monke
     assert all(json.loads(kept[name])["seconds"] == 1.0 for name in REPAIRS)
 
 
+@pytest.mark.parametrize("typed", [[], ["--repair", *REPAIRS]])
+def test_a_recipe_names_the_repairs_and_a_typed_repair_wins(compared, tmp_path, monkeypatch, capsys, typed) -> None:
+    """``repair`` in a ``--recipe`` file is the run option ``--repair``, the typed flag winning: the fixture's run
+    from a recipe keeps its results (no repair runs again) and prints their table; a recipe's other repair
+    (LOT) is not run when --repair is typed."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({"repair": list(REPAIRS) if not typed else ["lot"], "threads": 1}))
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a repair ran again")
+
+    monkeypatch.setattr(comparison, "measure_child", no_child)
+    capsys.readouterr()
+    argv = run_argv(compared.parent / "tasks.json", compared)
+    assert main(["-q", *argv, "--recipe", str(recipe), *typed]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "| repair | t0 | t1 | t2 | average | wall s | peak RSS GiB | releasable |" in out
+    assert [line.split(" | ")[0] for line in out if line.startswith("| ")][2:] == [
+        "| merge (no repair)", "| featcal", "| surgery", "| svc"
+    ]  # fmt: skip
+
+
+def test_a_recipe_s_repair_that_is_not_a_list_of_names_is_refused_before_any_work(tmp_path, capsys) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("repair: 3\n")
+    out = tmp_path / "run"
+    code, err = run_error(capsys, [*run_argv(tasks_file(tmp_path), out), "--recipe", str(recipe)])
+    assert code == 2 and err == [
+        f"featcal: error: recipe {recipe}: repair=3 is invalid: it must be one or more names (or null)."
+    ]
+    assert not out.exists()
+
+
 def test_compare_refuses_a_run_without_a_comparison(compared, tmp_path, capsys) -> None:
     (tmp_path / "run").mkdir()
     shutil.copy(compared / "run_config.json", tmp_path / "run" / "run_config.json")
