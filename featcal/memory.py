@@ -34,7 +34,16 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def host_peak_bytes() -> int:
-    """The process's resident-set high-water mark since it started, in bytes."""
+    """This process's own resident-set high-water mark since it started, in bytes.
+
+    It is the kernel's ``VmHWM`` (``/proc/self/status``) where there is one. ``ru_maxrss`` is read only
+    where there is none (no ``/proc``): on Linux it is not the process's own peak when a large process
+    started it, since a child started by vfork (as Python's ``subprocess`` does) keeps its parent's
+    high-water mark across exec.
+
+    Returns:
+        The peak resident set, in bytes.
+    """
     try:
         for line in _STATUS.read_text().splitlines():
             if line.startswith("VmHWM:"):

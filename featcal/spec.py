@@ -290,16 +290,19 @@ class RunSpec:
 # --- fields, recipes and layering ----------------------------------------------------------------
 
 
-def recipe_keys() -> dict[str, str]:
-    """Every accepted recipe key (``lambda-ratio``) mapped to its field name (``lambda_ratio``)."""
-    return {flag_name(f): f.name for f, _, _ in option_fields(RunSpec)}
+def recipe_keys(extra: tuple[type, ...] = ()) -> dict[str, str]:
+    """Every accepted recipe key (``lambda-ratio``) mapped to its field name (``lambda_ratio``): the run's
+    options and those of the option classes ``extra``."""
+    return {flag_name(f): f.name for cls in (RunSpec, *extra) for f, _, _ in option_fields(cls)}
 
 
-def load_recipe(path: str | Path) -> dict[str, Any]:
+def load_recipe(path: str | Path, extra: tuple[type, ...] = ()) -> dict[str, Any]:
     """The recipe's raw values keyed by field name; unknown keys are an error naming them.
 
-    Keys are the option names without the leading dashes (``merge-method`` or ``merge_method``).
-    Values are converted and checked by :func:`build_spec`.
+    Keys are the option names without the leading dashes (``merge-method`` or ``merge_method``): the run's,
+    and those of the option classes ``extra`` (the command's options outside the run spec, such as
+    ``featcal run``'s ``repair``). Values are converted and checked by :func:`build_spec` (the run's) and by
+    the command (``extra``'s).
 
     Raises:
         InputError: when the file is missing or not a YAML mapping.
@@ -311,7 +314,7 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     data = read_structured(path, "Recipe") or {}
     if not isinstance(data, Mapping):
         raise InputError(path, f"Recipe {path}: expected a mapping of option names to values.")
-    keys = recipe_keys()
+    keys = recipe_keys(extra)
     values: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).lstrip("-").replace("_", "-")

@@ -3,7 +3,10 @@
 import gc
 import json
 import os
+import resource
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -54,6 +57,29 @@ def test_a_stage_below_the_record_is_sampled():
         del kept
     below = meter.report()["stages"]["below"]["host_rss_gib"] * 2**30
     assert below > 100 * MIB and below < host_peak_bytes()
+
+
+def test_the_peak_is_the_process_s_own_when_a_large_process_started_it():
+    """A parent holding 768 MiB starts a process that needs about 0.2 GiB: its peak is its own, while its
+    ``ru_maxrss`` holds the parent's high-water mark, kept across exec after vfork."""
+    held = b"\x01" * (768 * MIB)  # touched pages of this process
+    code = (
+        "import json, resource; from featcal.memory import host_peak_bytes; "
+        "print(json.dumps([host_peak_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    own, maxrss = json.loads(out)
+    assert len(held) == 768 * MIB
+    assert maxrss >= 768 * MIB  # what the peak would be read as from ru_maxrss
+    assert 50 * MIB < own < 512 * MIB
+
+
+def test_the_peak_is_ru_maxrss_where_there_is_no_proc(monkeypatch, tmp_path):
+    import featcal.memory
+
+    monkeypatch.setattr(featcal.memory, "_STATUS", tmp_path / "no-status")
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert maxrss <= featcal.memory.host_peak_bytes() <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def test_a_run_records_per_stage_peaks_and_its_threads(world, tmp_path, device):

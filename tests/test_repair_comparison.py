@@ -21,6 +21,7 @@ from tests.test_surgery import llama_data, run_error
 
 F = Path(__file__).parent / "fixtures" / "tiny-clip-3task"
 TASKS = ("t0", "t1", "t2")
+REPAIRS = ("featcal", "svc", "surgery")  # the module fixture's comparison
 DRAW = ["--num-calibration-examples", "8", "--device", "cpu", "--threads", "1"]
 
 
@@ -46,10 +47,10 @@ def run_argv(tasks: Path, out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory) -> Path:
-    """A run of the fixture whose merge FeatCal and SVC repaired side by side."""
+    """A run of the fixture whose merge FeatCal, SVC and Representation Surgery repaired side by side."""
     root = tmp_path_factory.mktemp("compare")
     out = root / "run"
-    assert main(["-q", *run_argv(tasks_file(root), out), "--repair", "featcal", "svc"]) == 0
+    assert main(["-q", *run_argv(tasks_file(root), out), "--repair", *REPAIRS]) == 0
     return out
 
 
@@ -86,7 +87,8 @@ def test_compare_prints_the_table_of_the_results(compared, capsys) -> None:
     svc = json.loads((compared / "repairs" / "svc.json").read_text())
     scores = " | ".join(f"{100 * svc['metrics'][t]['accuracy']:.2f}" for t in (*TASKS, "average"))
     assert f"| svc | {scores} | {svc['seconds']:.1f} | {svc['peak_rss_bytes'] / 2**30:.2f} | yes |" in lines
-    assert [line.split(" | ")[0] for line in lines[2:5]] == ["| merge (no repair)", "| featcal", "| svc"]
+    order = [line.split(" | ")[0] for line in lines[2:6]]
+    assert order == ["| merge (no repair)", "| featcal", "| surgery", "| svc"]  # the merge, FeatCal, then by name
 
 
 def test_the_card_shows_the_comparison_and_the_release_still_checks(compared) -> None:
@@ -103,8 +105,94 @@ def test_a_resumed_run_keeps_the_results_and_runs_no_repair_again(compared, monk
 
     monkeypatch.setattr(comparison, "measure_child", no_child)
     argv = run_argv(compared.parent / "tasks.json", compared)
-    assert main(["-q", *argv, "--repair", "featcal", "svc"]) == 0
+    assert main(["-q", *argv, "--repair", *REPAIRS]) == 0
     assert {p.name: p.read_bytes() for p in (compared / "repairs").glob("*.json")} == before
+
+
+def test_surgery_is_compared_with_its_modules_and_never_released(compared, capsys) -> None:
+    """Representation Surgery through --repair: its modules evaluated on the merge, its row marked not releasable
+    in the card and the table, and the released model still the run's own FeatCal calibration."""
+    result = json.loads((compared / "repairs" / "surgery.json").read_text())
+    assert result["releasable"] is False and result["uses_data"] is True
+    assert {k: result["params"][k] for k in ("rank", "steps")} == {"rank": 16, "steps": 1000}  # published defaults
+    assert result["params"]["calibration"]["num_calibration_examples"] == 8  # the run's draw
+    assert 0 < result["own_seconds"] < result["seconds"] and result["peak_rss_bytes"] > 0
+    assert all(0 <= result["metrics"][t]["accuracy"] <= 1 for t in TASKS)
+    merge = json.loads((compared / "repairs" / "merge.json").read_text())["metrics"]
+    assert [result["metrics"][t]["loss"] for t in TASKS] != [merge[t]["loss"] for t in TASKS]  # modules applied
+    assert not (compared / "repairs" / "surgery" / "model.safetensors").exists()
+    card = (compared / "release" / "README.md").read_text()
+    row = next(line for line in card.splitlines() if line.startswith("| surgery | "))
+    assert row.endswith(" | no (modules) |")
+    released = load_file(compared / "release" / "model.safetensors")
+    runs = load_file(compared / "featcal-ta" / "model.safetensors")
+    assert released.keys() == runs.keys() and all(released[k].equal(runs[k]) for k in runs)
+    capsys.readouterr()
+    assert main(["compare", str(compared)]) == 0
+    assert row in capsys.readouterr().out.splitlines()
+
+
+def test_force_on_the_command_line_redoes_every_repair(compared, tmp_path, monkeypatch) -> None:
+    """``featcal run --force --repair ...`` runs each repair's process again (and the floor's) where the same
+    command without --force keeps every result (above); the run's own stages are tested with --force elsewhere."""
+    import featcal.pipeline
+
+    run = tmp_path / "run"
+    shutil.copytree(compared, run)
+    calls: list[str] = []
+
+    def child(args, *, what):
+        if args:  # a repair's command: its output as the first run wrote it
+            output = Path(args[args.index("--output") + 1])
+            calls.append(args[args.index("--method") + 1])
+            shutil.copytree(compared / "repairs" / output.name, output)
+        else:
+            calls.append("floor")
+        return comparison.ChildCost(1.0, 1)
+
+    monkeypatch.setattr(comparison, "measure_child", child)
+    monkeypatch.setattr(featcal.pipeline, "run_pipeline", lambda spec, world: {})
+    argv = [*run_argv(compared.parent / "tasks.json", run), "--repair", *REPAIRS]
+    assert main(["-q", *argv]) == 0  # the copy's commands name its own folders: computed once here
+    assert calls == ["floor", *REPAIRS]
+    kept = {name: (run / "repairs" / f"{name}.json").read_bytes() for name in REPAIRS}
+    assert main(["-q", *argv]) == 0 and calls == ["floor", *REPAIRS]  # up to date: kept
+    assert main(["-q", *argv, "--force"]) == 0
+    assert calls == ["floor", *REPAIRS] * 2
+    assert all(json.loads(kept[name])["seconds"] == 1.0 for name in REPAIRS)
+
+
+@pytest.mark.parametrize("typed", [[], ["--repair", *REPAIRS]])
+def test_a_recipe_names_the_repairs_and_a_typed_repair_wins(compared, tmp_path, monkeypatch, capsys, typed) -> None:
+    """``repair`` in a ``--recipe`` file is the run option ``--repair``, the typed flag winning: the fixture's run
+    from a recipe keeps its results (no repair runs again) and prints their table; a recipe's other repair
+    (LOT) is not run when --repair is typed."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({"repair": list(REPAIRS) if not typed else ["lot"], "threads": 1}))
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a repair ran again")
+
+    monkeypatch.setattr(comparison, "measure_child", no_child)
+    capsys.readouterr()
+    argv = run_argv(compared.parent / "tasks.json", compared)
+    assert main(["-q", *argv, "--recipe", str(recipe), *typed]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "| repair | t0 | t1 | t2 | average | wall s | peak RSS GiB | releasable |" in out
+    assert [line.split(" | ")[0] for line in out if line.startswith("| ")][2:] == [
+        "| merge (no repair)", "| featcal", "| surgery", "| svc"
+    ]  # fmt: skip
+
+
+def test_a_recipe_s_repair_that_is_not_a_list_of_names_is_refused_before_any_work(tmp_path, capsys) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("repair: 3\n")
+    out = tmp_path / "run"
+    code, err = run_error(capsys, [*run_argv(tasks_file(tmp_path), out), "--recipe", str(recipe)])
+    assert code == 2 and err == [
+        f"featcal: error: recipe {recipe}: repair=3 is invalid: it must be one or more names (or null)."
+    ]
+    assert not out.exists()
 
 
 def test_compare_refuses_a_run_without_a_comparison(compared, tmp_path, capsys) -> None:
@@ -115,6 +203,39 @@ def test_compare_refuses_a_run_without_a_comparison(compared, tmp_path, capsys) 
         f"featcal: error: {tmp_path / 'run'} holds no repair comparison of its run: run it with "
         "`featcal run ... --repair NAME ...` first."
     ]
+
+
+@pytest.fixture(scope="module")
+def lm_compared(tmp_path_factory) -> Path:
+    """A tiny Llama run (two tasks evaluated by their loss) whose merge FeatCal and SVC repaired side by side."""
+    root = tmp_path_factory.mktemp("lm")
+    (root / "data.yaml").write_text(json.dumps(llama_data(root)))
+    argv = ["run", "--data", str(root / "data.yaml"), "--base-model-id", str(root / "base"), *DRAW]
+    assert main(["-q", *argv, "--output-dir", str(root / "run"), "--repair", "featcal", "svc"]) == 0
+    return root / "run"
+
+
+def test_a_causal_lm_run_compares_its_repairs_and_releases_its_own_model(lm_compared, capsys) -> None:
+    results = {name: json.loads((lm_compared / "repairs" / f"{name}.json").read_text()) for name in ("featcal", "svc")}
+    for name, result in results.items():
+        assert result["releasable"] is True and result["seconds"] > 0 and result["peak_rss_bytes"] > 0
+        assert all(result["metrics"][task]["loss"] > 0 for task in ("math", "coding")), name
+        assert (lm_compared / "repairs" / name / "model.safetensors").is_file()
+    mine = load_file(lm_compared / "repairs" / "featcal" / "model.safetensors")
+    runs = load_file(lm_compared / "featcal-ta" / "model.safetensors")
+    assert mine.keys() == runs.keys() and all(mine[k].equal(runs[k]) for k in mine)  # the run's draw
+    released = load_file(lm_compared / "release" / "model.safetensors")
+    assert released.keys() == runs.keys() and all(released[k].equal(runs[k]) for k in runs)
+    check_release(lm_compared / "release")
+    card = (lm_compared / "release" / "README.md").read_text()
+    head = "| repair | math loss | coding loss | average loss | wall s | peak RSS GiB | releasable |"
+    assert head in card and "A column headed `NAME loss` gives the task's loss" in card
+    capsys.readouterr()
+    assert main(["compare", str(lm_compared)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    svc = results["svc"]["metrics"]
+    losses = " | ".join(f"{svc[t]['loss']:.4f}" for t in ("math", "coding", "average"))
+    assert lines[0] == head and lines[4].startswith(f"| svc | {losses} | ")
 
 
 @pytest.mark.parametrize(

@@ -22,12 +22,34 @@ if TYPE_CHECKING:
     from featcal.repairs.registry import Repair
 
 
-def spec_from_args(args: argparse.Namespace) -> RunSpec:
-    """The run spec: defaults, then the ``--recipe`` file, then the flags the user typed."""
-    recipe = load_recipe(args.recipe) if getattr(args, "recipe", None) else None
+def run_recipe(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--recipe`` file's values by field name (the run's options and the repairs to compare); empty
+    without one."""
+    return load_recipe(args.recipe, extra=(RepairComparison,)) if getattr(args, "recipe", None) else {}
+
+
+def spec_from_args(args: argparse.Namespace, recipe: dict[str, Any] | None = None) -> RunSpec:
+    """The run spec: defaults, then the recipe (``recipe``, else the ``--recipe`` file), then the flags the
+    user typed."""
     return build_spec(
-        cli=given_values(args), recipe=recipe, recipe_source=getattr(args, "recipe", None), progress=show_progress(args)
-    )
+        cli=given_values(args), recipe=run_recipe(args) if recipe is None else recipe,
+        recipe_source=getattr(args, "recipe", None), progress=show_progress(args),
+    )  # fmt: skip
+
+
+def compared_repairs(args: argparse.Namespace, recipe: dict[str, Any]) -> list[str] | None:
+    """The repairs ``featcal run`` compares: ``--repair`` as typed, else the recipe's ``repair``.
+
+    Raises:
+        InvalidParameterError: naming the recipe when its value is not a list of names.
+    """
+    from featcal.options import convert_field, option_fields
+
+    typed = given_values(args, RepairComparison)
+    ((f, annotation, _),) = option_fields(RepairComparison)
+    if f.name not in typed and f.name in recipe:
+        typed[f.name] = convert_field(f, annotation, recipe[f.name], owner=f"recipe {args.recipe}")
+    return RepairComparison(**typed).repair
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -35,8 +57,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from featcal.pipeline import run_pipeline
     from featcal.runfolder.layout import RELEASE_DIR
 
-    spec = spec_from_args(args)
-    repairs = RepairComparison(**given_values(args, RepairComparison)).repair
+    recipe = run_recipe(args)
+    spec = spec_from_args(args, recipe)
+    repairs = compared_repairs(args, recipe)
     with session(spec.device, spec.dist_timeout) as world:
         if repairs:  # featcal run --repair: the repairs side by side on the run's merge
             from featcal.repairs.compare_run import run_compared

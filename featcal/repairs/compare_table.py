@@ -1,7 +1,8 @@
 """The table of a run's repair comparison (``<run>/repairs/*.json``): ``featcal compare RUN`` and the model card.
 
 One row per repair, after the merge it starts from: the score per task (accuracy, the task's own metric, or
-a language task's exact match) and their mean in %, the wall time and peak RSS of the repair's own process,
+a language task's exact match) and their mean in % (a task no result has a score for, such as a language task
+evaluated by its loss alone: its loss), the wall time and peak RSS of the repair's own process,
 and whether its result is releasable. Only the results of the run as its ``run_config.json`` now stands are shown.
 """
 
@@ -64,19 +65,34 @@ def score(metrics: Mapping[str, Any], task: str) -> float | None:
     return value
 
 
-def _score(metrics: Mapping[str, Any], task: str) -> str:
-    value = score(metrics, task)
-    return "—" if value is None else f"{100 * value:.2f}"
+def loss(metrics: Mapping[str, Any], task: str) -> float | None:
+    """A task's loss in a ``metrics.json`` report (for :data:`AVERAGE`, the average's); None where there is none."""
+    entry = metrics.get(task)
+    return float(entry["loss"]) if isinstance(entry, Mapping) and entry.get("loss") is not None else None
+
+
+def _by_loss(rows: Sequence[Mapping[str, Any]], column: str) -> bool:
+    """Whether a column shows the loss: no result has a score for it (a language task scored by its loss alone)."""
+    return all(score(row["metrics"], column) is None for row in rows) and any(
+        loss(row["metrics"], column) is not None for row in rows
+    )
+
+
+def _cell(metrics: Mapping[str, Any], column: str, by_loss: bool) -> str:
+    value = loss(metrics, column) if by_loss else score(metrics, column)
+    return "—" if value is None else f"{value:.4f}" if by_loss else f"{100 * value:.2f}"
 
 
 def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The markdown table of the results (:func:`read_comparison`).
+    """The markdown table of the results (:func:`read_comparison`): each column's score in %, or, for a column no
+    result has a score for, its loss (headed ``NAME loss``).
 
     Returns:
         Its lines joined, one row per result.
     """
-    tasks = task_names(rows)
-    head = ["repair", *tasks, "average", "wall s", "peak RSS GiB", "releasable"]
+    columns = [*task_names(rows), AVERAGE]
+    by_loss = {column: _by_loss(rows, column) for column in columns}
+    head = ["repair", *(f"{c} loss" if by_loss[c] else c for c in columns), "wall s", "peak RSS GiB", "releasable"]
     lines = ["| " + " | ".join(head) + " |", "| --- | " + " | ".join("---:" for _ in head[1:-1]) + " | --- |"]
     for row in rows:
         metrics = row["metrics"]
@@ -84,7 +100,7 @@ def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
         cost = ["—", "—"] if is_merge else [f"{row['seconds']:.1f}", f"{row['peak_rss_bytes'] / GIB:.2f}"]
         released = "—" if is_merge else "yes" if row["releasable"] else "no (modules)"
         name = "merge (no repair)" if is_merge else row["repair"]
-        cells = [name, *(_score(metrics, t) for t in tasks), _score(metrics, AVERAGE), *cost, released]
+        cells = [name, *(_cell(metrics, c, by_loss[c]) for c in columns), *cost, released]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -126,9 +142,17 @@ def card_section(run_dir: str | Path) -> str:
         "Each repair below started from this run's merge and read the same calibration examples (the run's "
         "draw: same number per task, same seed); scores in % on the test examples evaluated above. Only a "
         "releasable repair gives a model: Representation Surgery and ProbSurgery add per-task modules on top "
-        "of the merge, so they are compared here and never released. The released model is the run's own.\n\n"
+        "of the merge, so they are compared here and never released. The released model is the run's own."
+        f"{_loss_note(rows)}\n\n"
         f"{comparison_table(rows)}\n\n{floor_line(rows)}\n"
     )
+
+
+def _loss_note(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The card's sentence on the columns that show a loss, when there are any."""
+    if not any(_by_loss(rows, column) for column in [*task_names(rows), AVERAGE]):
+        return ""
+    return " A column headed `NAME loss` gives the task's loss (lower is better): no result has a score for it."
 
 
 def comparison_section(run: RunFolder) -> str | None:

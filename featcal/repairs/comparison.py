@@ -266,8 +266,8 @@ def _recorded_params(output: Path) -> dict[str, Any]:
 
 def _own_report(repair: Repair, output: Path) -> dict[str, Any]:
     """What a module repair measured of itself: the seconds of its embeddings and training alone, kept beside
-    the process's own figures. (Its report's peak memory, ``ru_maxrss``, is left out: in a child process it
-    includes the parent's peak; see :mod:`featcal.repairs.measured`.)"""
+    the process's own figures. (Its report's peak memory is left out: it is the same process's high-water mark,
+    read before the output is written, so at most the ``peak_rss_bytes`` its process reports.)"""
     from featcal.files.reading import read_json
 
     if repair.name not in MODULE_REPAIRS:

@@ -1,11 +1,11 @@
 """A command measured from inside its own process: ``python -m featcal.repairs.measured REPORT [ARGS ...]``.
 
 Runs ``featcal ARGS ...`` (with no ARGS, only imports what a repair's command imports: the floor every
-repair's process pays) and then writes to the file ``REPORT`` the process's peak resident memory, its
-``VmHWM`` in ``/proc/self/status``: the high-water mark of this process's own memory since it started.
-``ru_maxrss``, as ``wait4`` reports it to the parent, is not used: on Linux a child that Python starts
-with vfork inherits its parent's high-water mark when it calls exec, so a child of a large parent would
-report the parent's peak.
+repair's process pays) and then writes to the file ``REPORT`` the process's peak resident memory,
+:func:`featcal.memory.host_peak_bytes`: the high-water mark of this process's own memory since it started
+(``VmHWM``). ``ru_maxrss``, as ``wait4`` reports it to the parent, is not used: on Linux a child that Python
+starts with vfork inherits its parent's high-water mark when it calls exec, so a child of a large parent
+would report the parent's peak.
 """
 
 from __future__ import annotations
@@ -14,19 +14,9 @@ import json
 import sys
 from pathlib import Path
 
+from featcal.memory import host_peak_bytes
+
 FLOOR_MODULES = ("torch", "transformers", "featcal.stages", "featcal.repairs.catalog")
-
-
-def peak_rss_bytes() -> int:
-    """This process's own peak resident memory (``VmHWM``), in bytes.
-
-    Raises:
-        OSError: where ``/proc/self/status`` cannot be read (not Linux).
-    """
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise OSError("/proc/self/status gives no VmHWM")
 
 
 def main(argv: list[str]) -> int:
@@ -42,7 +32,7 @@ def main(argv: list[str]) -> int:
         for module in FLOOR_MODULES:
             importlib.import_module(module)
         status = 0
-    report.write_text(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
+    report.write_text(json.dumps({"peak_rss_bytes": host_peak_bytes()}))
     return status
 
 
