@@ -9,7 +9,8 @@ its ``recorded_at`` commit defines it: flags, hidden aliases, metavar, nargs, ac
 its ``--help`` section and text (which holds the default), and the values ``merge --method`` and
 ``calibrate --method`` accept with each one's hyper-parameters. A change is a failure that names the
 command, the option and the field, unless ``DETAIL_CHANGES`` lists it with its reason. Recorded with
-``python -c "from tests.test_cli_options import record_details; record_details('COMMIT')"`` on that commit.
+``python -c "from tests.test_cli_options import record_details; record_details('COMMIT')"``, this file
+beside that commit's ``featcal`` (the record of 2baee13 was made so, before the issue 41 redesign).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from featcal.cli import build_parser, main
 RECORDED = json.loads((Path(__file__).parent / "golden" / "cli_options.json").read_text())
 DETAILS = Path(__file__).parent / "golden" / "cli_option_details.json"
 # Changes on purpose to a recorded detail: (command, option, field) -> reason; a listed change that does not
-# occur fails too. ``option`` is the option's first flag (a positional's name), or a value of a --method.
+# occur fails too. ``option`` is the option's first flag (a positional's name), or a value of a --method;
+# ``field`` one of the record's keys, "option" (added or removed) or "command" (added or removed), e.g.
+# ("run", "--eval-max-new-tokens", "section"): "issue 41: the causal-LM family's own options".
 DETAIL_CHANGES: dict[tuple[str, str, str], str] = {}
 # Changes on purpose: command -> (options added, options no longer listed).
 CHANGES = {
