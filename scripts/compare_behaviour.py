@@ -137,6 +137,11 @@ TEXT_ZOOS = (
     TextZoo("lm", "lm5", "tiny-lm-v1-seed0", ("task_arithmetic", "ties", "regmean"), ("svc",)),
     TextZoo("t5", "t5x4", "tiny-t5-v1-seed0", ("task_arithmetic", "ties", "tsv"), ()),
 )
+# a run's calibrated and released weights, and the merge their updates are measured from
+DEMO_REFERENCES = {
+    "run/featcal-ta/model.safetensors": "run/ta/model.safetensors",
+    "run/release/model.safetensors": "run/ta/model.safetensors",
+}
 DATA_MERGES = ("regmean", "regmean_plusplus")  # the merging methods that take the calibration draw's flags
 
 
@@ -423,10 +428,10 @@ def text_demo_steps(zoo: str, zoo_cache: Path, out: Path, *, export: bool) -> tu
 def mergekit_folder(merged: Path, target: Path) -> None:
     """``target``: the files of featcal's merge ``merged`` a mergekit output holds (weights, config, tokenizer,
     ``mergekit_config.yml``), without featcal's own records; made afresh."""
+    if not (merged / "mergekit_config.yml").is_file():
+        fail(f"{merged} holds no mergekit_config.yml to calibrate a mergekit-style folder from")
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(merged, target, ignore=shutil.ignore_patterns(*NOT_MERGEKIT))
-    if not (target / "mergekit_config.yml").is_file():
-        fail(f"{merged} holds no mergekit_config.yml to calibrate a mergekit-style folder from")
 
 
 def mergekit_steps(zoo: TextZoo, root: Path, merged: Path, out: Path) -> tuple[Step, ...]:
@@ -454,8 +459,6 @@ def mergekit_steps(zoo: TextZoo, root: Path, merged: Path, out: Path) -> tuple[S
 def text_cases(zoo_cache: Path, workdir: Path) -> dict[str, Case]:
     """``lm5-tiny``, ``t5x4-tiny``, ``lm-mergekit`` and ``t5-mergekit`` (see the module's docstring)."""
     cases = {}
-    calibrated = {"run/featcal-ta/model.safetensors": "run/ta/model.safetensors"}
-    released = {"run/release/model.safetensors": "run/ta/model.safetensors"}
     for zoo in TEXT_ZOOS:
         root, merged = zoo_cache / "benchmark" / zoo.folder, workdir / "inputs" / f"{zoo.prefix}-mergekit"
         prepare = functools.partial(text_demo_steps, zoo.demo, zoo_cache, export=False)
@@ -463,7 +466,7 @@ def text_cases(zoo_cache: Path, workdir: Path) -> dict[str, Case]:
             f"{zoo.demo}-tiny",
             functools.partial(text_demo_steps, zoo.demo, zoo_cache, export=True),
             prepare=prepare,
-            references={**calibrated, **released},
+            references=DEMO_REFERENCES,
         )
         outputs = [f"calibrate{suffix}" for suffix in ("", *(f"-{repair}" for repair in zoo.repairs))]
         cases[f"{zoo.prefix}-mergekit"] = Case(
@@ -482,16 +485,13 @@ def text_cases(zoo_cache: Path, workdir: Path) -> dict[str, Case]:
 
 def build_cases(before_tree: Path, workdir: Path) -> dict[str, Case]:
     """Every case by name (see the module's docstring)."""
-    calibrated = {"run/featcal-ta/model.safetensors": "run/ta/model.safetensors"}
-    released = {"run/release/model.safetensors": "run/ta/model.safetensors"}
     zoo_cache, fixture = workdir / "zoo-cache", copy_fixture(before_tree, workdir)
     return {
         "tiny-fixture": Case(
             "tiny-fixture",
             lambda out: tiny_fixture_steps(before_tree, fixture, out),
             references={
-                **calibrated,
-                **released,
+                **DEMO_REFERENCES,
                 "calibrate/model.safetensors": "merge-task_arithmetic/model.safetensors",
             },
         ),
@@ -500,7 +500,7 @@ def build_cases(before_tree: Path, workdir: Path) -> dict[str, Case]:
                 name,
                 lambda out, tiny=tiny: demo_steps(tiny, zoo_cache, out, export=True),
                 prepare=lambda out, tiny=tiny: demo_steps(tiny, zoo_cache, out, export=False),
-                references={**calibrated, **released},
+                references=DEMO_REFERENCES,
             )
             for name, tiny in (("mini8-tiny", True), ("mini8", False))
         },

@@ -93,7 +93,7 @@ def test_a_merge_without_a_mergekit_configuration_stops_the_comparison(compare, 
     (tmp_path / "ta" / "model.safetensors").write_text("")
     with pytest.raises(SystemExit) as stop:
         compare.mergekit_folder(tmp_path / "ta", tmp_path / "made")
-    assert stop.value.code == 2
+    assert stop.value.code == 2 and not (tmp_path / "made").exists()
     assert (
         capsys.readouterr()
         .err.strip()
