@@ -2,8 +2,8 @@
 
     nice -n 10 .venv/bin/python scripts/compare_behaviour.py --before 2533dc7 --workdir /tmp/compare
     options: --after FOLDER_OR_COMMIT (default: this checkout, uncommitted changes included),
-             --cases tiny-fixture,mini8-tiny,mini8 (default tiny-fixture,mini8-tiny), --allow FILE,
-             --loss-rtol R (default 0)
+             --cases tiny-fixture,mini8-tiny,mini8,lm5-tiny,t5x4-tiny,lm-mergekit,t5-mergekit
+             (default tiny-fixture,mini8-tiny), --allow FILE, --loss-rtol R (default 0)
 
 How the two trees run. One interpreter, the one running this script (the project's venv), and two
 source trees: every command is ``python -m featcal ARGS`` with ``PYTHONPATH=<tree>``. A folder on
@@ -23,6 +23,19 @@ The cases, each run by the before tree, then by the after tree, never at the sam
 - ``mini8-tiny``: ``featcal demo --tiny``; ``mini8``: ``featcal demo`` (10+ minutes a side). The zoo is
   built once, by the before tree (a ``featcal demo --no-export`` run), into ``WORKDIR/zoo-cache``, and
   both sides read it from there with ``--cache-dir``; the zoo's build is therefore not compared.
+- ``lm5-tiny`` and ``t5x4-tiny``: ``featcal demo --zoo lm5 --tiny`` and ``featcal demo --zoo t5x4 --tiny``
+  (a tiny Llama and a tiny T5, three text tasks each: merge, FeatCal, evaluation, export; under a minute a
+  side), their zoo built once by the before tree into ``WORKDIR/zoo-cache`` as for mini8 and read with
+  ``--zoo-cache-dir``.
+- ``lm-mergekit`` and ``t5-mergekit``: a mergekit-style output folder, the before tree's Task Arithmetic
+  merge of that tiny zoo (the demo's ``ta`` stage) with featcal's own records left out
+  (``featcal_recipe.json``, ``metrics.json``, ``run.log``: weights, config, tokenizer and
+  ``mergekit_config.yml``, whose paths name the base and the experts), made once into
+  ``WORKDIR/inputs/{lm,t5}-mergekit``; each side runs ``featcal calibrate`` of it (FeatCal, 8 examples a
+  task, ``--data`` the zoo's data file) and ``featcal export`` of the result, for the LM also ``featcal
+  calibrate --method svc`` of it and its export (a T5 is refused SVC), and ``featcal merge`` of the zoo's
+  experts with each method of its ``TEXT_ZOOS`` entry (LM: Task Arithmetic, TIES, RegMean on 8 examples a
+  task; T5: Task Arithmetic, TIES, TSV; a T5 is refused RegMean); one to two minutes a side.
 
 Both sides read the same input folders, run in ``WORKDIR`` with the same environment (this process's,
 plus ``PYTHONHASHSEED=0``, ``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``, ``FEATCAL_CACHE`` and an
@@ -95,7 +108,9 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 GOLDEN_RECORD = "tests/golden/tiny_fixture_run.json"
 FIXTURE = "tests/fixtures/tiny-clip-3task"
 MERGE_METHODS = ("task_arithmetic", "simple_average", "ties", "tsv", "iso_c", "wudi")
-CASES = ("tiny-fixture", "mini8-tiny", "mini8")
+# what mergekit writes beside the weights has no featcal record: the run's own files are left out
+NOT_MERGEKIT = ("featcal_recipe.json", "metrics.json", "run.log")
+CASES = ("tiny-fixture", "mini8-tiny", "mini8", "lm5-tiny", "t5x4-tiny", "lm-mergekit", "t5-mergekit")
 DEFAULT_CASES = "tiny-fixture,mini8-tiny"
 MISSING = "<missing>"
 DURATION = re.compile(r"\b\d+(?:\.\d+)?(?= s\b)")
@@ -103,6 +118,31 @@ TABLE_NUMBER = re.compile(r"(?<=\|)\s*-?\d+(?:\.\d+)?\s*(?=\|)")
 HEADING = re.compile(r"^#{1,6} ")
 RUNTIME_SECTION = "## Runtime"
 MANIFEST_CARD = "README.md"
+
+
+@dataclass(frozen=True)
+class TextZoo:
+    """A tiny text benchmark of ``featcal demo --zoo``: its mergekit case's prefix, the zoo's folder in the cache
+    (``featcal/demo/``), the merging methods its ``featcal merge`` steps use and the data-free repairs its
+    ``featcal calibrate --method`` steps apply (RegMean and SVC are refused for a T5)."""
+
+    prefix: str
+    demo: str
+    folder: str
+    merge_methods: tuple[str, ...]
+    repairs: tuple[str, ...]
+
+
+TEXT_ZOOS = (
+    TextZoo("lm", "lm5", "tiny-lm-v1-seed0", ("task_arithmetic", "ties", "regmean"), ("svc",)),
+    TextZoo("t5", "t5x4", "tiny-t5-v1-seed0", ("task_arithmetic", "ties", "tsv"), ()),
+)
+# a run's calibrated and released weights, and the merge their updates are measured from
+DEMO_REFERENCES = {
+    "run/featcal-ta/model.safetensors": "run/ta/model.safetensors",
+    "run/release/model.safetensors": "run/ta/model.safetensors",
+}
+DATA_MERGES = ("regmean", "regmean_plusplus")  # the merging methods that take the calibration draw's flags
 
 
 @dataclass(frozen=True)
@@ -126,13 +166,16 @@ class Step:
 class Case:
     """Steps to run with each tree into an output folder, and the weights calibrated ones update from.
 
-    ``prepare`` runs once with the before tree into its own folder, before both sides (the shared zoo).
-    ``references`` maps a weights file of the output folder to the one its update is measured from.
+    ``prepare`` runs once with the before tree into its own folder, before both sides (the shared zoo);
+    ``inputs`` then makes the case's input folders from that folder's outputs (the mergekit-style merge).
+    ``references`` maps a weights file of the output folder to the one its update is measured from (in the
+    before side's output folder, or an absolute path: an input).
     """
 
     name: str
     steps: Callable[[Path], tuple[Step, ...]]
     prepare: Callable[[Path], tuple[Step, ...]] = lambda out: ()
+    inputs: Callable[[Path], None] = lambda out: None
     references: dict[str, str] = field(default_factory=dict)
 
 
@@ -375,18 +418,80 @@ def demo_steps(tiny: bool, zoo_cache: Path, out: Path, *, export: bool) -> tuple
     return (Step("demo", argv),)
 
 
+def text_demo_steps(zoo: str, zoo_cache: Path, out: Path, *, export: bool) -> tuple[Step, ...]:
+    """``featcal demo --zoo ZOO --tiny`` (lm5 or t5x4) on the shared zoo cache, into ``out/run``."""
+    no_export = () if export else ("--no-export",)
+    argv = ("-q", "demo", "--zoo", zoo, "--tiny", "--zoo-cache-dir", str(zoo_cache), *no_export)
+    return (Step("demo", (*argv, "--output-dir", str(out / "run"))),)
+
+
+def mergekit_folder(merged: Path, target: Path) -> None:
+    """``target``: the files of featcal's merge ``merged`` a mergekit output holds (weights, config, tokenizer,
+    ``mergekit_config.yml``), without featcal's own records; made afresh."""
+    if not (merged / "mergekit_config.yml").is_file():
+        fail(f"{merged} holds no mergekit_config.yml to calibrate a mergekit-style folder from")
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(merged, target, ignore=shutil.ignore_patterns(*NOT_MERGEKIT))
+
+
+def mergekit_steps(zoo: TextZoo, root: Path, merged: Path, out: Path) -> tuple[Step, ...]:
+    """Calibrate the mergekit-style folder ``merged`` with FeatCal and each of ``zoo.repairs``, export each
+    result, and merge the experts of the zoo in ``root`` with each of ``zoo.merge_methods`` (a data-using one
+    on FeatCal's calibration draw)."""
+    data, runtime = ("--data", str(root / "data.json")), ("--device", "cpu")
+    calibration = ("--num-calibration-examples", "8", "--calibration-batch-size", "4")
+    calibrate = ("-q", "calibrate", "--merged", str(merged), *runtime)
+    steps = [
+        Step("calibrate", (*calibrate, *data, *calibration, "--output", str(out / "calibrate"))),
+        Step("export", ("-q", "export", str(out / "calibrate"), "--repo", "featcal-compare/calibrate")),
+    ]
+    for repair in zoo.repairs:
+        folder = out / f"calibrate-{repair}"
+        steps.append(Step(folder.name, (*calibrate, "--method", repair, "--output", str(folder))))
+        steps.append(Step(f"export-{repair}", ("-q", "export", str(folder), "--repo", f"featcal-compare/{repair}")))
+    for method in zoo.merge_methods:
+        argv = ("-q", "merge", "--method", method, *data, "--base-model-id", str(root / "base"), *runtime)
+        argv += calibration if method in DATA_MERGES else ()
+        steps.append(Step(f"merge-{method}", (*argv, "--output", str(out / f"merge-{method}"))))
+    return tuple(steps)
+
+
+def text_cases(zoo_cache: Path, workdir: Path) -> dict[str, Case]:
+    """``lm5-tiny``, ``t5x4-tiny``, ``lm-mergekit`` and ``t5-mergekit`` (see the module's docstring)."""
+    cases = {}
+    for zoo in TEXT_ZOOS:
+        root, merged = zoo_cache / "benchmark" / zoo.folder, workdir / "inputs" / f"{zoo.prefix}-mergekit"
+        prepare = functools.partial(text_demo_steps, zoo.demo, zoo_cache, export=False)
+        cases[f"{zoo.demo}-tiny"] = Case(
+            f"{zoo.demo}-tiny",
+            functools.partial(text_demo_steps, zoo.demo, zoo_cache, export=True),
+            prepare=prepare,
+            references=DEMO_REFERENCES,
+        )
+        outputs = [f"calibrate{suffix}" for suffix in ("", *(f"-{repair}" for repair in zoo.repairs))]
+        cases[f"{zoo.prefix}-mergekit"] = Case(
+            f"{zoo.prefix}-mergekit",
+            functools.partial(mergekit_steps, zoo, root, merged),
+            prepare=prepare,
+            inputs=lambda out, merged=merged: mergekit_folder(out / "run" / "ta", merged),
+            references={
+                f"{name}{release}/model.safetensors": str(merged / "model.safetensors")
+                for name in outputs
+                for release in ("", "-release")
+            },
+        )
+    return cases
+
+
 def build_cases(before_tree: Path, workdir: Path) -> dict[str, Case]:
     """Every case by name (see the module's docstring)."""
-    calibrated = {"run/featcal-ta/model.safetensors": "run/ta/model.safetensors"}
-    released = {"run/release/model.safetensors": "run/ta/model.safetensors"}
     zoo_cache, fixture = workdir / "zoo-cache", copy_fixture(before_tree, workdir)
     return {
         "tiny-fixture": Case(
             "tiny-fixture",
             lambda out: tiny_fixture_steps(before_tree, fixture, out),
             references={
-                **calibrated,
-                **released,
+                **DEMO_REFERENCES,
                 "calibrate/model.safetensors": "merge-task_arithmetic/model.safetensors",
             },
         ),
@@ -395,10 +500,11 @@ def build_cases(before_tree: Path, workdir: Path) -> dict[str, Case]:
                 name,
                 lambda out, tiny=tiny: demo_steps(tiny, zoo_cache, out, export=True),
                 prepare=lambda out, tiny=tiny: demo_steps(tiny, zoo_cache, out, export=False),
-                references={**calibrated, **released},
+                references=DEMO_REFERENCES,
             )
             for name, tiny in (("mini8-tiny", True), ("mini8", False))
         },
+        **text_cases(zoo_cache, workdir),
     }
 
 
@@ -497,6 +603,7 @@ def prepare_case(case: Case, before: Side, workdir: Path) -> None:
     for step in case.prepare(out):
         if run_step(step, preparer, workdir, workdir / "logs" / case.name / "prepare").returncode != 0:
             fail(f"preparing {case.name} failed ({step.name})")
+    case.inputs(out)
 
 
 # --- comparing -----------------------------------------------------------------------------------------

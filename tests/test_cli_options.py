@@ -3,6 +3,14 @@
 ``tests/golden/cli_options.json`` records, per command, the options ``--help`` listed before the flags
 were derived from the option dataclasses; the changes made on purpose since are listed below with
 their reason, so a flag lost or renamed by accident fails here.
+
+``tests/golden/cli_option_details.json`` records every option of every command in full, as the code at
+its ``recorded_at`` commit defines it: flags, hidden aliases, metavar, nargs, action, whether required,
+its ``--help`` section and text (which holds the default), and the values ``merge --method`` and
+``calibrate --method`` accept with each one's hyper-parameters. A change is a failure that names the
+command, the option and the field, unless ``DETAIL_CHANGES`` lists it with its reason. Recorded with
+``python -c "from tests.test_cli_options import record_details; record_details('COMMIT')"``, this file
+beside that commit's ``featcal`` (the record of 2baee13 was made so, before the issue 41 redesign).
 """
 
 from __future__ import annotations
@@ -16,6 +24,12 @@ import pytest
 from featcal.cli import build_parser, main
 
 RECORDED = json.loads((Path(__file__).parent / "golden" / "cli_options.json").read_text())
+DETAILS = Path(__file__).parent / "golden" / "cli_option_details.json"
+# Changes on purpose to a recorded detail: (command, option, field) -> reason; a listed change that does not
+# occur fails too. ``option`` is the option's first flag (a positional's name), or a value of a --method;
+# ``field`` one of the record's keys, "option" (added or removed) or "command" (added or removed), e.g.
+# ("run", "--eval-max-new-tokens", "section"): "issue 41: the causal-LM family's own options".
+DETAIL_CHANGES: dict[tuple[str, str, str], str] = {}
 # Changes on purpose: command -> (options added, options no longer listed).
 CHANGES = {
     # the demo's zoo cache under its own name; --cache-dir, which means the Hub cache elsewhere, is kept hidden;
@@ -79,6 +93,112 @@ def commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
                 yield from commands(sub, (*prefix, name))
+
+
+def option_details(parser: argparse.ArgumentParser) -> dict[str, dict[str, object]]:
+    """Every option of ``parser`` (hidden aliases and positionals included, ``-h`` aside) by its first flag or
+    name: how it is parsed and how ``--help`` shows it."""
+    sections = {id(a): group.title for group in parser._action_groups for a in group._group_actions}
+    details = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction | argparse._HelpAction):
+            continue
+        hidden = action.help == argparse.SUPPRESS
+        key = action.option_strings[0] if action.option_strings else action.dest
+        details[key] = {
+            "flags": list(action.option_strings),
+            "dest": action.dest,
+            "action": type(action).__name__,
+            "metavar": action.metavar,
+            "nargs": action.nargs,
+            "const": repr(action.const),
+            "default": repr(action.default),
+            "type": getattr(action.type, "__name__", repr(action.type)),
+            "choices": None if action.choices is None else list(action.choices),
+            "required": action.required,
+            "hidden": hidden,
+            "section": sections.get(id(action)),
+            "help": None if hidden else action.help,
+        }
+    return details
+
+
+def method_values() -> dict[str, dict[str, list[str]]]:
+    """The names ``merge --method`` and ``calibrate --method`` accept, each with its hyper-parameters as
+    ``featcal methods`` lists them (name, type, range, default)."""
+    from featcal.merging import available_methods, get_method
+    from featcal.repairs.catalog import available_repairs, get_repair
+
+    return {
+        "merge --method": {name: list(map(str, get_method(name).params)) for name in available_methods()},
+        "calibrate --method": {name: list(map(str, get_repair(name).params)) for name in available_repairs()},
+    }
+
+
+def current_details() -> dict[str, dict[str, dict[str, object]]]:
+    """What ``cli_option_details.json`` records, from the code as it is: commands, then --method values."""
+    options = {name: option_details(parser) for name, parser in commands(build_parser())}
+    values = {
+        where: {name: {"hyper-parameters": params} for name, params in v.items()}
+        for where, v in method_values().items()
+    }
+    return {**options, **values}
+
+
+def record_details(commit: str) -> None:
+    """Write ``cli_option_details.json`` from the code as it is (run on ``commit``, which it names)."""
+    DETAILS.write_text(json.dumps({"recorded_at": commit, "commands": current_details()}, indent=1) + "\n")
+
+
+def detail_changes(recorded: dict, current: dict) -> dict[tuple[str, str, str], str]:
+    """Every (command, option, field) whose value differs between two records, with the two values."""
+    changes = {}
+    for command in sorted(recorded.keys() | current.keys()):
+        if command not in current or command not in recorded:
+            changes[(command, "*", "command")] = "removed" if command not in current else "added"
+            continue
+        before, after = recorded[command], current[command]
+        for option in sorted(before.keys() | after.keys()):
+            if option not in after or option not in before:
+                changes[(command, option, "option")] = "removed" if option not in after else "added"
+                continue
+            for key in sorted(before[option].keys() | after[option].keys()):
+                if before[option].get(key) != after[option].get(key):
+                    changes[(command, option, key)] = f"{before[option].get(key)!r} -> {after[option].get(key)!r}"
+    return changes
+
+
+def test_every_option_of_every_command_is_as_recorded_or_its_change_is_listed() -> None:
+    recorded = json.loads(DETAILS.read_text())["commands"]
+    changes = detail_changes(recorded, current_details())
+    unlisted = [f"{c} {o} {k}: {what}" for (c, o, k), what in changes.items() if (c, o, k) not in DETAIL_CHANGES]
+    stale = [key for key in DETAIL_CHANGES if key not in changes]
+    assert unlisted == [], "options changed without a reason in DETAIL_CHANGES:\n" + "\n".join(unlisted)
+    assert stale == [], f"DETAIL_CHANGES lists changes that do not occur: {stale}"
+
+
+def test_the_details_record_every_command_and_both_method_registries() -> None:
+    recorded = json.loads(DETAILS.read_text())["commands"]
+    listed = {name for name, _ in commands(build_parser())}
+    assert listed <= recorded.keys() | {c for c, _, k in DETAIL_CHANGES if k == "command"}
+    for name in ("architectures", "code-eval", "methods", "calibrate", "merge", "featcal"):
+        assert recorded[name], name
+    assert {"featcal", "svc"} <= recorded["calibrate --method"].keys()
+    assert {"task_arithmetic", "ties"} <= recorded["merge --method"].keys()
+
+
+def test_a_changed_option_is_named_with_its_command_and_field() -> None:
+    recorded = {"calibrate": {"--method": {"help": "the repair", "metavar": "NAME"}, "--gone": {"help": "x"}}}
+    current = {
+        "calibrate": {"--method": {"help": "the repair (default featcal)", "metavar": "NAME"}, "--new": {}},
+        "fresh": {},
+    }
+    assert detail_changes(recorded, current) == {
+        ("calibrate", "--gone", "option"): "removed",
+        ("calibrate", "--method", "help"): "'the repair' -> 'the repair (default featcal)'",
+        ("calibrate", "--new", "option"): "added",
+        ("fresh", "*", "command"): "added",
+    }
 
 
 def test_every_command_lists_the_options_it_did() -> None:
