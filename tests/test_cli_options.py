@@ -29,7 +29,13 @@ DETAILS = Path(__file__).parent / "golden" / "cli_option_details.json"
 # occur fails too. ``option`` is the option's first flag (a positional's name), or a value of a --method;
 # ``field`` one of the record's keys, "option" (added or removed) or "command" (added or removed), e.g.
 # ("run", "--eval-max-new-tokens", "section"): "issue 41: the causal-LM family's own options".
-DETAIL_CHANGES: dict[tuple[str, str, str], str] = {}
+DETAIL_CHANGES: dict[tuple[str, str, str], str] = {
+    ("compare", "*", "command"): "issue 42: the table of the repairs a run compared (docs/repairs.md)",
+    ("run", "--repair", "option"): "issue 42: repairs side by side on the run's merge (docs/repairs.md)",
+    ("run", "--eval-protocol", "option"): "issue 43: MergeBench's five domains (docs/causal-lm.md)",
+    ("run", "--benchmark-data", "option"): "issue 43: local copies of MergeBench's benchmarks (docs/causal-lm.md)",
+    ("run", "--allow-code-execution", "option"): "issue 43: the opt-in to running generated code (docs/code-eval.md)",
+}
 # Changes on purpose: command -> (options added, options no longer listed).
 CHANGES = {
     # the demo's zoo cache under its own name; --cache-dir, which means the Hub cache elsewhere, is kept hidden;
