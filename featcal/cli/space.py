@@ -107,7 +107,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "push",
         help="publish the Space on the Hugging Face Hub",
         description="Stage the Space's files (app, requirements, card, featcal package, "
-        "examples, space_config.json naming the model) and upload them as one commit.",
+        "examples, space_config.json naming the model) and upload them (huggingface_hub splits a large folder "
+        "into several commits).",
     )
     add_options(
         push,

@@ -1,4 +1,5 @@
-"""`featcal space push`: stage exactly the files the Space needs, then upload them as one commit.
+"""`featcal space push`: stage exactly the files the Space needs, then upload them (huggingface_hub's
+``upload_folder``: one commit, or several for a folder of more files than it puts in one).
 
 The staged folder holds ``app.py``, ``requirements.txt``, ``README.md`` (the Space header, with the
 model in ``models:``), ``space_config.json`` (which sets the model: ``MODEL_ID`` in the Space, no
@@ -125,7 +126,8 @@ def push_space(
     examples: bool = True,
     progress: bool = True,
 ) -> SpacePushResult:
-    """Stage the Space (into ``output``, else a temporary folder) and upload it to ``repo_id`` in one commit.
+    """Stage the Space (into ``output``, else a temporary folder) and upload it to ``repo_id`` (one commit, or
+    several where huggingface_hub splits a large folder).
 
     Creates the Space (Gradio SDK) if it does not exist. A dry run stages and lists the files
     without contacting the Hub.
