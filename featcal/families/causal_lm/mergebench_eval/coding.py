@@ -14,6 +14,7 @@ task's tests (HumanEval+'s ``check`` called on the entry point). The programs ru
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,17 @@ from featcal.families.causal_lm.mergebench_eval.protocol import (
 )
 from featcal.sandbox.runner import Limits, require_opt_in, run_program
 from featcal.sandbox.scoring import Problem, score_completions
+
+# A folder holding numpy where the sandbox can see it, for a numpy installed in a folder the sandbox hides
+# (a virtual environment under HOME or /tmp): e.g. a copy of site-packages' numpy and numpy.libs (docs/code-eval.md).
+SANDBOX_SITE = "FEATCAL_SANDBOX_SITE"
+
+
+def numpy_folder() -> str:
+    """The folder the programs import numpy from: :data:`SANDBOX_SITE`'s, else the one this process's numpy lies in."""
+    import numpy
+
+    return os.environ.get(SANDBOX_SITE) or str(Path(numpy.__file__).resolve().parent.parent)
 
 
 def numpy_prelude(limits: Limits) -> str:
@@ -50,15 +62,14 @@ def numpy_prelude(limits: Limits) -> str:
         SandboxUnavailableError: when numpy does not import in the sandbox (its folder is hidden from it,
             e.g. a virtual environment under HOME), with the sandbox's reason: every program would fail.
     """
-    import numpy
-
-    folder = str(Path(numpy.__file__).resolve().parent.parent)
+    folder = numpy_folder()
     prelude = f'import os, sys\nos.environ.setdefault("OPENBLAS_NUM_THREADS", "1")\nsys.path.append({folder!r})\n'
     outcome = run_program(prelude + "import numpy\n", limits, allow_code_execution=True)
     if not outcome.passed:
         raise SandboxUnavailableError(
             f"MergeBench's coding tests import numpy, which does not import in featcal's sandbox from {folder} "
-            f"({outcome.reason}): install numpy outside the folders the sandbox hides (docs/code-eval.md)."
+            f"({outcome.reason}): install numpy outside the folders the sandbox hides, or name a folder holding it "
+            f"in {SANDBOX_SITE} (docs/code-eval.md)."
         )
     return prelude
 
