@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError
 from featcal.metrics import MetricsReport
@@ -27,16 +25,16 @@ MERGE_RESULT = "merge.json"  # in <run>/repairs: the merge's own evaluation, the
 
 
 class RepairEvaluation:
-    """Evaluates repaired outputs on the run's test examples, building the evaluator on first use.
+    """Evaluates repaired outputs on the run's test examples, on the run's device, building the evaluator (the
+    one preparation step's, :func:`featcal.prepare.prepare`) on first use.
 
     Args:
         spec: The run.
-        device: Where the evaluation runs.
         merged: The merge the repairs start from (a module repair's modules apply to it).
     """
 
-    def __init__(self, spec: RunSpec, device: torch.device, merged: Path) -> None:
-        self.spec, self.device, self.merged = spec, device, merged
+    def __init__(self, spec: RunSpec, merged: Path) -> None:
+        self.spec, self.merged = spec, merged
         self._state: tuple[Any, Any, Any] | None = None
 
     def _ready(self) -> tuple[Any, Any, Any]:
@@ -46,10 +44,7 @@ class RepairEvaluation:
             from featcal.resolve import resolve_inputs
 
             spec = self.spec
-            evaluation = Evaluation(
-                str(self.device), SINGLE, lambda inputs: inputs.family.evaluation_settings(spec, inputs.tasks)
-            )
-            prepared = prepare(lambda: resolve_inputs(spec, need_experts=False), evaluation=evaluation)
+            prepared = prepare(lambda: resolve_inputs(spec, need_experts=False), evaluation=Evaluation.of_spec(spec))
             inputs, evaluator = prepared.inputs, prepared.evaluator
             evaluator.prepare(inputs.tasks)
             data = evaluator.test_data(
@@ -125,7 +120,7 @@ def run_compared(
     repairs = check_comparison(spec, names)
     results = run_pipeline(spec.replace(no_export=True), world)
     out, merged = Path(spec.output_dir), merged_folder(spec)
-    evaluation = RepairEvaluation(spec, world.compute_device(spec.device), merged)
+    evaluation = RepairEvaluation(spec, merged)
     with RunLock(out):
         rows, computed = compare_repairs(spec, repairs, out, merged, evaluation, redo=spec.force)
         baseline = out / REPAIRS_DIR / MERGE_RESULT
