@@ -383,6 +383,23 @@ def test_a_protocol_run_without_nltk_s_punkt_tab_is_refused_before_any_work(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no-nltk-data"] and not any(empty.iterdir())
 
 
+def test_a_protocol_run_whose_sandbox_cannot_have_numpy_is_refused_before_any_work(
+    eos_world, benchmark_data, data_file, tmp_path, capsys, monkeypatch
+) -> None:
+    """The coding domain's programs import numpy: ``FEATCAL_SANDBOX_SITE`` naming a folder without it is refused
+    in one line, exit 2, before any model is loaded or file written (before, after every other domain ran)."""
+    empty = tmp_path / "no-numpy"
+    empty.mkdir()
+    monkeypatch.setenv(coding.SANDBOX_SITE, str(empty))
+    out = tmp_path / "run"
+    message = _error(capsys, _run_args(eos_world, benchmark_data, data_file, out, "--allow-code-execution"))
+    assert message == (
+        f"featcal: error: No package 'numpy' installed in {empty} to show to the sandbox's programs "
+        f"(FEATCAL_SANDBOX_SITE={empty}; MergeBench's coding tests import numpy; docs/code-eval.md)."
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no-numpy"] and not any(empty.iterdir())
+
+
 def test_ifeval_s_checks_that_read_punkt_tab_score_with_the_data_the_check_asks_for(monkeypatch, tmp_path) -> None:
     """The instructions whose check tokenizes with Punkt (sentences, words) score a response with the punkt_tab
     built here, and fail with LookupError without it: what the check before any work prevents. (The rehearsal's

@@ -88,6 +88,24 @@ def numpy_check(limits: Limits, folders: Sequence[str]) -> None:
         )
 
 
+def sandbox_numpy(limits: Limits | None = None) -> list[str]:
+    """numpy's folders for the programs, once checked (:func:`numpy_folders`, then :func:`numpy_check`).
+
+    Args:
+        limits: The checking program's limits (default :class:`~featcal.sandbox.runner.Limits`).
+
+    Returns:
+        The folders to share with each program.
+
+    Raises:
+        SandboxUnavailableError: as :func:`numpy_folders` and :func:`numpy_check`, or when the sandbox cannot be
+            set up here.
+    """
+    folders = numpy_folders()
+    numpy_check(limits or Limits(), folders)
+    return folders
+
+
 def problem(task: CodeTask, row: Mapping[str, Any]) -> Problem:
     """One benchmark row as the problem bigcode-evaluation-harness builds of it.
 
@@ -197,12 +215,11 @@ def run_code_task(
     Raises:
         CodeExecutionNotAllowedError: without the opt-in; nothing ran.
         SandboxUnavailableError: when the sandbox cannot import numpy, which the benchmarks' tests import
-            (:func:`numpy_folders`, :func:`numpy_check`); checked before any sample is drawn.
+            (:func:`sandbox_numpy`); checked before any sample is drawn.
     """
     require_opt_in(allow_code_execution)
     limits = Limits(wall_s=task.timeout_s, cpu_s=max(1, int(task.timeout_s)))
-    folders = numpy_folders()
-    numpy_check(limits, folders)
+    folders = sandbox_numpy(limits)
     problems = [problem(task, row) for row in rows]
     samples = sample_completions(model, tokenizer, [p.prompt for p in problems], task.stop)
     completions = {p.task_id: s for p, s in zip(problems, samples)}
