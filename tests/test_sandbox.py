@@ -448,6 +448,19 @@ def test_a_shared_folder_that_is_a_link_keeps_its_name(tmp_path):
     assert outcome.passed and outcome.stdout == "['pkg']\n"
 
 
+def test_shared_folders_without_a_folder_to_show_them_under_stop_the_set_up(tmp_path, monkeypatch):
+    """Where the site's parent (``/run``) is missing, the sandbox stops before the program runs."""
+    marker = tmp_path / "ran"
+    monkeypatch.setattr(runner, "SITE", "/nonexistent-featcal-run/featcal-site")
+    with pytest.raises(SandboxUnavailableError) as caught:
+        run_program(f"open({str(marker)!r}, 'w').close()\n", FAST, allow_code_execution=True, shared=[tmp_path])
+    assert caught.value.message == (
+        "The sandbox for generated code could not be set up here: no folder /nonexistent-featcal-run to show the "
+        "shared folders under; no code ran."
+    )
+    assert not marker.exists()
+
+
 def test_shared_folders_are_validated_before_anything_runs(tmp_path):
     marker = tmp_path / "ran"
     program = f"open({str(marker)!r}, 'w').close()\n"
