@@ -74,7 +74,8 @@ def fake_home(tmp_path, monkeypatch):
 def venv_home():
     """A HOME outside /tmp holding a virtual environment's site-packages with a copy of this Python's numpy (its
     package, ``numpy.libs`` and metadata) beside another package, and a token file beside the environment: all
-    world-readable, so that only the sandbox's hiding keeps them from ``nobody`` and the random uid."""
+    world-readable, so that only the sandbox's hiding keeps them from ``nobody`` and the random uid, and (as
+    root) owned by ``nobody``, so that only the read-only mount keeps ``nobody``'s program from changing them."""
     home = Path(tempfile.mkdtemp(prefix="featcal-home-", dir="/var/tmp"))
     installed = Path(distribution("numpy").locate_file(""))
     site = home / "venv" / "lib" / "python3" / "site-packages"
@@ -86,6 +87,8 @@ def venv_home():
     (site / "other" / "__init__.py").write_text(f"TOKEN = {SECRET!r}\n")
     (home / "token").write_text(SECRET)
     for path in [home, *home.rglob("*")]:
+        if os.geteuid() == 0:  # owned by nobody, as a user's own environment: only the mount keeps it unchanged
+            os.lchown(path, 65534, 65534)
         if path.is_dir():
             os.chmod(path, 0o755)
         elif path.name in ("token", "__init__.py"):
@@ -398,7 +401,7 @@ def test_numpy_under_a_hidden_home_imports_and_computes_when_shared(mode, readab
 @pytest.mark.parametrize("mode", MODES)
 def test_a_shared_folder_is_read_only_and_shows_nothing_beside_it(mode, readable_package, hidden_venv):
     home, site, folders = hidden_venv
-    before = sorted((p.relative_to(site), p.stat().st_mode) for p in site.rglob("*"))
+    before = sorted((p.relative_to(site), p.stat().st_mode, p.stat().st_mtime_ns) for p in site.rglob("*"))
     program = (
         "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
         f"shared, site, home = {SITE!r}, {str(site)!r}, {str(home)!r}\n"
@@ -425,6 +428,9 @@ def test_a_shared_folder_is_read_only_and_shows_nothing_beside_it(mode, readable
         "    try:\n        links += [os.readlink(f'/proc/{pid}/fd/{fd}') for fd in os.listdir(f'/proc/{pid}/fd')]\n"
         "    except OSError:\n        pass\n"
         "print('links into the real site', [link for link in links if link.startswith(site)])\n"
+        "for line in open('/proc/self/mountinfo'):\n"
+        "    if line.split()[4].startswith(shared + '/'):\n"
+        "        print('mount', line.split()[4], sorted(set(line.split()[5].split(',')) & {'ro', 'nosuid', 'nodev'}))\n"
     )
     outcome = run_as(mode, program, readable_package, FAST, folders)
     assert outcome.passed, outcome
@@ -436,7 +442,9 @@ def test_a_shared_folder_is_read_only_and_shows_nothing_beside_it(mode, readable
     for path in [site, site / "other", site / "other" / "__init__.py", home / "token", home / "venv"]:
         assert f"hidden {path} FileNotFoundError" in out
     assert "links into the real site []" in out
-    assert sorted((p.relative_to(site), p.stat().st_mode) for p in site.rglob("*")) == before
+    for name in ("numpy", "numpy.libs"):
+        assert f"mount {SITE}/{name} ['nodev', 'nosuid', 'ro']" in out
+    assert sorted((p.relative_to(site), p.stat().st_mode, p.stat().st_mtime_ns) for p in site.rglob("*")) == before
 
 
 def test_a_shared_folder_that_is_a_link_keeps_its_name(tmp_path):
