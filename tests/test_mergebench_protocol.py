@@ -5,7 +5,6 @@ Hub format (tests/support/mergebench_data.py), the coding domain's programs run 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from statistics import fmean
 
@@ -25,34 +24,6 @@ from featcal.families.causal_lm.mergebench_eval.scores import normalized_average
 from tests.support.mergebench_data import HUMANEVAL_ROWS, MBPP_ROWS, save_eos_world, write_mergebench_data
 
 pytest.importorskip("lm_eval")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def numpy_seen_by_the_sandbox(tmp_path_factory):
-    """The coding benchmarks' tests import numpy, which the sandbox must see: where this environment's numpy lies
-    in a folder the sandbox hides (a clone, and its virtual environment, under /tmp or HOME), a copy of it in
-    /var/tmp named by ``FEATCAL_SANDBOX_SITE``, as a user in that situation does (docs/code-eval.md)."""
-    import shutil
-    import tempfile
-
-    import numpy
-
-    from featcal.sandbox.runner import hidden_folders
-
-    site = Path(numpy.__file__).resolve().parent.parent
-    hidden = [*hidden_folders(), "/tmp"]
-    if not any(str(site) == h or str(site).startswith(h.rstrip("/") + "/") for h in hidden):
-        yield None
-        return
-    copy = Path(tempfile.mkdtemp(prefix="featcal-numpy-", dir="/var/tmp"))
-    copy.chmod(0o755)  # the sandbox's program runs as another user
-    for name in ("numpy", "numpy.libs"):
-        if (site / name).is_dir():
-            shutil.copytree(site / name, copy / name, symlinks=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(coding.SANDBOX_SITE, str(copy))
-        yield copy
-    shutil.rmtree(copy, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +109,40 @@ def test_the_coding_domain_scores_the_programs_it_runs_in_the_sandbox(monkeypatc
     monkeypatch.setattr(coding, "sample_completions", lambda model, tok, prompts, stop: [samples[p] for p in prompts])
     result = coding.run_code_task(None, None, coding_task(name), rows, allow_code_execution=True)
     assert result["pass@1"] == pytest.approx(right / 10) and result["samples"] == 10
+
+
+def test_numpy_in_a_folder_the_sandbox_hides_is_shown_to_the_programs(monkeypatch) -> None:
+    """This process's numpy, its site-packages made the HOME the sandbox hides (as a virtual environment under
+    HOME), is shown to the programs at the sandbox's site, read-only: the canonical solutions still pass. Before,
+    the programs imported numpy from its real folder, and the coding domain stopped as the sandbox hid it."""
+    import numpy
+
+    from featcal.sandbox.runner import hidden_folders
+
+    site = str(Path(numpy.__file__).resolve().parent.parent)
+    monkeypatch.setenv("HOME", site)
+    monkeypatch.delenv(coding.SANDBOX_SITE, raising=False)
+    assert site in hidden_folders()
+    samples = _samples(HUMANEVAL_ROWS, "humanevalplus", 2)
+    monkeypatch.setattr(coding, "sample_completions", lambda model, tok, prompts, stop: [samples[p] for p in prompts])
+    result = coding.run_code_task(None, None, coding_task("humanevalplus"), HUMANEVAL_ROWS, allow_code_execution=True)
+    assert result["pass@1"] == pytest.approx(0.2)
+    libs = [f"{site}/numpy.libs"] if Path(site, "numpy.libs").is_dir() else []
+    assert [str(Path(folder).resolve()) for folder in coding.numpy_folders()] == [f"{site}/numpy", *libs]
+
+
+def test_a_sandbox_site_without_numpy_is_refused_before_any_sample(monkeypatch, tmp_path) -> None:
+    """``FEATCAL_SANDBOX_SITE`` naming a folder that holds no numpy: one line naming it, before any sample."""
+    from featcal.errors import SandboxUnavailableError
+
+    monkeypatch.setenv(coding.SANDBOX_SITE, str(tmp_path))
+    monkeypatch.setattr(coding, "sample_completions", lambda *args: pytest.fail("sampled"))
+    with pytest.raises(SandboxUnavailableError) as caught:
+        coding.run_code_task(None, None, coding_task("mbppplus"), MBPP_ROWS, allow_code_execution=True)
+    assert caught.value.message == (
+        f"No package 'numpy' installed in {tmp_path} to show to the sandbox's programs "
+        f"(FEATCAL_SANDBOX_SITE={tmp_path}; MergeBench's coding tests import numpy; docs/code-eval.md)."
+    )
 
 
 def test_a_sandbox_that_cannot_import_numpy_is_refused_before_any_sample(monkeypatch) -> None:
@@ -316,8 +321,6 @@ def test_the_protocol_reads_every_benchmark_from_the_hub_under_its_real_id(
             "1", "--eval-protocol", "mergebench", "--allow-code-execution", "--output-dir", str(run),
         ]  # fmt: skip
         env = user_env(hub.url, tmp_path / "user") | {"NLTK_DATA": str(punkt_tab_installed)}
-        if os.environ.get(coding.SANDBOX_SITE):  # numpy's copy the sandbox sees (numpy_seen_by_the_sandbox)
-            env[coding.SANDBOX_SITE] = os.environ[coding.SANDBOX_SITE]
         result = featcal_cli(args, env, timeout=900)
         served = list(hub.served)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -378,6 +381,23 @@ def test_a_protocol_run_without_nltk_s_punkt_tab_is_refused_before_any_work(
     assert "needs nltk's punkt_tab data" in message and str(empty) in message, message
     assert "`python -m nltk.downloader punkt_tab`" in message and "NLTK_DATA" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no-nltk-data"] and not any(empty.iterdir())
+
+
+def test_a_protocol_run_whose_sandbox_cannot_have_numpy_is_refused_before_any_work(
+    eos_world, benchmark_data, data_file, tmp_path, capsys, monkeypatch
+) -> None:
+    """The coding domain's programs import numpy: ``FEATCAL_SANDBOX_SITE`` naming a folder without it is refused
+    in one line, exit 2, before any model is loaded or file written (before, after every other domain ran)."""
+    empty = tmp_path / "no-numpy"
+    empty.mkdir()
+    monkeypatch.setenv(coding.SANDBOX_SITE, str(empty))
+    out = tmp_path / "run"
+    message = _error(capsys, _run_args(eos_world, benchmark_data, data_file, out, "--allow-code-execution"))
+    assert message == (
+        f"featcal: error: No package 'numpy' installed in {empty} to show to the sandbox's programs "
+        f"(FEATCAL_SANDBOX_SITE={empty}; MergeBench's coding tests import numpy; docs/code-eval.md)."
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no-numpy"] and not any(empty.iterdir())
 
 
 def test_ifeval_s_checks_that_read_punkt_tab_score_with_the_data_the_check_asks_for(monkeypatch, tmp_path) -> None:

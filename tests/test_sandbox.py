@@ -4,6 +4,8 @@ the test process unharmed; pass@k against hand-computed values; running code is 
 Each hostile program runs the way the caller runs: as root (this process, when root: the program gets a
 random uid of its own), and as an unprivileged user (``nobody``, started with ``setpriv`` and the system
 ``python3`` on a world-readable copy of the package: the program then runs in a user namespace).
+numpy, copied into a virtual environment's layout under a HOME the sandbox hides, is shown to the programs
+read-only, and nothing beside it.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import socket
 import subprocess
 import tempfile
 import time
+from importlib.metadata import distribution
 from pathlib import Path
 
 import pytest
 
 from featcal.errors import CodeExecutionNotAllowedError, InvalidParameterError, SandboxUnavailableError
-from featcal.sandbox import runner
+from featcal.sandbox import packages, runner
+from featcal.sandbox.packages import check_extensions, package_folders
 from featcal.sandbox.passk import mean_pass_at_k, pass_at_k
-from featcal.sandbox.runner import Limits, Outcome, run_program
+from featcal.sandbox.runner import SITE, Limits, Outcome, run_program
 from featcal.sandbox.scoring import Problem, score_completions
 
 PACKAGE = Path(__file__).resolve().parent.parent / "featcal"
@@ -33,8 +37,8 @@ MODES = ["caller", "nobody"] if os.geteuid() == 0 else ["caller"]
 AS_NOBODY = """
 import json, sys
 from featcal.sandbox.runner import Limits, run_program
-source, limits = json.loads(sys.stdin.read())
-outcome = run_program(source, Limits(**limits), allow_code_execution=True)
+source, limits, shared = json.loads(sys.stdin.read())
+outcome = run_program(source, Limits(**limits), allow_code_execution=True, shared=shared)
 print(json.dumps(outcome.__dict__))
 """
 
@@ -66,14 +70,56 @@ def fake_home(tmp_path, monkeypatch):
     return home
 
 
-def run_as(mode: str, source: str, package: Path, limits: Limits = FAST) -> Outcome:
+@pytest.fixture(scope="module")
+def venv_home():
+    """A HOME outside /tmp holding a virtual environment's site-packages with a copy of this Python's numpy (its
+    package, ``numpy.libs`` and metadata) beside another package, and a token file beside the environment: all
+    world-readable, so that only the sandbox's hiding keeps them from ``nobody`` and the random uid, and (as
+    root) owned by ``nobody``, so that only the read-only mount keeps ``nobody``'s program from changing them."""
+    home = Path(tempfile.mkdtemp(prefix="featcal-home-", dir="/var/tmp"))
+    installed = Path(distribution("numpy").locate_file(""))
+    site = home / "venv" / "lib" / "python3" / "site-packages"
+    site.mkdir(parents=True)
+    for folder in [*installed.glob("numpy-*.dist-info"), installed / "numpy", installed / "numpy.libs"]:
+        if folder.is_dir():
+            shutil.copytree(folder, site / folder.name, ignore=shutil.ignore_patterns("__pycache__"))
+    (site / "other").mkdir()
+    (site / "other" / "__init__.py").write_text(f"TOKEN = {SECRET!r}\n")
+    (home / "token").write_text(SECRET)
+    for path in [home, *home.rglob("*")]:
+        if os.geteuid() == 0:  # owned by nobody, as a user's own environment: only the mount keeps it unchanged
+            os.lchown(path, 65534, 65534)
+        if path.is_dir():
+            os.chmod(path, 0o755)
+        elif path.name in ("token", "__init__.py"):
+            os.chmod(path, 0o644)
+    yield home, site
+    shutil.rmtree(home)
+
+
+@pytest.fixture
+def hidden_venv(venv_home, monkeypatch):
+    """``venv_home`` as this process's HOME (hidden from the programs), and the folders of its numpy."""
+    home, site = venv_home
+    monkeypatch.setenv("HOME", str(home))
+    return home, site, package_folders("numpy", [str(site)])
+
+
+def run_as(
+    mode: str, source: str, package: Path, limits: Limits = FAST, shared: tuple[str, ...] | list[str] = ()
+) -> Outcome:
     """Run ``source`` in the sandbox started by this process (``caller``) or by ``nobody``."""
     if mode == "caller":
-        return run_program(source, limits, allow_code_execution=True)
+        return run_program(source, limits, allow_code_execution=True, shared=shared)
     command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", AS_NOBODY]
     env = {"PYTHONPATH": str(package), "HOME": os.environ["HOME"], "HF_TOKEN": os.environ.get("HF_TOKEN", "")}
     done = subprocess.run(
-        command, input=json.dumps([source, limits.__dict__]), capture_output=True, text=True, env=env, timeout=60
+        command,
+        input=json.dumps([source, limits.__dict__, list(shared)]),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     return Outcome(**json.loads(done.stdout))
@@ -330,3 +376,132 @@ def test_score_completions_validates_before_running(tmp_path):
     with pytest.raises(InvalidParameterError, match=r"^problems=\['t/0'\] is invalid: it must be unique task_ids"):
         score_completions(problems * 2, {"t/0": [""]}, allow_code_execution=True)
     assert not marker.exists()
+
+
+def test_the_folders_of_an_installed_package_are_its_own(hidden_venv):
+    home, site, folders = hidden_venv
+    assert folders == [str(site / "numpy"), str(site / "numpy.libs")]  # not its metadata, nor another package
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_numpy_under_a_hidden_home_imports_and_computes_when_shared(mode, readable_package, hidden_venv):
+    home, site, folders = hidden_venv
+    program = (
+        f"import sys\nsys.path.append({SITE!r})\nimport numpy as np\nprint(np.__file__)\n"
+        "print(int(np.arange(10).sum()), round(float(np.linalg.det(np.eye(3) * 2)), 6))\n"
+    )
+    limits = Limits(wall_s=20.0, cpu_s=10, memory_bytes=1 << 30, processes=32, file_bytes=1 << 20, work_bytes=8 << 20)
+    outcome = run_as(mode, program, readable_package, limits, folders)
+    assert outcome.passed, outcome
+    assert outcome.stdout.splitlines() == [f"{SITE}/numpy/__init__.py", "45 8.0"]
+    unshared = run_as(mode, program.replace(repr(SITE), repr(str(site))), readable_package, limits)
+    assert unshared.reason == "exit status 1: ModuleNotFoundError: No module named 'numpy'"  # its folder is hidden
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_shared_folder_is_read_only_and_shows_nothing_beside_it(mode, readable_package, hidden_venv):
+    home, site, folders = hidden_venv
+    before = sorted((p.relative_to(site), p.stat().st_mode, p.stat().st_mtime_ns) for p in site.rglob("*"))
+    program = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"shared, site, home = {SITE!r}, {str(site)!r}, {str(home)!r}\n"
+        "numpy = shared + '/numpy'\nchanged = []\n"
+        "def attempt(name, action):\n"
+        "    try:\n        action()\n        changed.append(name)\n    except OSError as exc:\n"
+        "        print('refused', name, exc.errno)\n"
+        "attempt('write', lambda: open(numpy + '/planted.py', 'w').write('x'))\n"
+        "attempt('append', lambda: open(numpy + '/version.py', 'a').write('x'))\n"
+        "attempt('libs', lambda: open(shared + '/numpy.libs/planted.so', 'w').write('x'))\n"
+        "attempt('beside', lambda: open(shared + '/planted', 'w').write('x'))\n"
+        "attempt('mkdir', lambda: os.mkdir(numpy + '/planted'))\n"
+        "attempt('chmod', lambda: os.chmod(numpy + '/__init__.py', 0o777))\n"
+        "attempt('unlink', lambda: os.unlink(numpy + '/version.py'))\n"
+        "attempt('rename', lambda: os.rename(numpy + '/version.py', numpy + '/moved.py'))\n"
+        "print('changed', changed)\n"
+        "print('listed', sorted(os.listdir(shared)), sorted(os.listdir(numpy + '/..')), os.listdir(home))\n"
+        "print('remount', libc.mount(None, numpy.encode(), None, 32 | 4096, None), libc.umount2(numpy.encode(), 2))\n"
+        "for path in [site, site + '/other', site + '/other/__init__.py', home + '/token', home + '/venv']:\n"
+        "    try:\n        print(os.listdir(path) if os.path.isdir(path) else open(path).read())\n"
+        "    except OSError as exc:\n        print('hidden', path, type(exc).__name__)\n"
+        "links = []\n"
+        "for pid in (pid for pid in os.listdir('/proc') if pid.isdigit()):\n"
+        "    try:\n        links += [os.readlink(f'/proc/{pid}/fd/{fd}') for fd in os.listdir(f'/proc/{pid}/fd')]\n"
+        "    except OSError:\n        pass\n"
+        "print('links into the real site', [link for link in links if link.startswith(site)])\n"
+        "for line in open('/proc/self/mountinfo'):\n"
+        "    if line.split()[4].startswith(shared + '/'):\n"
+        "        print('mount', line.split()[4], sorted(set(line.split()[5].split(',')) & {'ro', 'nosuid', 'nodev'}))\n"
+    )
+    outcome = run_as(mode, program, readable_package, FAST, folders)
+    assert outcome.passed, outcome
+    out = outcome.stdout
+    assert SECRET not in out + outcome.stderr
+    assert "changed []" in out and out.count("refused ") == 8
+    assert "listed ['numpy', 'numpy.libs'] ['numpy', 'numpy.libs'] []" in out  # nothing of the real parent
+    assert "remount -1 -1" in out
+    for path in [site, site / "other", site / "other" / "__init__.py", home / "token", home / "venv"]:
+        assert f"hidden {path} FileNotFoundError" in out
+    assert "links into the real site []" in out
+    for name in ("numpy", "numpy.libs"):
+        assert f"mount {SITE}/{name} ['nodev', 'nosuid', 'ro']" in out
+    assert sorted((p.relative_to(site), p.stat().st_mode, p.stat().st_mtime_ns) for p in site.rglob("*")) == before
+
+
+def test_a_shared_folder_that_is_a_link_keeps_its_name(tmp_path):
+    (tmp_path / "pkg-1.0").mkdir()
+    (tmp_path / "pkg").symlink_to(tmp_path / "pkg-1.0")
+    outcome = run_program(
+        f"import os\nprint(os.listdir({SITE!r}))\n", FAST, allow_code_execution=True, shared=[tmp_path / "pkg"]
+    )
+    assert outcome.passed and outcome.stdout == "['pkg']\n"
+
+
+def test_shared_folders_without_a_folder_to_show_them_under_stop_the_set_up(tmp_path, monkeypatch):
+    """Where the site's parent (``/run``) is missing, the sandbox stops before the program runs."""
+    marker = tmp_path / "ran"
+    monkeypatch.setattr(runner, "SITE", "/nonexistent-featcal-run/featcal-site")
+    with pytest.raises(SandboxUnavailableError) as caught:
+        run_program(f"open({str(marker)!r}, 'w').close()\n", FAST, allow_code_execution=True, shared=[tmp_path])
+    assert caught.value.message == (
+        "The sandbox for generated code could not be set up here: no folder /nonexistent-featcal-run to show the "
+        "shared folders under; no code ran."
+    )
+    assert not marker.exists()
+
+
+def test_shared_folders_are_validated_before_anything_runs(tmp_path):
+    marker = tmp_path / "ran"
+    program = f"open({str(marker)!r}, 'w').close()\n"
+    with pytest.raises(InvalidParameterError) as caught:
+        run_program(program, FAST, allow_code_execution=True, shared=[tmp_path / "missing"])
+    assert caught.value.message == f"sandbox: shared='{tmp_path / 'missing'}' is invalid: it must be existing folders."
+    (tmp_path / "a" / "numpy").mkdir(parents=True)
+    (tmp_path / "b" / "numpy").mkdir(parents=True)
+    with pytest.raises(InvalidParameterError, match=r"shared=\['numpy', 'numpy'\] is invalid: it must be folders with"):
+        score_completions(
+            [Problem("t/0", program, "")], {"t/0": [""]}, allow_code_execution=True,
+            shared=[tmp_path / "a" / "numpy", tmp_path / "b" / "numpy"],
+        )  # fmt: skip
+    assert not marker.exists()
+
+
+def test_a_package_that_is_not_there_or_built_for_another_python_is_refused(tmp_path):
+    with pytest.raises(SandboxUnavailableError) as caught:
+        package_folders("numpy", [str(tmp_path)])
+    assert caught.value.message == f"No package 'numpy' installed in {tmp_path} to show to the sandbox's programs."
+    core = tmp_path / "numpy" / "_core"
+    core.mkdir(parents=True)
+    (tmp_path / "numpy" / "__init__.py").write_text("")
+    (core / "_multiarray_umath.cpython-399-x86_64-linux-gnu.so").write_bytes(b"")
+    assert package_folders("numpy", [str(tmp_path)]) == [str(tmp_path / "numpy")]  # no RECORD: the package alone
+    python = runner.program_python()
+    suffix = packages._extension_suffixes(python)[0]
+    with pytest.raises(SandboxUnavailableError) as caught:
+        check_extensions(str(tmp_path / "numpy"))
+    assert caught.value.message == (
+        f"The package in {tmp_path / 'numpy'} is built for cpython-399-x86_64-linux-gnu, but the sandbox's Python "
+        f"{python} loads {suffix} extensions: install one built for it, or run featcal with a Python of the same "
+        "version outside the folders the sandbox hides."
+    )
+    (core / f"_multiarray_umath{suffix}").write_bytes(b"")
+    check_extensions(str(tmp_path / "numpy"))  # one built for it among them: accepted

@@ -8,9 +8,10 @@ private mount namespace. It uses the standard library only (``-I -S``: no site-p
 
 1. reads the program and its settings (the JSON file ``CONFIG``);
 2. remounts every mount it can see read-only (in this namespace only), hides the user's home folders
-   (``HOME``, ``/root``, ``/home``) under empty read-only tmpfs mounts, mounts a fresh proc for the new
-   PID namespace, and a fresh, size-limited, writable tmpfs on ``/tmp``, the program's only writable
-   folder, its cwd and HOME; any step failing stops here, before the program runs;
+   (``HOME``, ``/root``, ``/home``) under empty read-only tmpfs mounts, shows the folders the config shares
+   (an installed package such as numpy, wherever it lies) read-only under ``/run``, mounts a fresh proc
+   for the new PID namespace, and a fresh, size-limited, writable tmpfs on ``/tmp``, the program's only
+   writable folder, its cwd and HOME; any step failing stops here, before the program runs;
 3. forks the program: it drops to the unprivileged uid/gid the config names (when started as root),
    sets the resource limits and execs ``python -I -S program.py`` with an environment of its own;
 4. waits for it (reaping the orphans it leaves meanwhile), and writes the line ``exit N`` or ``signal N``
@@ -70,26 +71,60 @@ def _mount_points() -> list[str]:
     return [re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal.group(1), 8)), point) for point in points]
 
 
+def _read_only_remount(point: str, kept: int, flags: int) -> None:
+    """Remount the mount at ``point`` read-only with ``flags``, keeping the flags ``kept`` (its statvfs flags)
+    says it has: a remount inside a user namespace may add flags, never drop them."""
+    flags |= MS_REMOUNT | MS_BIND | MS_RDONLY
+    for stat_flag, mount_flag in KEPT_FLAGS:
+        if kept & stat_flag:
+            flags |= mount_flag
+    _mount(None, point, None, flags)
+
+
 def _read_only_everywhere() -> None:
-    """Remount each visible mount read-only, keeping its other flags; ones that vanished are skipped."""
+    """Remount each visible mount read-only and nosuid, keeping its other flags; ones that vanished are skipped."""
     for point in _mount_points():
         try:
             kept = os.statvfs(point).f_flag
         except OSError:  # hidden under a later mount, or gone
             continue
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
-        for stat_flag, mount_flag in KEPT_FLAGS:
-            if kept & stat_flag:
-                flags |= mount_flag
-        _mount(None, point, None, flags)
+        _read_only_remount(point, kept, MS_NOSUID)
+
+
+def _open_shared(shared: list[list[str]]) -> list[tuple[str, int]]:
+    """Each shared folder's name and a handle on it (``O_PATH``, not inherited), taken before any folder is
+    hidden, so that one lying in a hidden folder can still be bound."""
+    return [(name, os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)) for name, path in shared]
+
+
+def _show_shared(site: str, handles: list[tuple[str, int]]) -> None:
+    """Bind each shared folder at ``site/NAME`` read-only, nosuid and nodev, on a tmpfs mounted over ``site``'s
+    parent (``/run``, already emptied) that is read-only once they are in place: the program sees those
+    folders and nothing beside them (``..`` of a bind is the tmpfs, not the folder's real parent)."""
+    parent = os.path.dirname(site)
+    if not os.path.isdir(parent) or os.path.islink(parent):
+        raise OSError(f"no folder {parent} to show the shared folders under")
+    _mount("tmpfs", parent, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0755")
+    os.mkdir(site)
+    os.chmod(site, 0o755)
+    for name, handle in handles:
+        target = os.path.join(site, name)
+        os.mkdir(target)
+        _mount(f"/proc/self/fd/{handle}", target, None, MS_BIND)
+        os.close(handle)
+        _read_only_remount(target, os.statvfs(target).f_flag, MS_NOSUID | MS_NODEV)
+    _mount(None, parent, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0755")
 
 
 def _confine(config: dict) -> None:
     """The file-system confinement of step 2 (module docstring)."""
+    handles = _open_shared(config["shared"])
     _read_only_everywhere()
     for folder in [*config["hidden"], *EMPTIED]:
         if os.path.isdir(folder) and not os.path.islink(folder):
             _mount("tmpfs", folder, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0555")
+    if handles:
+        _show_shared(config["site"], handles)
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     size = config["work_bytes"]
     _mount("tmpfs", WORK, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=0700")

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -29,6 +30,9 @@ from featcal.errors import CodeExecutionNotAllowedError, InvalidParameterError, 
 CONFINE = Path(__file__).with_name("confine.py")
 # The folders the program must not see, besides the caller's HOME.
 HIDDEN = ("/root", "/home")
+# Where the program sees the folders shared with it (``shared=``), each under its own name, read-only: a folder on
+# its module path (``sys.path.append(SITE)``) when they are installed packages.
+SITE = "/run/featcal-site"
 SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
 UNSHARE_PATHS = ("/usr/bin/unshare", "/bin/unshare")
 # The random uids (and gids) a program run as root gets: high, so that no account or process has them.
@@ -154,6 +158,30 @@ def program_python(python: str | None = None) -> str:
     )
 
 
+def shared_folders(folders: Sequence[str | os.PathLike[str]]) -> list[list[str]]:
+    """Each folder to share with the program as ``[name, real path]``, the name the one it has under :data:`SITE`.
+
+    Args:
+        folders: Existing folders with distinct names (their last path component, kept where it is a link).
+
+    Returns:
+        Their names and real paths, in the order given.
+
+    Raises:
+        InvalidParameterError: for a folder that does not exist, or two with the same name.
+    """
+    shared: list[list[str]] = []
+    for folder in folders:
+        real = os.path.realpath(folder)
+        if not os.path.isdir(real):
+            raise InvalidParameterError("shared", str(folder), "existing folders", owner="sandbox")
+        shared.append([os.path.basename(os.path.normpath(folder)), real])
+    names = [name for name, _ in shared]
+    if len(set(names)) != len(names):
+        raise InvalidParameterError("shared", names, "folders with distinct names", owner="sandbox")
+    return shared
+
+
 def _unshare_command() -> list[str]:
     """``unshare`` with the namespaces the sandbox needs, or a refusal naming what is missing."""
     if not sys.platform.startswith("linux"):
@@ -209,7 +237,12 @@ def _outcome(report: str, stdout: str, stderr: str, seconds: float, limits: Limi
 
 
 def run_program(
-    source: str, limits: Limits | None = None, *, allow_code_execution: bool = False, python: str | None = None
+    source: str,
+    limits: Limits | None = None,
+    *,
+    allow_code_execution: bool = False,
+    python: str | None = None,
+    shared: Sequence[str | os.PathLike[str]] = (),
 ) -> Outcome:
     """Run one Python program in the sandbox and say how it ended.
 
@@ -218,16 +251,21 @@ def run_program(
         limits: What it may use (default :class:`Limits`).
         allow_code_execution: Must be True: running generated code is opt-in.
         python: The interpreter (default: :func:`program_python`'s choice).
+        shared: Folders the program sees read-only at ``SITE/NAME`` (:data:`SITE`), wherever they lie, hidden
+            folders included; nothing beside them is shown (e.g. :func:`~featcal.sandbox.packages.package_folders`'s
+            of numpy, for a program that appends :data:`SITE` to ``sys.path``).
 
     Returns:
         Its :class:`Outcome`.
 
     Raises:
         CodeExecutionNotAllowedError: without the opt-in.
+        InvalidParameterError: for a shared folder that does not exist, or two with the same name; nothing ran.
         SandboxUnavailableError: when the sandbox cannot be set up here; nothing ran then.
     """
     require_opt_in(allow_code_execution)
     limits = limits or Limits()
+    share = shared_folders(shared)
     command = _unshare_command()
     interpreter = program_python(python)
     uid = None if os.geteuid() != 0 else UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
@@ -237,6 +275,8 @@ def run_program(
         config = {
             "program": str(folder / "program.py"),
             "hidden": hidden_folders(),
+            "shared": share,
+            "site": SITE,
             "work_bytes": limits.work_bytes,
             "uid": uid,
             "gid": uid,

@@ -9,13 +9,14 @@ problem whose test asserts by itself (MBPP+ style) has no entry point, and nothi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from featcal.errors import InvalidParameterError
 from featcal.progress import Progress
 from featcal.sandbox.passk import mean_pass_at_k
-from featcal.sandbox.runner import Limits, Outcome, require_opt_in, run_program
+from featcal.sandbox.runner import Limits, Outcome, require_opt_in, run_program, shared_folders
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ def score_completions(
     *,
     allow_code_execution: bool = False,
     progress: bool = True,
+    shared: Sequence[str | os.PathLike[str]] = (),
 ) -> CodeScore:
     """Run every completion of every problem in the sandbox and compute pass@k.
 
@@ -82,6 +84,7 @@ def score_completions(
         limits: What each program may use (default :class:`~featcal.sandbox.runner.Limits`).
         allow_code_execution: Must be True: running generated code is opt-in.
         progress: Show a progress bar over the programs run.
+        shared: Folders each program sees read-only (:func:`~featcal.sandbox.runner.run_program`'s ``shared``).
 
     Returns:
         The :class:`CodeScore`.
@@ -89,7 +92,8 @@ def score_completions(
     Raises:
         CodeExecutionNotAllowedError: without the opt-in; nothing ran.
         InvalidParameterError: for no problems, repeated task ids, completions of no given problem, a
-            problem with fewer than ``max(ks)`` completions or a k < 1; checked before anything runs.
+            problem with fewer than ``max(ks)`` completions, a k < 1, or a shared folder that does not exist or
+            shares its name with another; checked before anything runs.
         SandboxUnavailableError: when the sandbox cannot be set up here.
     """
     require_opt_in(allow_code_execution)
@@ -111,13 +115,14 @@ def score_completions(
                 len(samples),
                 f"at least max(ks)={max(ks)} samples (it has {len(samples)})",
             )
+    shared_folders(shared)
     outcomes: dict[str, list[Outcome]] = {task: [] for task in ids}
     total = sum(len(completions[task]) for task in ids)
     with Progress(desc="Running generated code", total=total, unit="programs", enabled=progress) as bar:
         for problem in problems:
             for completion in completions[problem.task_id]:
                 program = problem.program(completion)
-                outcomes[problem.task_id].append(run_program(program, limits, allow_code_execution=True))
+                outcomes[problem.task_id].append(run_program(program, limits, allow_code_execution=True, shared=shared))
                 bar.update(1)
     counts = [(len(runs), sum(run.passed for run in runs)) for runs in outcomes.values()]
     return CodeScore({f"pass@{k}": mean_pass_at_k(counts, k) for k in ks}, outcomes)

@@ -29,49 +29,81 @@ from featcal.families.causal_lm.mergebench_eval.protocol import (
     CODE_TOP_P,
     CodeTask,
 )
-from featcal.sandbox.runner import Limits, require_opt_in, run_program
+from featcal.sandbox.packages import check_extensions, package_folders
+from featcal.sandbox.runner import SITE, Limits, require_opt_in, run_program
 from featcal.sandbox.scoring import Problem, score_completions
 
-# A folder holding numpy where the sandbox can see it, for a numpy installed in a folder the sandbox hides
-# (a virtual environment under HOME or /tmp): e.g. a copy of site-packages' numpy and numpy.libs (docs/code-eval.md).
+# A folder holding the numpy the programs import (its ``numpy`` and, from a wheel, ``numpy.libs``), instead of
+# the one this process imports: e.g. one built for the sandbox's Python when this process runs another version.
 SANDBOX_SITE = "FEATCAL_SANDBOX_SITE"
+# The lines run before each program: numpy's folders, shown read-only at SITE, on its module path; OpenBLAS on one
+# thread (its buffers stay within the program's memory limit).
+PRELUDE = f'import os, sys\nos.environ.setdefault("OPENBLAS_NUM_THREADS", "1")\nsys.path.append({SITE!r})\n'
 
 
-def numpy_folder() -> str:
-    """The folder the programs import numpy from: :data:`SANDBOX_SITE`'s, else the one this process's numpy lies in."""
-    import numpy
+def numpy_folders() -> list[str]:
+    """The folders of the numpy the programs import: the one in :data:`SANDBOX_SITE`'s folder when set, else the
+    one this process imports (wherever it lies: the sandbox shows these folders alone, read-only).
 
-    return os.environ.get(SANDBOX_SITE) or str(Path(numpy.__file__).resolve().parent.parent)
+    Returns:
+        numpy's package folder and the folders its wheel installed beside it (``numpy.libs``).
+
+    Raises:
+        SandboxUnavailableError: when there is no numpy there, or the sandbox's Python cannot load its
+            compiled extensions (built for another Python version).
+    """
+    site = os.environ.get(SANDBOX_SITE)
+    try:
+        folders = package_folders("numpy", [site] if site else None)
+        check_extensions(folders[0])
+    except SandboxUnavailableError as exc:
+        named = f"{SANDBOX_SITE}={site}" if site else f"{SANDBOX_SITE} unset: this Python's numpy"
+        raise SandboxUnavailableError(
+            f"{exc.message.rstrip('.')} ({named}; MergeBench's coding tests import numpy; docs/code-eval.md)."
+        ) from exc
+    return folders
 
 
-def numpy_prelude(limits: Limits) -> str:
-    """The lines run before each program so that it can import numpy, as the benchmarks' tests do.
+def numpy_check(limits: Limits, folders: Sequence[str]) -> None:
+    """Check, with one program in the sandbox, that numpy imports and computes there with :data:`PRELUDE`.
 
     HumanEval+'s and MBPP+'s tests begin with ``import numpy as np``; the sandbox's Python sees the standard
-    library alone (``-I -S``), so the folder numpy is installed in is appended to the program's module
-    path (read-only, as every folder the sandbox shows), with OpenBLAS held to one thread (its buffers
-    stay within the program's memory limit). One program checks, in the sandbox, that numpy imports.
+    library alone (``-I -S``) and the folders shared with it.
 
     Args:
         limits: The programs' limits.
-
-    Returns:
-        The prelude's source.
+        folders: numpy's folders (:func:`numpy_folders`).
 
     Raises:
-        SandboxUnavailableError: when numpy does not import in the sandbox (its folder is hidden from it,
-            e.g. a virtual environment under HOME), with the sandbox's reason: every program would fail.
+        SandboxUnavailableError: when numpy does not import in the sandbox (a library its extensions load lies
+            in a folder the sandbox hides), with the sandbox's reason: every program would fail.
     """
-    folder = numpy_folder()
-    prelude = f'import os, sys\nos.environ.setdefault("OPENBLAS_NUM_THREADS", "1")\nsys.path.append({folder!r})\n'
-    outcome = run_program(prelude + "import numpy\n", limits, allow_code_execution=True)
+    check = "import numpy\nassert int(numpy.arange(4).sum()) == 6\n"
+    outcome = run_program(PRELUDE + check, limits, allow_code_execution=True, shared=folders)
     if not outcome.passed:
         raise SandboxUnavailableError(
-            f"MergeBench's coding tests import numpy, which does not import in featcal's sandbox from {folder} "
-            f"({outcome.reason}): install numpy outside the folders the sandbox hides, or name a folder holding it "
+            f"MergeBench's coding tests import numpy, which does not import in featcal's sandbox from "
+            f"{', '.join(folders)} ({outcome.reason}): name a folder holding a numpy that imports there "
             f"in {SANDBOX_SITE} (docs/code-eval.md)."
         )
-    return prelude
+
+
+def sandbox_numpy(limits: Limits | None = None) -> list[str]:
+    """numpy's folders for the programs, once checked (:func:`numpy_folders`, then :func:`numpy_check`).
+
+    Args:
+        limits: The checking program's limits (default :class:`~featcal.sandbox.runner.Limits`).
+
+    Returns:
+        The folders to share with each program.
+
+    Raises:
+        SandboxUnavailableError: as :func:`numpy_folders` and :func:`numpy_check`, or when the sandbox cannot be
+            set up here.
+    """
+    folders = numpy_folders()
+    numpy_check(limits or Limits(), folders)
+    return folders
 
 
 def problem(task: CodeTask, row: Mapping[str, Any]) -> Problem:
@@ -182,16 +214,18 @@ def run_code_task(
 
     Raises:
         CodeExecutionNotAllowedError: without the opt-in; nothing ran.
-        SandboxUnavailableError: when the sandbox cannot import numpy, which the benchmarks' tests import.
+        SandboxUnavailableError: when the sandbox cannot import numpy, which the benchmarks' tests import
+            (:func:`sandbox_numpy`); checked before any sample is drawn.
     """
     require_opt_in(allow_code_execution)
     limits = Limits(wall_s=task.timeout_s, cpu_s=max(1, int(task.timeout_s)))
-    prelude = numpy_prelude(limits)
+    folders = sandbox_numpy(limits)
     problems = [problem(task, row) for row in rows]
     samples = sample_completions(model, tokenizer, [p.prompt for p in problems], task.stop)
     completions = {p.task_id: s for p, s in zip(problems, samples)}
-    programs = [replace(p, prompt=prelude + p.prompt) for p in problems]  # the model saw the prompt alone
+    programs = [replace(p, prompt=PRELUDE + p.prompt) for p in problems]  # the model saw the prompt alone
     score = score_completions(
-        programs, completions, ks=(1,), limits=limits, allow_code_execution=allow_code_execution, progress=False
-    )
+        programs, completions, ks=(1,), limits=limits, allow_code_execution=allow_code_execution, progress=False,
+        shared=folders,
+    )  # fmt: skip
     return {"pass@1": score.pass_at_k["pass@1"], "problems": float(len(problems)), "samples": float(CODE_SAMPLES)}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import CodeExecutionNotAllowedError
-from featcal.families.causal_lm.mergebench_eval.coding import hub_rows, read_rows, run_code_task
+from featcal.families.causal_lm.mergebench_eval.coding import hub_rows, read_rows, run_code_task, sandbox_numpy
 from featcal.families.causal_lm.mergebench_eval.local_data import (
     check_local_copies,
     code_source,
@@ -70,6 +70,8 @@ def check_protocol(data: str | None, allow_code_execution: bool) -> None:
         DatasetInputError: for a folder lacking a file some task reads.
         FeatcalError: when lm-eval is not installed, or nltk's ``punkt_tab`` data, which ifeval's checks read,
             is not (:func:`.nltk_data.check_punkt_tab`).
+        SandboxUnavailableError: when the coding domain's programs could not import numpy in the sandbox, or
+            the sandbox cannot be set up here (:func:`.coding.sandbox_numpy`: one program run in it).
     """
     if allow_code_execution is not True:
         raise CodeExecutionNotAllowedError(CODE_OPT_IN)
@@ -78,6 +80,7 @@ def check_protocol(data: str | None, allow_code_execution: bool) -> None:
         sources = [harness_source(t) for name in DOMAIN_NAMES for t in domain(name).harness]
         sources += [code_source(t) for t in domain(CODING).code]
         check_local_copies(Path(data), sources)
+    sandbox_numpy()
 
 
 class MergeBenchEvaluation:
