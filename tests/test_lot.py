@@ -230,7 +230,8 @@ def test_lot_runs_on_a_tiny_causal_lm(tmp_path) -> None:
     released = load_file(tmp_path / "lot-release" / "model.safetensors")
     assert all(torch.equal(released[k], repaired[k]) for k in repaired)
     card = (tmp_path / "lot-release" / "README.md").read_text()
-    assert "LOT Merging" in card and "8 calibration examples per task, seed 42" in card and "{'" not in card
+    assert "LOT Merging" in card and "norms = True, 8 calibration examples per task, seed 42" in card
+    assert "{'" not in card
 
 
 # --- refusals -----------------------------------------------------------------------------------------
