@@ -234,6 +234,31 @@ def test_lot_runs_on_a_tiny_causal_lm(tmp_path) -> None:
     assert "{'" not in card
 
 
+def test_a_tiny_causal_lm_s_rmsnorms_come_back_as_the_one_expert_s(tmp_path) -> None:
+    """One task merged with κ 0.3: LOT gives back the expert's RMSNorm scales, not the merge's (each dimension's
+    weighted average of one task vector), with the padding of its texts weighing 0."""
+    base = save_model(tmp_path / "base", seed=0)
+    tokenizer().save_pretrained(tmp_path / "base")
+    expert = tmp_path / "Llama-tiny_math"
+    save_model(expert, seed=10, base=base)
+    tokenizer().save_pretrained(expert)
+    words = texts(20, 40)
+    rows = "".join(json.dumps({"query": words[2 * j], "response": words[2 * j + 1]}) + "\n" for j in range(20))
+    (tmp_path / "math.jsonl").write_text(rows)
+    data = {"max_length": 16, "experts": {str(expert): {"dataset": "math.jsonl", "text": "{query} {response}"}}}
+    (tmp_path / "data.yaml").write_text(json.dumps(data))
+    common = ["--data", str(tmp_path / "data.yaml"), "--device", "cpu"]
+    merge = ["-q", "merge", *common, "--base-model-id", str(tmp_path / "base"), "--ta-scaling-factor", "0.3"]
+    assert main([*merge, "--output", str(tmp_path / "ta")]) == 0
+    assert main(["-q", "calibrate", "--method", "lot", *common, *DRAW, "--merged", str(tmp_path / "ta"),
+                 "--output", str(tmp_path / "lot")]) == 0  # fmt: skip
+    repaired, want = load_file(tmp_path / "lot" / "model.safetensors"), load_file(expert / "model.safetensors")
+    norms = [k for k in repaired if k.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))]
+    assert len(norms) == 4 and all(torch.allclose(repaired[k], want[k], rtol=0, atol=1e-6) for k in norms)
+    merged = load_file(tmp_path / "ta" / "model.safetensors")
+    assert all((merged[k] - want[k]).abs().max() > 1e-3 for k in norms)  # the expert's own, not the merge's
+
+
 # --- refusals -----------------------------------------------------------------------------------------
 
 
@@ -264,6 +289,7 @@ def test_lot_without_calibration_data_is_refused_before_any_work(clip, tmp_path,
         (["--lambda-ratio", "0.5"], "--lambda-ratio '0.5' is invalid: it must be given only with --method featcal: "
          "lot reads FeatCal's calibration draw (--num-calibration-examples, --seed) but none of its parameters."),
         (["--repair-param", "alpha=0.1"], "Unknown parameter of repair 'lot' ['alpha']"),
+        (["--repair-param", "norms=maybe"], "repair 'lot': norms='maybe' is invalid: it must be true or false."),
     ],
 )  # fmt: skip
 def test_lot_refuses_what_it_would_not_read_before_any_work(clip, tmp_path, capsys, extra, message) -> None:
