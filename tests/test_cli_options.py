@@ -35,6 +35,7 @@ DETAIL_CHANGES: dict[tuple[str, str, str], str] = {
     ("run", "--eval-protocol", "option"): "issue 43: MergeBench's five domains (docs/causal-lm.md)",
     ("run", "--benchmark-data", "option"): "issue 43: local copies of MergeBench's benchmarks (docs/causal-lm.md)",
     ("run", "--allow-code-execution", "option"): "issue 43: the opt-in to running generated code (docs/code-eval.md)",
+    ("calibrate --method", "lot", "hyper-parameters"): "issue 42: LOT solves the norms too; norms=false: linears only",
 }
 # Changes on purpose: command -> (options added, options no longer listed).
 CHANGES = {

@@ -1,6 +1,7 @@
-"""LOT Merging as a repair: its closed form against a float64 least-squares oracle, a merge equal to its
-one expert as a fixed point, `featcal calibrate --method lot` on a tiny CLIP and a tiny Llama (what it
-records; the Llama's result exports), and what it refuses before any work."""
+"""LOT Merging as a repair: its linears' closed form against a float64 least-squares oracle (its norms':
+tests/test_lot_norms.py), a merge equal to its one expert as a fixed point, the linears-only variant,
+`featcal calibrate --method lot` on a tiny CLIP and a tiny Llama (what it records; the Llama's result
+exports), and what it refuses before any work."""
 
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ def test_float32_features_spanning_few_directions_are_solved_as_the_float64_orac
 
 def test_lot_is_registered_as_a_releasable_repair_that_reads_data() -> None:
     lot = get_repair("lot")
-    assert (lot.uses_data, lot.releasable, lot.kernel, lot.params) == (True, True, None, ())
+    assert (lot.uses_data, lot.releasable, lot.kernel) == (True, True, None)
+    assert [(p.name, p.type, p.default) for p in lot.params] == [("norms", bool, True)]
     assert lot.reference_url == "https://arxiv.org/abs/2505.23859"
 
 
@@ -131,18 +133,37 @@ def linear_weights(state: dict[str, torch.Tensor]) -> list[str]:
     return [k for k in state if ".layers." in k and k.endswith(".weight") and state[k].dim() == 2]
 
 
-def test_lot_solves_the_linears_and_keeps_the_merge_s_other_tensors(clip) -> None:
+def norm_tensors(state: dict[str, torch.Tensor]) -> list[str]:
+    """The keys of the encoder layers' LayerNorm scales and shifts (what LOT solves by default too)."""
+    return [k for k in state if ".layers." in k and ".layer_norm" in k]
+
+
+def test_lot_solves_the_linears_and_norms_and_keeps_the_merge_s_other_tensors(clip) -> None:
     merged, repaired = load_file(clip / "ta" / "model.safetensors"), load_file(clip / "ta-lot" / "model.safetensors")
-    solved = linear_weights(merged)
-    assert len(solved) == 2 * 6 and list(repaired) == list(merged)  # 2 layers × q, k, v, out, fc1, fc2
-    assert all(not torch.equal(repaired[k], merged[k]) for k in solved)
+    solved = linear_weights(merged) + norm_tensors(merged)
+    assert len(solved) == 2 * 6 + 2 * 4 and list(repaired) == list(merged)  # 2 layers × (q, k, v, out, fc1, fc2;
+    assert all(not torch.equal(repaired[k], merged[k]) for k in solved)  # layer_norm1/2's weight and bias)
     assert all(torch.equal(repaired[k], merged[k]) for k in merged if k not in solved)
     recipe = json.loads((clip / "ta-lot" / "featcal_recipe.json").read_text())
     (entry,) = recipe["repairs"]
-    assert recipe["kind"] == "repair" and entry["method"] == "lot"
+    assert recipe["kind"] == "repair" and entry["method"] == "lot" and entry["params"]["norms"] is True
     draw = entry["params"]["calibration"]
     assert (draw["num_calibration_examples"], draw["calibration_batch_size"], draw["seed"]) == (8, 4, 42)
     assert recipe["merge"] == json.loads((clip / "ta" / "featcal_recipe.json").read_text())["merge"]
+
+
+def test_norms_false_keeps_the_merge_s_norms_and_the_same_linears(clip, tmp_path) -> None:
+    """The linears-only variant: the linears are those of the default (their solve reads the experts' streams,
+    which no norm of the result touches), every norm the merge's; the choice is recorded."""
+    out = tmp_path / "ta-lot-linears"
+    argv = ["-q", "calibrate", "--method", "lot", "--tasks-file", str(clip / "tasks.json"), *BASE, *DRAW]
+    assert main([*argv, "--merged", str(clip / "ta"), "--output", str(out), "--repair-param", "norms=false"]) == 0
+    merged, default = load_file(clip / "ta" / "model.safetensors"), load_file(clip / "ta-lot" / "model.safetensors")
+    linears_only = load_file(out / "model.safetensors")
+    assert all(torch.equal(linears_only[k], default[k]) for k in linear_weights(merged))
+    assert all(torch.equal(linears_only[k], merged[k]) for k in merged if k not in linear_weights(merged))
+    (entry,) = json.loads((out / "featcal_recipe.json").read_text())["repairs"]
+    assert entry["params"]["norms"] is False
 
 
 def test_a_merge_equal_to_its_one_expert_is_a_fixed_point(clip, tmp_path) -> None:
@@ -162,17 +183,17 @@ def test_a_merge_equal_to_its_one_expert_is_a_fixed_point(clip, tmp_path) -> Non
     assert main([*argv, "--merged", str(clip / "t0"), "--output", str(out)]) == 0
     expert, repaired = load_file(F / "experts" / "t0" / "model.safetensors"), load_file(out / "model.safetensors")
     merged = load_file(clip / "t0" / "model.safetensors")
-    for key in linear_weights(merged):
+    for key in linear_weights(merged) + norm_tensors(merged):
         want = expert[next(k for k in expert if k.endswith(key.split("vision_model.", 1)[-1]))]
         assert torch.allclose(repaired[key], want, rtol=0, atol=1e-4), key  # 8 × 17 tokens ≥ every input width
 
 
-def test_the_linears_do_not_depend_on_the_merge(clip, tmp_path) -> None:
+def test_the_solved_tensors_do_not_depend_on_the_merge(clip, tmp_path) -> None:
     out = tmp_path / "t0-lot"
     argv = ["-q", "calibrate", "--method", "lot", "--tasks-file", str(clip / "tasks.json"), *BASE, *DRAW]
     assert main([*argv, "--merged", str(clip / "t0"), "--output", str(out)]) == 0  # from another merge
     a, b = load_file(clip / "ta-lot" / "model.safetensors"), load_file(out / "model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in linear_weights(a))
+    assert all(torch.equal(a[k], b[k]) for k in linear_weights(a) + norm_tensors(a))
 
 
 # --- from the command line: a tiny Llama --------------------------------------------------------------
@@ -200,8 +221,8 @@ def test_lot_runs_on_a_tiny_causal_lm(tmp_path) -> None:
         load_file(tmp_path / "ta" / "model.safetensors"),
         load_file(tmp_path / "lot" / "model.safetensors"),
     )
-    solved = [k for k in merged if k.endswith("_proj.weight")]
-    assert solved and all(not torch.equal(repaired[k], merged[k]) for k in solved)
+    solved = [k for k in merged if k.endswith(("_proj.weight", "input_layernorm.weight", "attention_layernorm.weight"))]
+    assert len(solved) == 2 * (7 + 2) and all(not torch.equal(repaired[k], merged[k]) for k in solved)
     assert all(torch.equal(repaired[k], merged[k]) for k in merged if k not in solved)
     assert json.loads((tmp_path / "lot" / "featcal_recipe.json").read_text())["repairs"][0]["method"] == "lot"
     # released as a merge is: the repaired weights, unchanged
@@ -209,7 +230,33 @@ def test_lot_runs_on_a_tiny_causal_lm(tmp_path) -> None:
     released = load_file(tmp_path / "lot-release" / "model.safetensors")
     assert all(torch.equal(released[k], repaired[k]) for k in repaired)
     card = (tmp_path / "lot-release" / "README.md").read_text()
-    assert "LOT Merging" in card and "8 calibration examples per task, seed 42" in card and "{'" not in card
+    assert "LOT Merging" in card and "norms = True, 8 calibration examples per task, seed 42" in card
+    assert "{'" not in card
+
+
+def test_a_tiny_causal_lm_s_rmsnorms_come_back_as_the_one_expert_s(tmp_path) -> None:
+    """One task merged with κ 0.3: LOT gives back the expert's RMSNorm scales, not the merge's (each dimension's
+    weighted average of one task vector), with the padding of its texts weighing 0."""
+    base = save_model(tmp_path / "base", seed=0)
+    tokenizer().save_pretrained(tmp_path / "base")
+    expert = tmp_path / "Llama-tiny_math"
+    save_model(expert, seed=10, base=base)
+    tokenizer().save_pretrained(expert)
+    words = texts(20, 40)
+    rows = "".join(json.dumps({"query": words[2 * j], "response": words[2 * j + 1]}) + "\n" for j in range(20))
+    (tmp_path / "math.jsonl").write_text(rows)
+    data = {"max_length": 16, "experts": {str(expert): {"dataset": "math.jsonl", "text": "{query} {response}"}}}
+    (tmp_path / "data.yaml").write_text(json.dumps(data))
+    common = ["--data", str(tmp_path / "data.yaml"), "--device", "cpu"]
+    merge = ["-q", "merge", *common, "--base-model-id", str(tmp_path / "base"), "--ta-scaling-factor", "0.3"]
+    assert main([*merge, "--output", str(tmp_path / "ta")]) == 0
+    assert main(["-q", "calibrate", "--method", "lot", *common, *DRAW, "--merged", str(tmp_path / "ta"),
+                 "--output", str(tmp_path / "lot")]) == 0  # fmt: skip
+    repaired, want = load_file(tmp_path / "lot" / "model.safetensors"), load_file(expert / "model.safetensors")
+    norms = [k for k in repaired if k.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))]
+    assert len(norms) == 4 and all(torch.allclose(repaired[k], want[k], rtol=0, atol=1e-6) for k in norms)
+    merged = load_file(tmp_path / "ta" / "model.safetensors")
+    assert all((merged[k] - want[k]).abs().max() > 1e-3 for k in norms)  # the expert's own, not the merge's
 
 
 # --- refusals -----------------------------------------------------------------------------------------
@@ -242,6 +289,7 @@ def test_lot_without_calibration_data_is_refused_before_any_work(clip, tmp_path,
         (["--lambda-ratio", "0.5"], "--lambda-ratio '0.5' is invalid: it must be given only with --method featcal: "
          "lot reads FeatCal's calibration draw (--num-calibration-examples, --seed) but none of its parameters."),
         (["--repair-param", "alpha=0.1"], "Unknown parameter of repair 'lot' ['alpha']"),
+        (["--repair-param", "norms=maybe"], "repair 'lot': norms='maybe' is invalid: it must be true or false."),
     ],
 )  # fmt: skip
 def test_lot_refuses_what_it_would_not_read_before_any_work(clip, tmp_path, capsys, extra, message) -> None:

@@ -24,7 +24,9 @@ LOT Merging (:mod:`featcal.repairs.lot`) reads the same experts' streams (``foll
 pseudo-inverse (:meth:`~featcal.merging.regmean_solve.RegMeanSystem.solve_update`). The pseudo-inverse
 keeps every eigenvalue of Σ_t G_t above float64's rounding: float32 products would leave, where the
 tokens span fewer directions than the input has, eigenvalues of float32 rounding noise (about 1e-7 of the
-largest) that it would invert into weights thousands of times the experts'.
+largest) that it would invert into weights thousands of times the experts'. With ``norms``, LOT's hooks
+also record the inputs of the layer's normalisations that the adapter solves, and each gets LOT's
+per-dimension closed form (:class:`~featcal.repairs.lot_norms.NormDrift`) around ``around``'s values.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from featcal.errors import FeatcalError
 from featcal.merging.data import MergeData
 from featcal.merging.regmean_solve import RegMeanSystem
 from featcal.progress import Progress
+from featcal.repairs.lot_norms import NormDrift
 
 Follow = Literal["experts", "merged"]
 ILL_POSED_GROWTH = 4.0  # merged weights this many times the largest expert's norm: an ill-conditioned Gram sum
@@ -158,6 +161,7 @@ def merge_layers(
     world: World = SINGLE,
     around: StateDict | None = None,
     others: Sequence[StateDict] | None = None,
+    norms: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The merged tensors of every layer of the model, keyed as the checkpoints key them, on the CPU.
 
@@ -176,6 +180,8 @@ def merge_layers(
             update W_0 + G⁺ Σ_t G_t (W_t − W_0) from this state's weight W_0 (``ratio`` should be 1). None:
             RegMean's.
         others: Whose mean the layer's other floating-point tensors get; default the experts.
+        norms: With ``around``, LOT's solve of the normalisations the adapter solves in each layer too
+            (:mod:`featcal.repairs.lot_norms`), on the same streams, around ``around``'s weights and biases.
 
     Returns:
         Every tensor of every layer, merged.
@@ -198,14 +204,18 @@ def merge_layers(
         prefix = adapter.layer_prefix(index)
         layer = _materialised(layers[index], device)
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        drifts = _norm_drifts(adapter, layer, device) if norms and around is not None else {}
         groups: list[_InputGroup] | None = None
         for expert, stream in zip(experts, streams):
             load_params(layer, expert, prefix)
             groups = _collect(
-                model, adapter, layer, linears, stream, groups, data.batch_size, follow == "experts", around is not None
+                model, adapter, layer, linears, stream, groups, data.batch_size, follow == "experts",
+                around is not None, drifts,
             )  # fmt: skip
             for group in groups:
                 group.fold(linears, ratio, world, summed=around is not None)
+            for name, drift in drifts.items():
+                drift.fold(layer.get_submodule(name), world)
         anchor = None if around is None else _layer_tensors(layer, around, prefix, device)
         solved: dict[str, torch.Tensor] = {}
         for group in groups or []:
@@ -213,6 +223,10 @@ def merge_layers(
             solved.update(weights)
             if conditioning is not None:
                 conditionings.append(conditioning)
+        for name, drift in drifts.items():
+            if anchor is not None and drift.reached:
+                keys = [f"{name}.weight"] + ([f"{name}.bias"] if drift.norm.has_bias else [])
+                solved.update(zip(keys, drift.solved(*[anchor[key] for key in keys])))
         state = _merged_layer(layer, solved, base, experts if others is None else others, prefix, exclude)
         world.broadcast_(list(state.values()), what="RegMean weights")  # one merge, bit for bit, everywhere
         merged.update({prefix + name: tensor.cpu() for name, tensor in state.items()})
@@ -275,6 +289,16 @@ def _first_stream(
     return _Stream(torch.cat(outputs), batch.for_layers(device))
 
 
+def _norm_drifts(adapter: LayerAdapter, layer: nn.Module, device: torch.device) -> dict[str, NormDrift]:
+    """An empty LOT drift system for each normalisation of ``layer`` that the adapter solves, by name."""
+    drifts: dict[str, NormDrift] = {}
+    for name, module in adapter.calibrated_modules(layer).items():
+        norm = adapter.normalization(module)
+        if norm is not None:
+            drifts[name] = NormDrift(norm, module.weight.shape[0], device)
+    return drifts
+
+
 def _layer_tensors(layer: nn.Module, source: StateDict, prefix: str, device: torch.device) -> dict[str, torch.Tensor]:
     """``source``'s floating-point tensors of one layer, by their names in it, in float64 on ``device``."""
     with reading_state(source) as tensors:
@@ -312,11 +336,13 @@ def _collect(
     batch_size: int,
     advance: bool,
     exact: bool = False,
+    drifts: Mapping[str, NormDrift] | None = None,
 ) -> list[_InputGroup]:
     """One task's sums for every input of the layer's linears (the groups are made from the first forward
-    when None, with ``exact`` their products in float64); with ``advance``, the stream becomes the layer's
-    output."""
-    recorder = Recorder(linears)
+    when None, with ``exact`` their products in float64) and of the normalisations ``drifts`` names; with
+    ``advance``, the stream becomes the layer's output."""
+    drifts = drifts or {}
+    recorder = Recorder({**linears, **{name: layer.get_submodule(name) for name in drifts}})
     try:
         for start in range(0, stream.hidden.shape[0], batch_size):
             batch = stream.batches.rows(start, start + batch_size)
@@ -326,6 +352,9 @@ def _collect(
                 groups = _groups(recorder, linears, hidden.dtype, hidden.device, exact)
             for group in groups:
                 group.add(recorder.inputs[group.names[0]], batch.token_weights)
+            for name, drift in drifts.items():
+                if name in recorder.inputs:
+                    drift.add(recorder.inputs[name], batch.token_weights)
             recorder.clear()
             if advance:
                 hidden.copy_(out)
@@ -341,7 +370,8 @@ def _groups(
     ``exact``, each group's products in float64."""
     by_input: dict[int, list[str]] = {}
     for name, x in recorder.inputs.items():
-        by_input.setdefault(id(x), []).append(name)
+        if name in linears:
+            by_input.setdefault(id(x), []).append(name)
     return [_InputGroup(names, linears, dtype, device, exact) for names in by_input.values()]
 
 

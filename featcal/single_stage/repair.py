@@ -157,7 +157,8 @@ def repair_lot(spec: RunSpec, repair: Repair, params: Mapping[str, Any], merged:
         data = merge_data(inputs, prepared.preprocessor, spec.featcal, spec.seed, world=world, progress=spec.progress)
         experts = [inputs.experts[t.name] for t in inputs.tasks]
         with compute_settings(spec, inputs):
-            state = lot_state(inputs.base, experts, model, data, world.compute_device(spec.device), world)
+            device = world.compute_device(spec.device)
+            state = lot_state(inputs.base, experts, model, data, device, world, norms=params["norms"])
     recorded = {**params, "calibration": draw}
     folder = save_repair(inputs, merged, repair, recorded, state, out, output_dtype=spec.output_dtype)
     return RepairedFolder(folder, len(inputs.tasks))
