@@ -106,9 +106,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     push = actions.add_parser(
         "push",
         help="publish the Space on the Hugging Face Hub",
-        description="Stage the Space's files (app, requirements, card, featcal package, "
-        "examples, space_config.json naming the model) and upload them (huggingface_hub splits a large folder "
-        "into several commits).",
+        description="Stage the Space's files (app, requirements, card, the featcal modules the app imports, "
+        "examples, space_config.json naming the model) and upload them in one commit.",
     )
     add_options(
         push,

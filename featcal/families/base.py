@@ -81,6 +81,8 @@ class ReleaseParts:
             as :attr:`model_class`); both by :func:`featcal.release.export.export_release`.
         quiet_loading: A context in which loading the released class drops a transformers message that reports
             no fault of the release (a T5's LM head of its own), or None.
+        run_metrics: What a run's release adds to its ``metrics.json`` beside the released stage's results, from
+            the whole run (a language model's MergeBench averages normalised by the run's experts), or None.
     """
 
     model_class: str
@@ -96,6 +98,7 @@ class ReleaseParts:
     folder_card_template: tuple[str, str] | None = None
     run_as_model_folder: bool = False
     quiet_loading: Callable[[], AbstractContextManager[Any]] | None = None
+    run_metrics: Callable[[RunFolder], Mapping[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

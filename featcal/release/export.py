@@ -138,6 +138,13 @@ def _write_preprocessor(run: RunFolder, family: ModelFamily, out: Path) -> None:
     family.preprocessor(folder).save_pretrained(str(out))
 
 
+def _release_metrics(run: RunFolder, family: ModelFamily) -> dict[str, Any]:
+    """The release's ``metrics.json``: the released stage's results, what the family adds from the whole run
+    (:attr:`~featcal.families.base.ReleaseParts.run_metrics`), and the recipe as ``run_id``."""
+    added = family.release.run_metrics(run) if family.release.run_metrics is not None else {}
+    return {**run.released.metrics, **added, RUN_ID: run.recipe_sha256}
+
+
 def released_source(run: RunFolder) -> dict[str, Any]:
     """Which stage of ``run`` a release copies, and the SHA-256 of its weight files, checked: the stage is
     the one the run's record says it released, and its report measured these very weights.
@@ -254,7 +261,7 @@ def export_release(
                 recipe_sha256=run.recipe_sha256,
                 allowed=release_names(folder.family, with_metrics=True),
                 inputs=[folder.path],
-                metrics={**run.released.metrics, RUN_ID: run.recipe_sha256},
+                metrics=_release_metrics(run, family),
                 source=source,
             )
         check_output_folder(out, kind="release", allowed=run_release_names(family))
@@ -263,7 +270,7 @@ def export_release(
             tensors = _write_weights(run, family, tmp, published)
             _write_preprocessor(run, family, tmp)
             atomic_write_json(tmp / RUN_CONFIG, published)
-            atomic_write_json(tmp / METRICS, {**run.released.metrics, RUN_ID: run.recipe_sha256})
+            atomic_write_json(tmp / METRICS, _release_metrics(run, family))
             write_card_files(run, tmp, repo_id=repo_id, license=license, template=template)
             names = [p.name for p in tmp.iterdir() if not p.name.startswith(".")]
             write_manifest(tmp, manifest_of(tmp, names, recipe=run.recipe_sha256, tensors=tensors, source=source))

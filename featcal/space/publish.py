@@ -1,10 +1,11 @@
-"""`featcal space push`: stage exactly the files the Space needs, then upload them (huggingface_hub's
-``upload_folder``: one commit, or several for a folder of more files than it puts in one).
+"""`featcal space push`: stage exactly the files the Space needs, then upload them in one commit (huggingface_hub's
+``upload_folder``, which puts up to 256 files in a commit).
 
 The staged folder holds ``app.py``, ``requirements.txt``, ``README.md`` (the Space header, with the
 model in ``models:``), ``space_config.json`` (which sets the model: ``MODEL_ID`` in the Space, no
-Space variable needed), the ``featcal/`` package source (featcal is not on PyPI: the app imports it
-from there), the tasks file if one is given, and one example image per task in ``examples/``.
+Space variable needed), the modules of the ``featcal/`` package the app imports, with the data files of their
+packages (featcal is not on PyPI: the app imports it from there; :mod:`.package_files` walks the import graph
+from ``app.py``), the tasks file if one is given, and one example image per task in ``examples/``.
 """
 
 from __future__ import annotations
@@ -22,17 +23,19 @@ from featcal.hub.refs import check_repo_id, is_hub_id
 from featcal.hub.verification import HubFile, local_files
 from featcal.space.examples import collect_examples
 from featcal.space.model import space_tasks
+from featcal.space.package_files import needed_files
 from featcal.space.settings import CONFIG_FILE, DEFAULT_BASE_MODEL_ID, DEFAULT_MODEL_ID, EXAMPLES_DIR, SpaceSettings
 
 logger = logging.getLogger(__name__)
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the featcal package this module belongs to
 SOURCE_FILES = ("app.py", "requirements.txt")
+# `featcal space` run from a checkout of the Space (`python -m featcal space`): entry points beside app.py.
+COMMAND_ENTRY = ("featcal.__main__", "featcal.cli", "featcal.cli.space")
 CARD = "README.md"
 PACKAGE_DIR = "featcal"
 # Folders the push owns: files there that are no longer staged are deleted from the Space.
 OWNED_PATTERNS = [f"{PACKAGE_DIR}/**", f"{EXAMPLES_DIR}/**"]
-SKIPPED = ("__pycache__", "*.pyc", "*.pyo", ".*")
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ def stage_space(
     # validates the file and the suite
     tasks = space_tasks(SpaceSettings(tasks_file=str(tasks_path) if tasks_path else None, suite=suite))
     source = space_source()
+    package = needed_files(PACKAGE_ROOT.parent, source / "app.py", COMMAND_ENTRY)  # read before writing
     out.mkdir(parents=True, exist_ok=True)
     for name in SOURCE_FILES:
         shutil.copy2(source / name, out / name)
@@ -104,7 +108,9 @@ def stage_space(
         shutil.copy2(tasks_path, out / shipped_tasks)
     settings = SpaceSettings(model_id=model_id, base_model_id=base_model_id, tasks_file=shipped_tasks, suite=suite)
     atomic_write_json(out / CONFIG_FILE, settings.to_config())
-    shutil.copytree(PACKAGE_ROOT, out / PACKAGE_DIR, ignore=shutil.ignore_patterns(*SKIPPED))
+    for path in package:
+        (out / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(PACKAGE_ROOT.parent / path, out / path)
     if examples:
         found = collect_examples(tasks, out / EXAMPLES_DIR, remote=True, progress=progress)
         logger.info("Example images for %d of %d tasks", len(found), len(tasks))
@@ -126,8 +132,7 @@ def push_space(
     examples: bool = True,
     progress: bool = True,
 ) -> SpacePushResult:
-    """Stage the Space (into ``output``, else a temporary folder) and upload it to ``repo_id`` (one commit, or
-    several where huggingface_hub splits a large folder).
+    """Stage the Space (into ``output``, else a temporary folder) and upload it to ``repo_id`` in one commit.
 
     Creates the Space (Gradio SDK) if it does not exist. A dry run stages and lists the files
     without contacting the Hub.

@@ -10,9 +10,23 @@ its parts are imported on first use, so looking the family up imports no torch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
 from featcal.families.base import ReleaseParts
 from featcal.families.causal_lm.architectures import known
 from featcal.families.declared import DeclaredFamily
+
+if TYPE_CHECKING:
+    from featcal.runfolder.reader import RunFolder
+
+
+def _run_metrics(run: RunFolder) -> Mapping[str, Any]:
+    """MergeBench's averages of the released stage across the run
+    (:func:`~featcal.families.causal_lm.mergebench_eval.card.release_metrics`)."""
+    from featcal.families.causal_lm.mergebench_eval.card import release_metrics
+
+    return release_metrics(run)
 
 
 class CausalLMFamily(DeclaredFamily):
@@ -40,6 +54,7 @@ class CausalLMFamily(DeclaredFamily):
         card_template=(__name__, "run_card.md.j2"),
         folder_card_template=(__name__, "model_card.md.j2"),
         run_as_model_folder=True,
+        run_metrics=_run_metrics,
     )
     parts = {
         # tasks

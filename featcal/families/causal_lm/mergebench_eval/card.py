@@ -1,5 +1,5 @@
-"""MergeBench's scores in a run's model card: a results section beside the paper's averages, and ``model-index``
-entries for the released model.
+"""MergeBench's scores in a run's model card: a results section beside the paper's averages, ``model-index``
+entries for the released model, and the scores combined across stages in its release's ``metrics.json``.
 
 Everything comes from the run folder: each stage's ``metrics.json`` holds the protocol's results under
 ``mergebench`` (the experts' under each task's entry), combined by :func:`.scores.stage_table`. This module
@@ -11,14 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from featcal.families.causal_lm.mergebench_eval.protocol import DOMAIN_NAMES, MERGEBENCH, SAFETY_VARIANT
-from featcal.families.causal_lm.mergebench_eval.scores import stage_table
+from featcal.families.causal_lm.mergebench_eval.scores import HEADLINE, RAW, stage_table
 
 if TYPE_CHECKING:
     from featcal.runfolder.reader import RunFolder
 
 STAGES = ("base", "expert", "merged", "calibrated")
-ROWS = (*DOMAIN_NAMES, "average", "normalized")
-ROW_TITLES = {"average": "average (raw)", "normalized": "average (normalised by each expert)"}
+ROWS = (*DOMAIN_NAMES, HEADLINE, RAW)
+ROW_TITLES = {HEADLINE: "normalised average (MergeBench's)", RAW: "raw average"}
 
 
 def protocol_table(run: RunFolder) -> dict[str, Any] | None:
@@ -61,7 +61,31 @@ def card_context(run: RunFolder) -> dict[str, Any]:
 
 
 def _value(row: dict[str, Any], key: str) -> float | None:
-    return row.get(key) if key in ("average", "normalized") else (row.get("domains") or {}).get(key)
+    return row.get(key) if key in (HEADLINE, RAW) else (row.get("domains") or {}).get(key)
+
+
+def _released_stage(run: RunFolder) -> str:
+    return "calibrated" if run.calibrated else "merged"
+
+
+def release_metrics(run: RunFolder) -> dict[str, Any]:
+    """What a release's ``metrics.json`` holds of the protocol beside its released stage's results: that stage's
+    ``mergebench`` entry with the headline average normalised by the run's experts.
+
+    Args:
+        run: The run folder.
+
+    Returns:
+        ``{"mergebench": {..., "average": raw, "normalized": headline, "experts": {domain: score},
+        "headline": "normalized"}}`` (``normalized`` None unless every expert was scored on its domain); empty
+        when the released stage was not scored by the protocol.
+    """
+    entry = (run.released.metrics or {}).get(MERGEBENCH)
+    table = protocol_table(run)
+    row = (table or {}).get("stages", {}).get(_released_stage(run))
+    if not isinstance(entry, dict) or table is None or row is None:
+        return {}
+    return {MERGEBENCH: {**entry, HEADLINE: row[HEADLINE], "experts": table["experts"], "headline": HEADLINE}}
 
 
 def _pct(value: float | None) -> str:
@@ -75,8 +99,9 @@ def results_section(run: RunFolder) -> str | None:
         run: The run folder.
 
     Returns:
-        A table of the domain scores and both averages (in %) of every stage measured, the paper's averages on
-        the run's backbone beside the merged and calibrated columns, and what the scores are.
+        A table of the domain scores and both averages (in %) of every stage measured, the normalised one first
+        (MergeBench's, the one the paper's averages on the run's backbone, given beneath, are compared with),
+        and what the scores are.
     """
     table = protocol_table(run)
     if table is None:
@@ -93,7 +118,9 @@ def results_section(run: RunFolder) -> str | None:
         "mbppplus, pass@1 of 10 samples at temperature 0.2), the model-generated programs run in featcal's "
         f"sandbox only because `--allow-code-execution` was given; safety: {SAFETY_VARIANT}, so its score and the "
         "averages are not those of the paper's safety protocol. Scores in %; *expert* is each domain's expert on "
-        "its own domain.",
+        "its own domain. The normalised average is MergeBench's normalised performance: the mean over the domains "
+        "of the model's score divided by the expert's (it needs `--eval-experts`, and an expert scoring above 0 "
+        "on each domain); the raw average is the plain mean of the five scores.",
         "",
         "| Domain | " + " | ".join(stages) + " |",
         "|---|" + "---:|" * len(stages),
@@ -121,13 +148,15 @@ def _paper(run: RunFolder) -> str | None:
         return None
     return (
         f"**The paper's averages (not measured here):** merged {_pct(merged)}, calibrated {_pct(calibrated)} "
-        f"({reference_source(suite, backbone)}). Whether they are raw or normalised averages was not read in the "
-        "papers' text (docs/causal-lm.md); both are shown above."
+        f"({reference_source(suite, backbone)}), to compare with the normalised average above: MergeBench reports "
+        "normalised performance; that the FeatCal paper's numbers are that average is inferred, not stated in the "
+        "copies of its text read (docs/causal-lm.md)."
     )
 
 
 def eval_results(run: RunFolder) -> list[Any]:
-    """The released model's MergeBench scores (each domain, both averages; in %) as ``model-index`` results.
+    """The released model's MergeBench scores (each domain, the normalised then the raw average; in %) as
+    ``model-index`` results.
 
     Args:
         run: The run folder.
@@ -138,8 +167,7 @@ def eval_results(run: RunFolder) -> list[Any]:
     from huggingface_hub import EvalResult
 
     table = protocol_table(run)
-    stage = "calibrated" if run.calibrated else "merged"
-    row = (table or {}).get("stages", {}).get(stage)
+    row = (table or {}).get("stages", {}).get(_released_stage(run))
     if row is None:
         return []
     return [
