@@ -172,3 +172,89 @@ def test_the_judge_is_named_with_its_size() -> None:
     assert card["id"] == "allenai/wildguard" and card["bf16_weights_gb"] == pytest.approx(
         2 * card["parameters"] / 1e9, abs=0.05)  # fmt: skip
     assert json.dumps(card)
+
+
+@pytest.fixture(scope="module")
+def protocol_world(tmp_path_factory, safety_data):
+    """The protocol's rehearsal world: the tiny eos Llama, every benchmark's local copy (the judged four beside
+    the others, in one folder), nltk's punkt_tab and the run's calibration data."""
+    from tests.support.mergebench_data import save_eos_world, write_mergebench_data
+    from tests.support.tiny_lm_world import TASKS, rows, write_data_file, write_text_dataset
+    from tests.test_mergebench_protocol import write_punkt_tab
+
+    root = tmp_path_factory.mktemp("world")
+    base, experts = save_eos_world(root / "eos")
+    data = write_safety_data(write_mergebench_data(root / "benchmarks"))
+    datasets = {task: root / "data" / task for task in TASKS}
+    for i, task in enumerate(TASKS):
+        write_text_dataset(datasets[task], rows(task, seed=200 + i))
+    return {"base": base, "experts": experts, "benchmarks": data, "nltk": write_punkt_tab(root / "nltk"),
+            "data_file": write_data_file(root / "data", experts, datasets)}  # fmt: skip
+
+
+@pytest.fixture
+def punkt_tab(protocol_world, monkeypatch):
+    import nltk
+
+    monkeypatch.setattr(nltk.data, "path", [str(protocol_world["nltk"])])
+
+
+def test_the_protocol_s_safety_domain_is_judged_when_asked(protocol_world, tiny_judge, punkt_tab, monkeypatch):
+    """``MergeBenchEvaluation`` with ``safety="wildguard"``: the tiny eos Llama answers the four benchmarks'
+    prompts (read from the local copies), the tiny Mistral judges (through transformers), no FusionBench task
+    runs, and the report names the judged protocol and its judge."""
+    import functools
+
+    import torch
+
+    from featcal.families.causal_lm.mergebench_eval import runner, wildguard
+    from tests.support.mergebench_data import eos_model
+    from tests.support.tiny_lm_world import tokenizer
+
+    monkeypatch.setattr(wildguard, "WildGuard", functools.partial(wildguard.WildGuard, max_new_tokens=6))
+    settings = runner.ProtocolSettings(str(protocol_world["benchmarks"]), True, safety="wildguard",
+                                       judge=str(tiny_judge))  # fmt: skip
+    protocol = runner.MergeBenchEvaluation(settings)
+    protocol.configure(limit=2, batch_size=4)
+    tok = tokenizer()
+    with torch.no_grad():
+        report = protocol.run(eos_model(), tok, ("safety",))
+    assert set(report["tasks"]) == {b.name for b in js.BENCHMARKS}  # truthfulqa, toxigen, winogender: not run
+    assert report["safety"] == js.JUDGED_VARIANT and report["judge"]["id"] == "allenai/wildguard"
+    assert all(report["tasks"][b.name]["count"] == 2 for b in js.BENCHMARKS)
+    assert report["domains"]["safety"] == js.safety_score(report["tasks"]) is not None
+    assert report["tasks"]["wildguardtest"]["unparseable"] == 2  # the random judge's answers
+
+
+def _error(capsys, argv: list[str]) -> str:
+    from featcal.cli import main
+
+    code = main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and err[0].startswith("featcal: error:"), (code, err)
+    return err[0]
+
+
+def test_judged_safety_inputs_are_refused_in_one_line_before_any_work(
+    protocol_world, safety_data, tmp_path, capsys, punkt_tab
+) -> None:
+    from tests.test_mergebench_protocol import _run_args
+
+    world = (protocol_world["base"], protocol_world["experts"])
+    out = tmp_path / "run"
+    llama = save_tiny_judge(tmp_path / "llama", model_type="llama")
+    capsys.readouterr()  # saving's progress bars
+    args = _run_args(world, protocol_world["benchmarks"], protocol_world["data_file"], out, "--allow-code-execution")
+    message = _error(capsys, [*args, "--mergebench-safety", "wildguard", "--safety-judge", str(llama)])
+    assert "is not a Mistral model folder" in message and "allenai/wildguard" in message and not out.exists()
+    message = _error(capsys, [*args, "--safety-judge", str(llama)])  # a judge for FusionBench's variant
+    assert "--safety-judge" in message and "given with mergebench_safety wildguard" in message and not out.exists()
+    held_out = ["run", "--suite", "mergebench", "--mergebench-safety", "wildguard", "--output-dir", str(out)]
+    assert "given with eval_protocol mergebench" in _error(capsys, held_out) and not out.exists()
+    from tests.support.mergebench_data import write_mergebench_data
+
+    no_safety = write_mergebench_data(tmp_path / "no-safety")  # the other benchmarks' copies alone
+    args = _run_args(world, no_safety, protocol_world["data_file"], out, "--allow-code-execution")
+    message = _error(capsys, [*args, "--mergebench-safety", "wildguard", "--safety-judge", str(llama)])
+    assert "allenai/wildguardmix/wildguardtest/test.jsonl" in message and "is missing" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "no-safety"] and not out.exists()
