@@ -258,3 +258,72 @@ def test_judged_safety_inputs_are_refused_in_one_line_before_any_work(
     message = _error(capsys, [*args, "--mergebench-safety", "wildguard", "--safety-judge", str(llama)])
     assert "allenai/wildguardmix/wildguardtest/test.jsonl" in message and "is missing" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "no-safety"] and not out.exists()
+
+
+HUB_SCRIPT = """
+import json, sys
+from featcal.errors import FeatcalError
+from featcal.families.causal_lm.mergebench_eval import judged_safety as js, wildguard as wg
+try:
+    js.check_sources(None)
+    wg.check_judge(wg.JUDGE_ID, "cpu")
+except FeatcalError as exc:
+    print(json.dumps({"refused": str(exc)}))
+    sys.exit(0)
+rows = {b.name: js.read_rows(b, None, None) for b in js.BENCHMARKS}
+judge = wg.WildGuard(wg.JUDGE_ID, "cpu", max_new_tokens=4)
+results = js.run_judged_safety(lambda prompts: ["an answer"] * len(prompts), judge, rows)
+print(json.dumps({b: {k: results[b][k] for k in ("count", "unparseable")} for b in results}))
+"""
+
+
+@pytest.mark.slow
+def test_the_judged_safety_reads_its_datasets_and_judge_from_the_hub_under_their_real_ids(
+    safety_data, tiny_judge, tmp_path
+) -> None:
+    """Over HTTP against the Hub double: the four datasets and WildGuard under their real ids, wildguardmix and
+    the judge gated as on the Hub. An account not granted access is refused before anything is downloaded,
+    naming the dataset and where to accept its terms; a granted one reads every dataset and the judge from an
+    empty ``HF_HOME``, and the tiny judge's verdicts are counted."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.support.hub_double import Account, HubDouble
+    from tests.support.hub_world import user_env
+    from tests.support.mergebench_data import write_hub_cards
+
+    copies = shutil.copytree(safety_data, tmp_path / "copies")
+    ids = write_hub_cards(copies)
+    assert sorted(ids) == sorted(b.source.dataset for b in js.BENCHMARKS)
+    gated = {"allenai/wildguardmix", "allenai/wildguard"}
+    with HubDouble() as hub:
+        hub.add_token("granted-token", Account("reader", token_role="read"))
+        hub.add_token("other-token", Account("other", token_role="read"))
+        for repo_id in ids:
+            hub.publish_folder(repo_id, copies / repo_id, repo_type="dataset", gated=repo_id in gated)
+        hub.publish_folder("allenai/wildguard", tiny_judge, gated=True)
+        for repo_type, repo_id in (("dataset", "allenai/wildguardmix"), ("model", "allenai/wildguard")):
+            hub.store(repo_type)[repo_id].granted.add("reader")
+        answers, refused_served = {}, []
+        for token in ("other-token", "granted-token"):
+            env = user_env(hub.url, tmp_path / token, token=token)
+            done = subprocess.run([sys.executable, "-c", HUB_SCRIPT], env=env, capture_output=True, text=True,
+                                  timeout=600)  # fmt: skip
+            assert done.returncode == 0, done.stderr[-3000:]
+            answers[token] = json.loads(done.stdout.strip().splitlines()[-1])
+            refused_served = refused_served or [s.path for s in hub.served]
+        served = [(s.method, s.path, s.status) for s in hub.served]
+    refused = answers["other-token"]["refused"]
+    assert "allenai/wildguardmix is gated: accept its terms at" in refused, refused
+    assert "/datasets/allenai/wildguardmix" in refused
+    assert not any("/resolve/" in path for path in refused_served)  # refused before any download
+    counts = answers["granted-token"]
+    assert counts == {b.name: {"count": n, "unparseable": n} for b, n in zip(js.BENCHMARKS, (4, 4, 5, 3))}
+    fetched = {p for m, p, s in served if m == "GET" and s == 200}
+    for repo_id in ids:
+        assert any(p.startswith(f"/datasets/{repo_id}/resolve/") for p in fetched), repo_id
+    judge_files = {
+        p.rsplit("/", 1)[1] for m, p, s in served if p.startswith("/allenai/wildguard/resolve/") and s in (200, 302)
+    }
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= judge_files, judge_files  # weights: via the CDN
