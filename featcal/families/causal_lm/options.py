@@ -54,7 +54,7 @@ class LMEvaluationOptions:
     mergebench_safety: str = option(
         "fusionbench", help="mergebench protocol's safety domain: fusionbench (FusionBench's lm-eval variant: "
         "truthfulqa_mc2, toxigen, winogender; not the paper's) or wildguard (MergeBench's: wildguardtest, harmbench, "
-        "xstest, do_anything_now answered by the model and judged by WildGuard, a 7B model needing about 16 GB of "
+        "xstest, do_anything_now answered by the model and judged by WildGuard, a 7B model needing about 20 GB of "
         "GPU memory; docs/causal-lm.md)", group=EVALUATION, choices=("fusionbench", "wildguard"),
     )  # fmt: skip
     safety_judge: str = option(

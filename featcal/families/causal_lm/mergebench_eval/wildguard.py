@@ -29,7 +29,7 @@ from featcal.errors import ModelInputError
 JUDGE_ID = "allenai/wildguard"
 JUDGE_PARAMETERS = 7_248_023_552  # Mistral-7B-v0.3's (32,768-token vocabulary): the judge's config, computed
 JUDGE_BF16_GB = 14.5  # its weights in bf16: 2 bytes a parameter, computed (not measured here)
-JUDGE_MEMORY_GB = 16.0  # free GPU memory asked for before loading: the weights and the generation's cache
+JUDGE_MEMORY_GB = 20.0  # free GPU memory asked for: the weights, and 4.2 GB of cache for 16 pairs of 2,000 tokens
 JUDGE_MAX_NEW_TOKENS = 128
 JUDGE_BATCH_SIZE = 16
 JUDGE_ARCHITECTURE = "mistral"
