@@ -327,3 +327,35 @@ def test_the_judged_safety_reads_its_datasets_and_judge_from_the_hub_under_their
         p.rsplit("/", 1)[1] for m, p, s in served if p.startswith("/allenai/wildguard/resolve/") and s in (200, 302)
     }
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= judge_files, judge_files  # weights: via the CDN
+
+
+def test_a_run_with_judged_safety_records_it_in_metrics_and_card(
+    protocol_world, tiny_judge, tmp_path, punkt_tab, monkeypatch
+) -> None:
+    """``featcal run ... --eval-protocol mergebench --mergebench-safety wildguard``: the run's record names the
+    judged safety and its judge; each stage's ``mergebench`` holds the four benchmarks (no FusionBench task),
+    the judge's size and the domain's score; the card says which safety ran, names the judge, and no longer
+    lists MergeBench's safety as not run."""
+    import functools
+
+    from featcal.cli import main
+    from featcal.families.causal_lm.mergebench_eval import wildguard
+    from tests.test_mergebench_protocol import _run_args
+
+    monkeypatch.setattr(wildguard, "WildGuard", functools.partial(wildguard.WildGuard, max_new_tokens=6))
+    world = (protocol_world["base"], protocol_world["experts"])
+    out = tmp_path / "run"
+    args = _run_args(world, protocol_world["benchmarks"], protocol_world["data_file"], out, "--allow-code-execution",
+                     "--mergebench-safety", "wildguard", "--safety-judge", str(tiny_judge))  # fmt: skip
+    assert main(["-q", *args]) == 0
+    record = json.loads((out / "run_config.json").read_text())["evaluation"]["protocol"]
+    assert record["safety"] == "wildguard" and record["judge"] == str(tiny_judge.resolve())
+    for stage in ("ta", "featcal-ta"):
+        report = json.loads((out / stage / "metrics.json").read_text())["mergebench"]
+        judged = {b.name for b in js.BENCHMARKS}
+        assert judged <= set(report["tasks"]) and "truthfulqa_mc2" not in report["tasks"], stage
+        assert report["safety"] == js.JUDGED_VARIANT and report["judge"] == js.judge_card()
+        assert report["domains"]["safety"] == js.safety_score(report["tasks"]) is not None
+    card = (out / "release" / "README.md").read_text()
+    assert f"safety: {js.JUDGED_VARIANT} (the judge allenai/wildguard: 7.2B parameters, about 14.5 GB in bf16)" in card
+    assert "- safety: wildguardtest" not in card and "FusionBench's lm-eval variant" not in card

@@ -48,15 +48,16 @@ NOT_RUN = (
 
 def card_context(run: RunFolder) -> dict[str, Any]:
     """The card's variables of the protocol: ``mergebench_section`` (None without its scores), the released
-    model's ``model_index_results``, and, when the protocol ran, ``not_run`` (MergeBench's judged safety alone).
+    model's ``model_index_results``, and, when the protocol ran, ``not_run`` (MergeBench's judged safety alone,
+    unless it ran: ``--mergebench-safety wildguard``).
 
     Args:
         run: The run folder.
     """
     section = results_section(run)
     context: dict[str, Any] = {"mergebench_section": section, "model_index_results": eval_results(run)}
-    if section is not None and _safety(run) == SAFETY_VARIANT:
-        context["not_run"] = [{"task": "safety", "what": NOT_RUN}]
+    if section is not None:  # the protocol ran coding; safety too, when judged
+        context["not_run"] = [{"task": "safety", "what": NOT_RUN}] if _safety(run) == SAFETY_VARIANT else []
     return context
 
 
