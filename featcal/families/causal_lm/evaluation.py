@@ -274,7 +274,7 @@ class HeldOutEvaluator:
             record = self.settings.protocol
             judged = {key: record[key] for key in ("safety", "judge") if key in record}
             self.protocol = MergeBenchEvaluation(
-                ProtocolSettings(record["benchmark_data"], record["allow_code_execution"], **judged)
+                ProtocolSettings(record["benchmark_data"], record["allow_code_execution"], **judged), str(self.device)
             )
 
     def base_model(self) -> nn.Module:

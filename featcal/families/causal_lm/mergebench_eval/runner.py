@@ -88,7 +88,11 @@ def judge_device() -> str:
 
 
 def check_protocol(
-    data: str | None, allow_code_execution: bool, safety: str = FUSIONBENCH, judge: str = JUDGE_ID
+    data: str | None,
+    allow_code_execution: bool,
+    safety: str = FUSIONBENCH,
+    judge: str = JUDGE_ID,
+    device: str | None = None,
 ) -> None:
     """Refuse, before any work, what the protocol cannot run with.
 
@@ -97,6 +101,7 @@ def check_protocol(
         allow_code_execution: The opt-in to running generated code.
         safety: ``fusionbench`` or ``wildguard`` (:class:`ProtocolSettings`).
         judge: WildGuard's Hub id or folder (``wildguard`` alone).
+        device: Where the evaluated model, and so the judge, runs (None: :func:`judge_device`).
 
     Raises:
         CodeExecutionNotAllowedError: without the opt-in (the coding domain runs programs).
@@ -114,7 +119,7 @@ def check_protocol(
         check_local_copies(Path(data), sources)
     if safety == JUDGED:
         check_sources(None if data is None else Path(data))
-        check_judge(judge, judge_device())
+        check_judge(judge, device or judge_device())
 
 
 class MergeBenchEvaluation:
@@ -122,13 +127,14 @@ class MergeBenchEvaluation:
 
     Args:
         settings: The run's :class:`ProtocolSettings`.
+        device: Where the evaluated models run (None: :func:`judge_device`).
 
     Raises:
         as :func:`check_protocol`.
     """
 
-    def __init__(self, settings: ProtocolSettings) -> None:
-        check_protocol(settings.data, settings.allow_code_execution, settings.safety, settings.judge)
+    def __init__(self, settings: ProtocolSettings, device: str | None = None) -> None:
+        check_protocol(settings.data, settings.allow_code_execution, settings.safety, settings.judge, device)
         self.settings = settings
         self._harness_set_up: Any = None
         self._definitions: tempfile.TemporaryDirectory[str] | None = None

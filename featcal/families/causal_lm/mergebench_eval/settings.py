@@ -50,7 +50,10 @@ def protocol_settings(spec: RunSpec) -> dict[str, Any] | None:
     judge = options.safety_judge
     if Path(judge).expanduser().exists():
         judge = str(Path(judge).expanduser().resolve())
-    check_protocol(data, options.allow_code_execution, options.mergebench_safety, judge)
+    from featcal.devices import resolve_device
+
+    device = str(resolve_device(spec.device))
+    check_protocol(data, options.allow_code_execution, options.mergebench_safety, judge, device)
     record = {"name": PROTOCOL, "benchmark_data": data, "allow_code_execution": options.allow_code_execution}
     if options.mergebench_safety == JUDGED:  # FusionBench's variant: the record of earlier runs, unchanged
         record |= {"safety": JUDGED, "judge": judge}
