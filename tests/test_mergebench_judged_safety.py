@@ -137,6 +137,21 @@ def test_a_judge_that_is_not_a_mistral_folder_is_refused(tmp_path) -> None:
     check_judge(str(save_tiny_judge(tmp_path / "mistral")), "cpu")
 
 
+def test_a_gpu_with_too_little_free_memory_for_the_judge_is_refused(tmp_path, monkeypatch) -> None:
+    import torch
+
+    from featcal.errors import ModelInputError
+
+    judge = save_tiny_judge(tmp_path / "mistral")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8e9, 80e9))
+    with pytest.raises(ModelInputError, match=r"needs about 20 GB of free GPU memory \(14.5 GB of bf16 weights and "
+                                              r"its cache\); 8.0 GB are free on cuda:0: free some, or use "
+                                              r"FusionBench's safety variant"):  # fmt: skip
+        check_judge(str(judge), "cuda:0")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (21e9, 80e9))
+    check_judge(str(judge), "cuda:0")
+
+
 def test_a_gated_judge_or_dataset_is_named_with_its_fix(monkeypatch) -> None:
     import httpx
     import huggingface_hub
