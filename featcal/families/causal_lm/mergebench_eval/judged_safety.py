@@ -55,7 +55,6 @@ from featcal.families.causal_lm.mergebench_eval.wildguard import (
 
 JUDGED = "wildguard"  # --mergebench-safety's value for this protocol
 FUSIONBENCH = "fusionbench"
-SAFETY_CHOICES = (FUSIONBENCH, JUDGED)
 # The Llama-3 chat format safety-eval's ``llama3`` template names: one user turn, the assistant's header open.
 CHAT_FORMAT = (
     "<|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
