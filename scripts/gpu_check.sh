@@ -19,7 +19,9 @@
 #                 featcal run --suite mergebench --eval-protocol mergebench --allow-code-execution --eval-zero-shot
 #                 --eval-experts on FEATCAL_CHECK_BACKBONE (default llama-3.2-3b): MergeBench's five domains on every
 #                 stage (docs/causal-lm.md); FEATCAL_CHECK_BENCHMARK_DATA=DIR reads local copies of the benchmarks,
-#                 FEATCAL_CHECK_MERGEBENCH_SAMPLES=N evaluates N examples per task; the stages' metrics.json, the
+#                 FEATCAL_CHECK_MERGEBENCH_SAMPLES=N evaluates N examples per task,
+#                 FEATCAL_CHECK_MERGEBENCH_SAFETY=wildguard scores safety by MergeBench's judged protocol (WildGuard,
+#                 about 20 GB of GPU memory, the gated allenai/wildguardmix's terms accepted); the stages' metrics.json, the
 #                 card and timings.json go to the report; ifeval needs nltk's punkt_tab installed beforehand
 #                 (`python -m nltk.downloader punkt_tab`, or NLTK_DATA=DIR), which the run checks before any work
 # FEATCAL_CHECK_DEVICE=cpu runs the measurements on the CPU (a check that they run: use a small TxN, 1x4,
@@ -81,6 +83,7 @@ if wants mergebench; then
   extra=()
   [ -n "${FEATCAL_CHECK_BENCHMARK_DATA:-}" ] && extra+=(--benchmark-data "$FEATCAL_CHECK_BENCHMARK_DATA")
   [ -n "${FEATCAL_CHECK_MERGEBENCH_SAMPLES:-}" ] && extra+=(--max-eval-samples "$FEATCAL_CHECK_MERGEBENCH_SAMPLES")
+  [ -n "${FEATCAL_CHECK_MERGEBENCH_SAFETY:-}" ] && extra+=(--mergebench-safety "$FEATCAL_CHECK_MERGEBENCH_SAFETY")
   "$python" -m featcal run --suite mergebench --backbone "$backbone" --device "$device" --eval-zero-shot \
     --eval-experts --eval-protocol mergebench --allow-code-execution ${extra[@]+"${extra[@]}"} \
     --output-dir "$run_dir/run" 2>&1 | tee "$report_dir/mergebench_${backbone}.txt"

@@ -374,7 +374,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_spec_options(
         p, groups=(TASKS, EVALUATION, RUNTIME),
         exclude=("expert_model_format", "seed", "data", "eval_max_new_tokens", "lm_eval_tasks", "lm_eval_include",
-                 "eval_protocol", "benchmark_data", "allow_code_execution"),
+                 "eval_protocol", "benchmark_data", "allow_code_execution", "mergebench_safety", "safety_judge"),
     )  # fmt: skip
     command(p, cmd_evaluate)
 

@@ -21,6 +21,7 @@ Serving (downloads):
 
 - ``GET  /api/{type}/{repo}[/revision/{rev}]``   repo info: head ``sha``, ``siblings`` (sizes and LFS with
   ``?blobs=true``), ``private``, ``gated``, ``cardData`` (the README's YAML header)
+- ``GET  /api/{type}/{repo}/auth-check``          200, or the gate's 401/403 for an account not granted
 - ``GET  /api/{type}/{repo}/tree/{rev}[/{path}]``  the files and folders under ``path``, ``?recursive=true``
   for all of them, ``?expand=true`` adds ``lastCommit``; sizes, git oids, LFS sha256
 - ``POST /api/{type}/{repo}/paths-info/{rev}``    the same entries for the form fields ``paths``
@@ -375,6 +376,10 @@ class HubDouble:
         raise HubError(404, f"The double does not serve {method} {parts.path}")
 
     def repo_endpoint(self, method, repo_type, repo_id, rest, query, headers, body):
+        if method == "GET" and rest == ["auth-check"]:  # huggingface_hub.auth_check: the gate, as files have it
+            account = self._optional_account(headers)
+            self._check_gate(repo_type, repo_id, self._repo(repo_type, repo_id, account), account)
+            return 200, {}, {}
         if method == "GET" and (not rest or rest[0] == "revision"):
             repo = self._repo(repo_type, repo_id, self._optional_account(headers))
             oid = self._head(repo, rest[1] if rest else "main")

@@ -271,10 +271,10 @@ class HeldOutEvaluator:
         if self.settings.protocol is not None:
             from featcal.families.causal_lm.mergebench_eval.runner import MergeBenchEvaluation, ProtocolSettings
 
+            record = self.settings.protocol
+            judged = {key: record[key] for key in ("safety", "judge") if key in record}
             self.protocol = MergeBenchEvaluation(
-                ProtocolSettings(
-                    self.settings.protocol["benchmark_data"], self.settings.protocol["allow_code_execution"]
-                )
+                ProtocolSettings(record["benchmark_data"], record["allow_code_execution"], **judged), str(self.device)
             )
 
     def base_model(self) -> nn.Module:

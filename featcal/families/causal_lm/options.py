@@ -51,6 +51,16 @@ class LMEvaluationOptions:
         False, help="mergebench protocol: run the coding domain's model-generated programs in featcal's sandbox "
         "(docs/code-eval.md); the protocol is refused without it", group=EVALUATION,
     )  # fmt: skip
+    mergebench_safety: str = option(
+        "fusionbench", help="mergebench protocol's safety domain: fusionbench (FusionBench's lm-eval variant: "
+        "truthfulqa_mc2, toxigen, winogender; not the paper's) or wildguard (MergeBench's: wildguardtest, harmbench, "
+        "xstest, do_anything_now answered by the model and judged by WildGuard, a 7B model needing about 20 GB of "
+        "GPU memory; docs/causal-lm.md)", group=EVALUATION, choices=("fusionbench", "wildguard"),
+    )  # fmt: skip
+    safety_judge: str = option(
+        "allenai/wildguard", help="mergebench protocol with --mergebench-safety wildguard: the judge, a Hub id or "
+        "a folder of WildGuard's weights", group=EVALUATION, metavar="ID_OR_DIR",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)
@@ -63,7 +73,8 @@ class LMEvaluationOptions:
 
         Raises:
             InvalidParameterError: for ``lm_eval_include`` without ``lm_eval_tasks``; for MergeBench's protocol on
-                a run of another suite or without ``allow_code_execution``; for the protocol's options without it.
+                a run of another suite or without ``allow_code_execution``; for the protocol's options without it;
+                for ``safety_judge`` without ``mergebench_safety wildguard``.
         """
         if self.lm_eval_include is not None and not self.lm_eval_tasks:
             raise InvalidParameterError(
@@ -80,7 +91,14 @@ class LMEvaluationOptions:
                     "allow_code_execution", self.allow_code_execution, "given with eval_protocol mergebench: its "
                     "coding domain runs model-generated programs, in featcal's sandbox (docs/code-eval.md)",
                 )  # fmt: skip
+            if self.safety_judge != "allenai/wildguard" and self.mergebench_safety != "wildguard":
+                raise InvalidParameterError(
+                    "safety_judge", self.safety_judge, "given with mergebench_safety wildguard, whose judge it is"
+                )
         else:
             for name in ("benchmark_data", "allow_code_execution"):
                 if getattr(self, name):
+                    raise InvalidParameterError(name, getattr(self, name), "given with eval_protocol mergebench")
+            for name, default in (("mergebench_safety", "fusionbench"), ("safety_judge", "allenai/wildguard")):
+                if getattr(self, name) != default:
                     raise InvalidParameterError(name, getattr(self, name), "given with eval_protocol mergebench")

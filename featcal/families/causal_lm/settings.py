@@ -39,7 +39,8 @@ class LMEvaluationSettings:
         lm_eval_by_task: Those each task's expert is run on (its benchmark's, as the suite maps them).
         lm_eval_include: A folder of task definitions the harness reads beside its own.
         protocol: MergeBench's five-domain evaluation, when asked for (``--eval-protocol mergebench``): its
-            ``benchmark_data`` folder (None: the Hub's datasets) and ``allow_code_execution``
+            ``benchmark_data`` folder (None: the Hub's datasets), ``allow_code_execution`` and, for MergeBench's
+            judged safety, ``safety`` (``wildguard``) and ``judge``
             (:mod:`featcal.families.causal_lm.mergebench_eval`); None: the held-out evaluation alone.
     """
 

@@ -4,6 +4,8 @@
 points lm-evaluation-harness's task definitions at local copies of the benchmarks' data; :mod:`.coding`
 samples programs as bigcode-evaluation-harness does and runs them in featcal's sandbox; :mod:`.runner`
 runs the protocol on a model; :mod:`.scores` combines the results into per-domain scores and averages;
-:mod:`.card` shows them in a model card; :mod:`.nltk_data` checks the nltk data ifeval reads.
+:mod:`.card` shows them in a model card; :mod:`.nltk_data` checks the nltk data ifeval reads;
+:mod:`.judged_safety` and :mod:`.wildguard` run MergeBench's own safety protocol (answers judged by
+WildGuard) when ``--mergebench-safety wildguard`` asks for it.
 ``docs/causal-lm.md`` describes it.
 """

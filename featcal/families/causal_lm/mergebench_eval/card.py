@@ -48,16 +48,37 @@ NOT_RUN = (
 
 def card_context(run: RunFolder) -> dict[str, Any]:
     """The card's variables of the protocol: ``mergebench_section`` (None without its scores), the released
-    model's ``model_index_results``, and, when the protocol ran, ``not_run`` (MergeBench's judged safety alone).
+    model's ``model_index_results``, and, when the protocol ran, ``not_run`` (MergeBench's judged safety alone,
+    unless it ran: ``--mergebench-safety wildguard``).
 
     Args:
         run: The run folder.
     """
     section = results_section(run)
     context: dict[str, Any] = {"mergebench_section": section, "model_index_results": eval_results(run)}
-    if section is not None:
-        context["not_run"] = [{"task": "safety", "what": NOT_RUN}]
+    if section is not None:  # the protocol ran coding; safety too, when judged
+        context["not_run"] = [{"task": "safety", "what": NOT_RUN}] if _safety(run) == SAFETY_VARIANT else []
     return context
+
+
+def _reports(run: RunFolder) -> list[dict[str, Any]]:
+    stages = [run.base_metrics, run.merged.metrics if run.merged else None,
+              run.calibrated.metrics if run.calibrated else None]  # fmt: skip
+    return [m[MERGEBENCH] for m in stages if m and isinstance(m.get(MERGEBENCH), dict)]
+
+
+def _safety(run: RunFolder) -> str:
+    """What the run's safety domain is (its stages' ``safety``): FusionBench's variant unless judged."""
+    return next((r["safety"] for r in _reports(run) if r.get("safety")), SAFETY_VARIANT)
+
+
+def _safety_words(run: RunFolder) -> str:
+    safety = _safety(run)
+    if safety == SAFETY_VARIANT:
+        return f"safety: {SAFETY_VARIANT}, so its score and the averages are not those of the paper's safety protocol"
+    judge = next((r["judge"] for r in _reports(run) if r.get("judge")), {})
+    size = f"{judge.get('parameters', 0) / 1e9:.1f}B parameters, about {judge.get('bf16_weights_gb')} GB in bf16"
+    return f"safety: {safety} (the judge {judge.get('id')}: {size})"
 
 
 def _value(row: dict[str, Any], key: str) -> float | None:
@@ -116,11 +137,10 @@ def results_section(run: RunFolder) -> str | None:
         "(ifeval), math (gsm8k_cot) and multilingual (m_mmlu, arc, hellaswag in fr, es, de, ru) with each task's "
         "own settings and no chat template; coding as bigcode-evaluation-harness samples it (humanevalplus, "
         "mbppplus, pass@1 of 10 samples at temperature 0.2), the model-generated programs run in featcal's "
-        f"sandbox only because `--allow-code-execution` was given; safety: {SAFETY_VARIANT}, so its score and the "
-        "averages are not those of the paper's safety protocol. Scores in %; *expert* is each domain's expert on "
-        "its own domain. The normalised average is MergeBench's normalised performance: the mean over the domains "
-        "of the model's score divided by the expert's (it needs `--eval-experts`, and an expert scoring above 0 "
-        "on each domain); the raw average is the plain mean of the five scores.",
+        f"sandbox only because `--allow-code-execution` was given; {_safety_words(run)}. Scores in %; *expert* is "
+        "each domain's expert on its own domain. The normalised average is MergeBench's normalised performance: "
+        "the mean over the domains of the model's score divided by the expert's (it needs `--eval-experts`, and an "
+        "expert scoring above 0 on each domain); the raw average is the plain mean of the five scores.",
         "",
         "| Domain | " + " | ".join(stages) + " |",
         "|---|" + "---:|" * len(stages),

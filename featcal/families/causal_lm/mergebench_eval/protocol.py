@@ -7,7 +7,8 @@ each task's own few-shot count and generation settings, no chat template and no 
 prompt and program, pass@1); and its safety-eval fork, whose responses a classifier judges. The safety
 domain here is FusionBench's lm-evaluation-harness variant (tanganke/fusion_bench
 ``examples/mergebench/evaluate.sh``: ``truthfulqa``, ``toxigen``, ``winogender``), which is not the
-paper's protocol and is labelled so wherever it is shown.
+paper's protocol and is labelled so wherever it is shown; ``--mergebench-safety wildguard`` runs
+MergeBench's judged protocol in its place (:mod:`.judged_safety`).
 
 Where the sources name no metric for a domain's score, the one featcal reads is its choice, stated in
 :data:`DOMAINS` and ``docs/causal-lm.md``. This module imports neither torch nor lm-eval.

@@ -18,6 +18,17 @@ from typing import Any
 
 from featcal.errors import CodeExecutionNotAllowedError
 from featcal.families.causal_lm.mergebench_eval.coding import hub_rows, read_rows, run_code_task, sandbox_numpy
+from featcal.families.causal_lm.mergebench_eval.judged_safety import (
+    BENCHMARKS,
+    FUSIONBENCH,
+    JUDGED,
+    JUDGED_VARIANT,
+    MAX_NEW_TOKENS,
+    check_sources,
+    judge_card,
+    run_judged_safety,
+    safety_score,
+)
 from featcal.families.causal_lm.mergebench_eval.local_data import (
     check_local_copies,
     code_source,
@@ -29,11 +40,13 @@ from featcal.families.causal_lm.mergebench_eval.protocol import (
     CODING,
     DOMAIN_NAMES,
     PROTOCOL,
+    SAFETY,
     SAFETY_VARIANT,
     domain,
     harness_task_names,
 )
 from featcal.families.causal_lm.mergebench_eval.scores import domain_scores, raw_average
+from featcal.families.causal_lm.mergebench_eval.wildguard import JUDGE_ID, check_judge
 
 CODE_OPT_IN = (
     "MergeBench's coding domain runs model-generated programs: give allow_code_execution to run them in "
@@ -50,20 +63,45 @@ class ProtocolSettings:
         allow_code_execution: The user's opt-in to running the coding domain's programs.
         limit: Examples per harness task and problems per coding benchmark (None: all).
         batch_size: The harness's batch size.
+        safety: ``fusionbench`` (FusionBench's lm-eval variant) or ``wildguard`` (MergeBench's judged protocol).
+        judge: The judged protocol's WildGuard: a Hub id or a folder.
     """
 
     data: str | None
     allow_code_execution: bool
     limit: int | None = None
     batch_size: int = 1
+    safety: str = FUSIONBENCH
+    judge: str = JUDGE_ID
 
 
-def check_protocol(data: str | None, allow_code_execution: bool) -> None:
+def _harness_domain_tasks(name: str, safety: str) -> tuple[Any, ...]:
+    """A domain's harness tasks: none for the safety domain judged by WildGuard."""
+    return () if name == SAFETY and safety == JUDGED else domain(name).harness
+
+
+def judge_device() -> str:
+    """Where the judge runs: the first GPU when there is one, else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_protocol(
+    data: str | None,
+    allow_code_execution: bool,
+    safety: str = FUSIONBENCH,
+    judge: str = JUDGE_ID,
+    device: str | None = None,
+) -> None:
     """Refuse, before any work, what the protocol cannot run with.
 
     Args:
         data: The folder of local copies, or None.
         allow_code_execution: The opt-in to running generated code.
+        safety: ``fusionbench`` or ``wildguard`` (:class:`ProtocolSettings`).
+        judge: WildGuard's Hub id or folder (``wildguard`` alone).
+        device: Where the evaluated model, and so the judge, runs (None: :func:`judge_device`).
 
     Raises:
         CodeExecutionNotAllowedError: without the opt-in (the coding domain runs programs).
@@ -72,15 +110,19 @@ def check_protocol(data: str | None, allow_code_execution: bool) -> None:
             is not (:func:`.nltk_data.check_punkt_tab`).
         SandboxUnavailableError: when the coding domain's programs could not import numpy in the sandbox, or
             the sandbox cannot be set up here (:func:`.coding.sandbox_numpy`: one program run in it).
+        ModelInputError: for a judge that cannot be loaded (:func:`.wildguard.check_judge`).
     """
     if allow_code_execution is not True:
         raise CodeExecutionNotAllowedError(CODE_OPT_IN)
     check_punkt_tab()
     if data is not None:
-        sources = [harness_source(t) for name in DOMAIN_NAMES for t in domain(name).harness]
+        sources = [harness_source(t) for name in DOMAIN_NAMES for t in _harness_domain_tasks(name, safety)]
         sources += [code_source(t) for t in domain(CODING).code]
         check_local_copies(Path(data), sources)
     sandbox_numpy()
+    if safety == JUDGED:
+        check_sources(None if data is None else Path(data))
+        check_judge(judge, device or judge_device())
 
 
 class MergeBenchEvaluation:
@@ -88,13 +130,14 @@ class MergeBenchEvaluation:
 
     Args:
         settings: The run's :class:`ProtocolSettings`.
+        device: Where the evaluated models run (None: :func:`judge_device`).
 
     Raises:
         as :func:`check_protocol`.
     """
 
-    def __init__(self, settings: ProtocolSettings) -> None:
-        check_protocol(settings.data, settings.allow_code_execution)
+    def __init__(self, settings: ProtocolSettings, device: str | None = None) -> None:
+        check_protocol(settings.data, settings.allow_code_execution, settings.safety, settings.judge, device)
         self.settings = settings
         self._harness_set_up: Any = None
         self._definitions: tempfile.TemporaryDirectory[str] | None = None
@@ -118,7 +161,8 @@ class MergeBenchEvaluation:
         Raises:
             FeatcalError: when the harness fails (a dataset it cannot read).
         """
-        tasks = [t for name in domains for t in domain(name).harness]
+        judged = self.settings.safety == JUDGED and SAFETY in domains
+        tasks = [t for name in domains for t in _harness_domain_tasks(name, self.settings.safety)]
         results: dict[str, dict[str, float]] = {}
         if tasks:
             results.update(self._harness(model, tokenizer, tasks))
@@ -128,14 +172,41 @@ class MergeBenchEvaluation:
                 results[code.name] = run_code_task(
                     model, tokenizer, code, rows, allow_code_execution=self.settings.allow_code_execution
                 )
+        if judged:
+            results.update(self._judged_safety(model, tokenizer))
         scores = domain_scores(results, domains)
-        return {
-            "protocol": PROTOCOL,
-            "tasks": results,
-            "domains": scores,
-            "average": raw_average(scores),
-            "safety": SAFETY_VARIANT,
-        }
+        report: dict[str, Any] = {"protocol": PROTOCOL, "tasks": results}
+        if judged:
+            scores[SAFETY] = safety_score(results)
+            report["judge"] = judge_card()
+        report |= {"domains": scores, "average": raw_average(scores)}
+        report["safety"] = JUDGED_VARIANT if self.settings.safety == JUDGED else SAFETY_VARIANT
+        return report
+
+    def _judged_safety(self, model: Any, tokenizer: Any) -> dict[str, dict[str, Any]]:
+        """MergeBench's judged safety of ``model``: its answers, then WildGuard's verdicts (loaded for them alone)."""
+        from featcal.families.causal_lm.evaluation import greedy_responses
+        from featcal.families.causal_lm.mergebench_eval.judged_safety import read_rows as safety_rows
+        from featcal.families.causal_lm.mergebench_eval.wildguard import WildGuard
+
+        data = None if self.settings.data is None else Path(self.settings.data)
+        rows = {b.name: safety_rows(b, data, self.settings.limit) for b in BENCHMARKS}
+
+        def respond(prompts: Any) -> list[str]:  # no prompt is cut: max_length spans any prompt
+            return greedy_responses(model, tokenizer, prompts, max_length=1 << 30, max_new_tokens=MAX_NEW_TOKENS,
+                                    batch_size=self.settings.batch_size)  # fmt: skip
+
+        holder: dict[str, Any] = {}
+
+        def judge(pairs: Any) -> list[str]:  # loaded once every answer is generated
+            holder["judge"] = WildGuard(self.settings.judge, next(model.parameters()).device)
+            return holder["judge"](pairs)
+
+        try:
+            return run_judged_safety(respond, judge, rows)
+        finally:
+            if "judge" in holder:
+                holder["judge"].close()
 
     def _harness(self, model: Any, tokenizer: Any, tasks: Sequence[Any]) -> dict[str, dict[str, float]]:
         """The harness's results of ``tasks``; the harness (and the local definitions) are set up once."""

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcal.errors import InvalidParameterError
+from featcal.families.causal_lm.mergebench_eval.judged_safety import JUDGED
 from featcal.families.causal_lm.mergebench_eval.protocol import PROTOCOL
 
 if TYPE_CHECKING:
@@ -20,12 +21,15 @@ def protocol_settings(spec: RunSpec) -> dict[str, Any] | None:
             :meth:`~featcal.families.causal_lm.options.LMEvaluationOptions.check`).
 
     Returns:
-        ``{"name": "mergebench", "benchmark_data": folder or None, "allow_code_execution": True}``.
+        ``{"name": "mergebench", "benchmark_data": folder or None, "allow_code_execution": True}``, with
+        ``"safety": "wildguard"`` and ``"judge"`` (its Hub id or resolved folder) for MergeBench's judged safety.
 
     Raises:
         InvalidParameterError: for a ``benchmark_data`` that is not a folder.
         DatasetInputError: for a folder lacking a file the protocol reads.
         CodeExecutionNotAllowedError: without the opt-in to running generated code.
+        ModelInputError: for a safety judge that cannot be loaded; DatasetInputError: for a judged benchmark that
+            cannot be read (gated, or no local copy).
         FeatcalError: when lm-eval is not installed.
     """
     from featcal.families.causal_lm.options import LMEvaluationOptions
@@ -43,5 +47,14 @@ def protocol_settings(spec: RunSpec) -> dict[str, Any] | None:
                 "benchmark_data", options.benchmark_data, "a folder of local copies of the benchmarks' data"
             )
         data = str(folder.resolve())
-    check_protocol(data, options.allow_code_execution)
-    return {"name": PROTOCOL, "benchmark_data": data, "allow_code_execution": options.allow_code_execution}
+    judge = options.safety_judge
+    if Path(judge).expanduser().exists():
+        judge = str(Path(judge).expanduser().resolve())
+    from featcal.devices import resolve_device
+
+    device = str(resolve_device(spec.device))
+    check_protocol(data, options.allow_code_execution, options.mergebench_safety, judge, device)
+    record = {"name": PROTOCOL, "benchmark_data": data, "allow_code_execution": options.allow_code_execution}
+    if options.mergebench_safety == JUDGED:  # FusionBench's variant: the record of earlier runs, unchanged
+        record |= {"safety": JUDGED, "judge": judge}
+    return record
