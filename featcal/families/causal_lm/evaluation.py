@@ -43,6 +43,7 @@ from featcal.errors import DatasetInputError, ModelInputError
 from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS
 from featcal.families.causal_lm.answers import extract_answer, normalize_answer
 from featcal.families.causal_lm.folders import load_config, load_lm_folder
+from featcal.families.causal_lm.generation import greedy_responses
 from featcal.families.causal_lm.mergebench_eval.protocol import DOMAIN_NAMES, MERGEBENCH
 from featcal.families.causal_lm.settings import LMEvaluationSettings
 from featcal.families.causal_lm.texts import base_tokenizer, encode_texts, load_text_split, render_text
@@ -179,41 +180,6 @@ def response_nll(
             total += float(F.cross_entropy(logits, targets[row : row + LOGIT_ROWS], reduction="sum"))
         tokens += int(targets.numel())
     return total, tokens
-
-
-@torch.no_grad()
-def greedy_responses(
-    model: nn.Module, tokenizer: Any, prompts: Sequence[str], *, max_length: int, max_new_tokens: int, batch_size: int
-) -> list[str]:
-    """The model's greedy response to each prompt (left-padded batches, until its end-of-text token).
-
-    Args:
-        model: A ``*ForCausalLM`` in eval mode on its device.
-        tokenizer: The base's tokenizer.
-        prompts: The prompts, as rendered.
-        max_length: Prompts are cut to their last this many tokens (a longer one loses its beginning).
-        max_new_tokens: The longest response.
-        batch_size: Prompts per batch.
-
-    Returns:
-        The responses, decoded without special tokens.
-    """
-    from transformers import GenerationConfig
-
-    device = next(model.parameters()).device
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-    )  # fmt: skip
-    out: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        kept = [ids[-max_length:] for ids in tokenizer(list(prompts[start : start + batch_size]))[INPUT_IDS]]
-        encoded = tokenizer.pad({INPUT_IDS: kept}, padding=True, padding_side="left", return_tensors="pt")
-        ids = encoded[INPUT_IDS].to(device)
-        generated = model.generate(input_ids=ids, attention_mask=encoded[ATTENTION_MASK].to(device),
-                                   generation_config=config)  # fmt: skip
-        out.extend(tokenizer.batch_decode(generated[:, ids.shape[1] :], skip_special_tokens=True))
-    return out
 
 
 def exact_matches(rule: str, responses: Sequence[str], references: Sequence[str]) -> tuple[int, int]:

@@ -185,7 +185,7 @@ class MergeBenchEvaluation:
 
     def _judged_safety(self, model: Any, tokenizer: Any) -> dict[str, dict[str, Any]]:
         """MergeBench's judged safety of ``model``: its answers, then WildGuard's verdicts (loaded for them alone)."""
-        from featcal.families.causal_lm.evaluation import greedy_responses
+        from featcal.families.causal_lm.generation import greedy_responses
         from featcal.families.causal_lm.mergebench_eval.judged_safety import read_rows as safety_rows
         from featcal.families.causal_lm.mergebench_eval.wildguard import WildGuard
 
