@@ -391,6 +391,8 @@ def test_an_unknown_or_repeated_repair_is_refused_before_any_work(tmp_path, caps
          "with its hyper-parameters (svc:alpha=0.3), each hyper-parameter once."),
         (["svc:alpha=0.2,alpha=0.3"], "--repair 'svc:alpha=0.2,alpha=0.3' is invalid: it must be a repair's name, "
          "or NAME:KEY=VALUE[,KEY=VALUE...] with its hyper-parameters (svc:alpha=0.3), each hyper-parameter once."),
+        (["svc:alpha=["], "--repair 'svc:alpha=[' is invalid: it must be a repair's name, or "
+         "NAME:KEY=VALUE[,KEY=VALUE...] with its hyper-parameters (svc:alpha=0.3), each hyper-parameter once."),
         (["svc:alpha=0.3", "svc:alpha=.3"], "--repair 'svc:alpha=0.3' is invalid: it must be each repair named once "
          "per setting of its hyper-parameters (repeated here)."),
         (["svc", "svc:alpha=0.1"], "--repair 'svc:alpha=0.1' is invalid: it must be each repair named once per "
@@ -422,6 +424,18 @@ def test_a_hyper_parameter_is_checked_as_repair_param_checks_it_before_any_work(
     assert (code, err) == run_error(capsys, [*calibrate, "--output", str(tmp_path / "x")])
     assert code == 2 and len(err) == 1 and err[0].startswith("featcal: error: ") and f"repair '{name}'" in err[0]
     assert not out.exists() and not (tmp_path / "x").exists()
+
+
+def test_a_repair_param_that_is_no_yaml_scalar_is_refused_in_one_line(tmp_path, capsys) -> None:
+    """``--repair-param alpha=[`` (as an entry's ``svc:alpha=[``, above): one line, exit 2, not a YAML traceback."""
+    out = tmp_path / "x"
+    argv = ["calibrate", "--method", "svc", "--repair-param", "alpha=[", "--merged", str(F / "base")]
+    code, err = run_error(capsys, [*argv, "--output", str(out)])
+    assert code == 2 and err == [
+        "featcal: error: --repair-param ['alpha=['] is invalid: it must be a mapping of names to values, or "
+        "KEY=VALUE items."
+    ]
+    assert not out.exists()
 
 
 def test_a_data_using_repair_is_refused_when_a_task_has_no_train_split(tmp_path, capsys) -> None:

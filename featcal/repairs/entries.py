@@ -22,6 +22,7 @@ from typing import Any
 
 from featcal.calibration.params import FeatCalParams
 from featcal.errors import InvalidParameterError
+from featcal.options import convert
 from featcal.repairs.options import DEFAULT_REPAIR
 from featcal.repairs.registry import Repair
 
@@ -98,11 +99,12 @@ def parse_entry(entry: Any) -> tuple[str, dict[str, Any]]:
     Args:
         entry: ``NAME``, ``NAME:KEY=VALUE[,KEY=VALUE...]``, or a mapping ``{NAME: {KEY: VALUE}}``.
 
+    Returns:
+        The name and the hyper-parameters by name (``-`` read as ``_``), each text value read as a YAML scalar.
+
     Raises:
         InvalidParameterError: for an entry of neither form, or a hyper-parameter given twice.
     """
-    import yaml
-
     if isinstance(entry, Mapping) and len(entry) == 1:
         ((name, params),) = entry.items()
         if params is None:
@@ -113,11 +115,13 @@ def parse_entry(entry: Any) -> tuple[str, dict[str, Any]]:
                 return str(name).strip(), dict(zip(keys, params.values(), strict=True))
     elif isinstance(entry, str):
         name, sep, rest = entry.partition(":")
-        items = [item.partition("=") for item in rest.split(",")] if sep else []
-        keys = [key.strip().replace("-", "_") for key, _, _ in items]
-        well_formed = all(key and eq and text.strip() for key, (_, eq, text) in zip(keys, items, strict=True))
-        if name.strip() and well_formed and len(set(keys)) == len(keys):
-            return name.strip(), {key: yaml.safe_load(text) for key, (_, _, text) in zip(keys, items, strict=True)}
+        items = rest.split(",") if sep else []
+        keys = [item.partition("=")[0].strip().replace("-", "_") for item in items]
+        if name.strip() and len(set(keys)) == len(keys):
+            try:  # KEY=VALUE items as --repair-param reads them
+                return name.strip(), convert(items, dict[str, Any], None, FLAG) if items else {}
+            except InvalidParameterError:
+                pass
     raise InvalidParameterError(FLAG, entry, f"{ENTRY_FORM}, each hyper-parameter once")
 
 
