@@ -228,7 +228,10 @@ def _as_params(value: Any) -> dict[str, Any]:
         key, sep, text = str(item).partition("=")
         if not sep or not key.strip() or not text.strip():
             raise ValueError
-        params[key.strip().replace("-", "_")] = yaml.safe_load(text)
+        try:
+            params[key.strip().replace("-", "_")] = yaml.safe_load(text)
+        except yaml.YAMLError:  # "[": no scalar, refused as any value of the wrong form
+            raise ValueError(text) from None
     return params
 
 

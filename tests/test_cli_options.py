@@ -31,7 +31,8 @@ DETAILS = Path(__file__).parent / "golden" / "cli_option_details.json"
 # ("run", "--eval-max-new-tokens", "section"): "issue 41: the causal-LM family's own options".
 DETAIL_CHANGES: dict[tuple[str, str, str], str] = {
     ("compare", "*", "command"): "issue 42: the table of the repairs a run compared (docs/repairs.md)",
-    ("run", "--repair", "option"): "issue 42: repairs side by side on the run's merge (docs/repairs.md)",
+    ("run", "--repair", "option"): "issue 42: repairs side by side on the run's merge, each entry NAME or "
+    "NAME:KEY=VALUE[,KEY=VALUE...] with its hyper-parameters (docs/repairs.md)",
     ("run", "--eval-protocol", "option"): "issue 43: MergeBench's five domains (docs/causal-lm.md)",
     ("run", "--benchmark-data", "option"): "issue 43: local copies of MergeBench's benchmarks (docs/causal-lm.md)",
     ("run", "--allow-code-execution", "option"): "issue 43: the opt-in to running generated code (docs/code-eval.md)",

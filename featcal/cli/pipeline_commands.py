@@ -37,18 +37,18 @@ def spec_from_args(args: argparse.Namespace, recipe: dict[str, Any] | None = Non
     )  # fmt: skip
 
 
-def compared_repairs(args: argparse.Namespace, recipe: dict[str, Any]) -> list[str] | None:
-    """The repairs ``featcal run`` compares: ``--repair`` as typed, else the recipe's ``repair``.
+def compared_repairs(args: argparse.Namespace, recipe: dict[str, Any]) -> list[Any] | None:
+    """The repairs ``featcal run`` compares: ``--repair`` as typed, else the recipe's ``repair`` (its entries
+    may also be ``{NAME: {KEY: VALUE}}`` mappings); checked by :func:`featcal.repairs.comparison.check_comparison`.
 
     Raises:
-        InvalidParameterError: naming the recipe when its value is not a list of names.
+        InvalidParameterError: naming the recipe when its value is not a list of entries.
     """
-    from featcal.options import convert_field, option_fields
+    from featcal.repairs.entries import FLAG, recipe_entries
 
     typed = given_values(args, RepairComparison)
-    ((f, annotation, _),) = option_fields(RepairComparison)
-    if f.name not in typed and f.name in recipe:
-        typed[f.name] = convert_field(f, annotation, recipe[f.name], owner=f"recipe {args.recipe}")
+    if FLAG not in typed and FLAG in recipe:
+        return recipe_entries(recipe[FLAG], owner=f"recipe {args.recipe}")
     return RepairComparison(**typed).repair
 
 

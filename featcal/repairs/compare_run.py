@@ -94,13 +94,14 @@ def merged_folder(spec: RunSpec) -> Path:
 
 
 def run_compared(
-    spec: RunSpec, names: Sequence[str], world: World = SINGLE
+    spec: RunSpec, entries: Sequence[Any], world: World = SINGLE
 ) -> tuple[dict[str, MetricsReport], list[dict[str, Any]]]:
-    """Run ``spec``, compare the repairs ``names`` on its merge, then release the run (unless ``no_export``).
+    """Run ``spec``, compare the repairs ``entries`` on its merge, then release the run (unless ``no_export``).
 
     Args:
         spec: The run.
-        names: The repairs to compare, in the order of the table.
+        entries: The repairs to compare, each alone or with its hyper-parameters (``svc``, ``svc:alpha=0.3``,
+            ``{"svc": {"alpha": 0.3}}``: :mod:`featcal.repairs.entries`), in the order they are run.
         world: The processes; the comparison runs in one.
 
     Returns:
@@ -117,12 +118,12 @@ def run_compared(
 
     if world.distributed:
         raise FeatcalError("featcal run --repair compares the repairs in one process: start it without torchrun.")
-    repairs = check_comparison(spec, names)
+    compared = check_comparison(spec, entries)
     results = run_pipeline(spec.replace(no_export=True), world)
     out, merged = Path(spec.output_dir), merged_folder(spec)
     evaluation = RepairEvaluation(spec, merged)
     with RunLock(out):
-        rows, computed = compare_repairs(spec, repairs, out, merged, evaluation, redo=spec.force)
+        rows, computed = compare_repairs(spec, compared, out, merged, evaluation, redo=spec.force)
         baseline = out / REPAIRS_DIR / MERGE_RESULT
         if computed or not baseline.is_file():
             run_id = rows[0]["run_id"]

@@ -1,6 +1,7 @@
 """The table of a run's repair comparison (``<run>/repairs/*.json``): ``featcal compare RUN`` and the model card.
 
-One row per repair, after the merge it starts from: the score per task (accuracy, the task's own metric, or
+One row per compared entry (a repair, labelled with the hyper-parameters its entry gave, ``svc:alpha=0.3``),
+after the merge it starts from: the score per task (accuracy, the task's own metric, or
 a language task's exact match) and their mean in % (a task no result has a score for, such as a language task
 evaluated by its loss alone: its loss), the wall time and peak RSS of the repair's own process,
 and whether its result is releasable. Only the results of the run as its ``run_config.json`` now stands are shown.
@@ -16,6 +17,7 @@ from featcal.errors import FeatcalError
 from featcal.memory import GIB
 from featcal.metrics import AVERAGE, EXACT_MATCH, is_task_result, task_score
 from featcal.repairs.comparison import REPAIRS_DIR
+from featcal.repairs.entries import entry_label
 
 if TYPE_CHECKING:
     from featcal.runfolder.reader import RunFolder
@@ -25,7 +27,7 @@ MERGE = "merge"
 
 def read_comparison(run_dir: str | Path) -> list[dict[str, Any]]:
     """The merge's and each repair's result of the run in ``run_dir``: the merge first, FeatCal next, then the
-    others by name; results of an earlier recipe of the run are left out.
+    others by name (a repair's entries by label); results of an earlier recipe of the run are left out.
 
     Raises:
         RunFolderError: when ``run_dir`` holds no readable ``run_config.json``.
@@ -40,7 +42,12 @@ def read_comparison(run_dir: str | Path) -> list[dict[str, Any]]:
     found = [read_json(path) for path in sorted(folder.glob("*.json"))] if folder.is_dir() else []
     rows = [row for row in found if isinstance(row, dict) and row.get("run_id") == run_id and "metrics" in row]
     order = {MERGE: 0, "featcal": 1}
-    return sorted(rows, key=lambda row: (order.get(row["repair"], 2), row["repair"]))
+    return sorted(rows, key=lambda row: (order.get(row["repair"], 2), row["repair"], row_label(row)))
+
+
+def row_label(row: Mapping[str, Any]) -> str:
+    """A result's name in the table: the repair's, with the hyper-parameters its entry gave (``svc:alpha=0.3``)."""
+    return entry_label(row["repair"], row.get("setting") or {})
 
 
 def task_names(rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -99,7 +106,7 @@ def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
         is_merge = row["repair"] == MERGE
         cost = ["—", "—"] if is_merge else [f"{row['seconds']:.1f}", f"{row['peak_rss_bytes'] / GIB:.2f}"]
         released = "—" if is_merge else "yes" if row["releasable"] else "no (modules)"
-        name = "merge (no repair)" if is_merge else row["repair"]
+        name = "merge (no repair)" if is_merge else row_label(row)
         cells = [name, *(_cell(metrics, c, by_loss[c]) for c in columns), *cost, released]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

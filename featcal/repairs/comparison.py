@@ -31,6 +31,7 @@ from typing import Any
 
 from featcal.errors import FeatcalError, InvalidParameterError
 from featcal.options import flag_name, option_fields
+from featcal.repairs.entries import ComparedRepair, compared_repairs, shown_value
 from featcal.repairs.options import DEFAULT_REPAIR, MODULE_REPAIRS
 from featcal.repairs.registry import Repair
 from featcal.spec import RUNTIME, TASKS, RunSpec
@@ -51,36 +52,22 @@ class ChildCost:
     peak_rss_bytes: int
 
 
-def requested_repairs(names: Sequence[str]) -> list[Repair]:
-    """The registered repairs ``names`` asks for, in the order given.
-
-    Raises:
-        UnknownNameError: for a name no repair has.
-        InvalidParameterError: for a repair named twice.
-    """
-    from featcal.repairs.catalog import get_repair
-
-    repeated = sorted({name for name in names if list(names).count(name) > 1})
-    if repeated:
-        raise InvalidParameterError("repair", " ".join(repeated), "each repair named once (repeated here)")
-    return [get_repair(name) for name in names]
-
-
-def check_comparison(spec: RunSpec, names: Sequence[str]) -> list[Repair]:
-    """Refuse, before any work, a comparison that could not finish: an unknown repair, a repair not defined
-    for the run's family, a repair that reads calibration data when a task has none, and a run that resumes
-    from a merge the repairs could not start from.
+def check_comparison(spec: RunSpec, entries: Sequence[Any]) -> list[ComparedRepair]:
+    """Refuse, before any work, a comparison that could not finish: an unknown repair or hyper-parameter, a
+    value of the wrong type or out of range, a repair not defined for the run's family, a repair that reads
+    calibration data when a task has none, and a run that resumes from a merge the repairs could not start from.
 
     Args:
         spec: The run.
-        names: The repairs asked for.
+        entries: The repairs asked for, each with its hyper-parameters (:mod:`featcal.repairs.entries`).
 
     Returns:
-        The repairs, in the order given.
+        The entries, in the order given.
 
     Raises:
-        UnknownNameError: for a name no repair has.
-        InvalidParameterError: for a repair named twice, or one not defined for the family.
+        UnknownNameError: for a name no repair has, or a hyper-parameter the repair does not have.
+        InvalidParameterError: for a malformed entry, a wrong or out-of-range value, an entry repeated (the same
+            repair and hyper-parameters), or a repair not defined for the family.
         DatasetInputError: when a data-using repair is asked for and a task's train split is missing or small.
         ModelInputError: as :func:`featcal.resolve.resolve_inputs`.
     """
@@ -89,7 +76,8 @@ def check_comparison(spec: RunSpec, names: Sequence[str]) -> list[Repair]:
     from featcal.repairs.surgery import check_surgery_family
     from featcal.resolve import resolve_inputs
 
-    repairs = requested_repairs(names)
+    compared = compared_repairs(entries, spec.featcal)
+    repairs = [entry.repair for entry in compared]
     inputs = resolve_inputs(spec, need_experts=False)
     family = inputs.family
     for repair in repairs:
@@ -106,7 +94,7 @@ def check_comparison(spec: RunSpec, names: Sequence[str]) -> list[Repair]:
             allow_fewer=spec.allow_fewer_calibration_examples, seed=spec.seed,
             preprocessor=family.preprocessor(inputs.base_folder),
         )  # fmt: skip
-    return repairs
+    return compared
 
 
 def option_flags(spec: RunSpec, names: Sequence[str]) -> list[str]:
@@ -147,11 +135,20 @@ def read_options(repair: Repair) -> list[str]:
     return [*names, *CALIBRATION_DRAW, "output_dtype"]
 
 
-def repair_command(spec: RunSpec, repair: Repair, merged: Path, output: Path) -> list[str]:
-    """The repair's command line: ``featcal -q calibrate --method NAME --merged DIR --output DIR`` with the run's
-    options the repair reads (without the program's name)."""
+def repair_command(
+    spec: RunSpec, repair: Repair, merged: Path, output: Path, setting: Mapping[str, Any] | None = None
+) -> list[str]:
+    """The repair's command line: ``featcal -q calibrate --method NAME --merged DIR --output DIR`` with the
+    hyper-parameters ``setting`` (``--repair-param KEY=VALUE``; FeatCal's in place of the run's values of its
+    parameters) and the run's options the repair reads (without the program's name)."""
+    setting = dict(setting or {})
+    if repair.name == DEFAULT_REPAIR and setting:
+        spec = spec.replace(featcal=dataclasses.replace(spec.featcal, **setting))
+    own = [] if repair.name == DEFAULT_REPAIR else setting.items()
+    params = [arg for key, value in own for arg in ("--repair-param", f"{key}={shown_value(value)}")]
     flags = option_flags(spec, [name for name in read_options(repair) if repair.uses_data or name not in NOT_READ])
-    return ["-q", "calibrate", "--method", repair.name, "--merged", str(merged), "--output", str(output), *flags]
+    return ["-q", "calibrate", "--method", repair.name, "--merged", str(merged), "--output", str(output), *params,
+            *flags]  # fmt: skip
 
 
 def measure_child(args: Sequence[str], *, what: str) -> ChildCost:
@@ -190,26 +187,26 @@ def result_identity(run_id: str, merged_weights: Mapping[str, str], argv: Sequen
 
 def compare_repairs(
     spec: RunSpec,
-    repairs: Sequence[Repair],
+    compared: Sequence[ComparedRepair],
     run_dir: Path,
     merged: Path,
     evaluate: Callable[[Repair, Path], dict[str, Any]],
     *,
     redo: bool = False,
 ) -> tuple[list[dict[str, Any]], bool]:
-    """Run every repair on ``merged`` in a child process, evaluate its output, and write its result file;
-    a result whose identity is unchanged is kept.
+    """Run every entry's repair on ``merged`` in a child process, evaluate its output, and write its result file
+    (``<entry's stem>.json``, :attr:`ComparedRepair.stem`); a result whose identity is unchanged is kept.
 
     Args:
         spec: The run (the options each child reads).
-        repairs: The repairs, in order.
+        compared: The entries (repairs with their hyper-parameters), in order.
         run_dir: The run folder.
         merged: The merged model folder the repairs start from.
         evaluate: ``evaluate(repair, output)``: the repair's ``metrics.json``-style report.
         redo: Redo every repair, even one whose result is up to date (``--force``).
 
     Returns:
-        Each repair's result, in order, and whether any was computed now.
+        Each entry's result, in order, and whether any was computed now.
 
     Raises:
         FeatcalError: when a repair's process fails.
@@ -226,9 +223,10 @@ def compare_repairs(
     merged_weights = weights_sha256(merged)
     floor: ChildCost | None = None
     results, computed = [], False
-    for repair in repairs:
-        output, record = folder / repair.name, folder / f"{repair.name}.json"
-        argv = repair_command(spec, repair, merged, output)
+    for entry in compared:
+        repair = entry.repair
+        output, record = folder / entry.stem, folder / f"{entry.stem}.json"
+        argv = repair_command(spec, repair, merged, output, entry.setting)
         identity = result_identity(run_id, merged_weights, argv)
         kept = read_json(record) if record.is_file() else None
         if not redo and isinstance(kept, dict) and kept.get("identity") == identity and output.is_dir():
@@ -237,13 +235,14 @@ def compare_repairs(
         record.unlink(missing_ok=True)
         shutil.rmtree(output, ignore_errors=True)
         floor = floor or measure_floor()
-        cost = measure_child(argv, what=f"The {repair.name} repair of the comparison")
+        cost = measure_child(argv, what=f"The {entry.label} repair of the comparison")
         result = {
             "repair": repair.name, "pretty_name": repair.pretty_name, "releasable": repair.releasable,
             "uses_data": repair.uses_data, "params": _recorded_params(output), "run_id": run_id,
             "identity": identity, "seconds": cost.seconds, "peak_rss_bytes": cost.peak_rss_bytes,
             "floor": dataclasses.asdict(floor), "threads": spec.threads,
             "metrics": evaluate(repair, output), **_own_report(repair, output),
+            **({"setting": dict(entry.setting)} if entry.setting else {}),  # an entry without one: as before
         }  # fmt: skip
         atomic_write_json(record, result)
         results.append(result)

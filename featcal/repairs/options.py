@@ -51,8 +51,10 @@ class RepairComparison:
 
     repair: list[str] | None = option(
         None, help="compare these repairs on the run's merge, each on the same calibration draw, with its "
-        "accuracy per task, wall time and peak RSS (featcal, lot, surgery, probsurgery, svc; `featcal compare RUN` "
-        "prints the table; docs/repairs.md)", metavar="NAME", nargs="+",
+        "accuracy per task, wall time and peak RSS (featcal, lot, surgery, probsurgery, svc; each with its "
+        "defaults, or with hyper-parameters as NAME:KEY=VALUE[,KEY=VALUE...], e.g. svc:alpha=0.3, the same "
+        "repair once per setting; `featcal compare RUN` prints the table; docs/repairs.md)", metavar="NAME",
+        nargs="+",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
