@@ -17,6 +17,10 @@ average (``os.getloadavg``) can be recorded before and after each. Each repair r
 --method NAME`` in a child process of its own: its wall time and peak RSS (its own ``VmHWM``) are that
 process's. Writes ``benchmarks/results/repairs_side_by_side_<zoo>_seed<seed>.json`` and a markdown table beside
 it (``.md``); scores in %.
+
+A merge or repair that featcal refuses for the zoo's family before any work (RegMean++ and LOT on t5x4: they
+stream examples through one plain stack of layers, which a T5 is not) is recorded under ``not_defined`` with
+featcal's one-line reason, and the others run.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from featcal.errors import InvalidParameterError
 from featcal.memory import GIB
 from featcal.repairs.compare_run import run_compared
 from featcal.repairs.compare_table import comparison_table, read_comparison, score
@@ -68,8 +73,9 @@ def run_spec(zoo: str, folder: Path, out: Path, merge: str):
     return spec.replace(threads=1, no_export=True, eval_zero_shot=False, eval_experts=False)
 
 
-def markdown(zoo: str, seed: int, merges: dict[str, list[dict]]) -> str:
-    """One table per merge: each repair's average score, its wall time and peak RSS, the load around it."""
+def markdown(zoo: str, seed: int, merges: dict[str, list[dict]], not_defined: list[dict] | None = None) -> str:
+    """One table per merge: each repair's average score, its wall time and peak RSS, the load around it; then
+    the merges and repairs featcal refused for the zoo's family, with its reason."""
     lines = [f"# Repairs side by side: {zoo}, zoo seed {seed}", ""]
     for merge, rows in merges.items():
         lines += [f"## {merge}", "", "| repair | average % | wall s | peak RSS GiB | load before → after |",
@@ -89,6 +95,11 @@ def markdown(zoo: str, seed: int, merges: dict[str, list[dict]]) -> str:
         if floor:
             lines += ["", f"Import floor of a repair process: {floor['seconds']:.1f} s, "
                       f"{floor['peak_rss_bytes'] / GIB:.2f} GiB."]  # fmt: skip
+        lines.append("")
+    if not_defined:
+        lines += ["## Not defined for this family", ""]
+        lines += [f"- {entry['merge']}{' × ' + entry['repair'] if entry['repair'] else ''}: {entry['reason']}"
+                  for entry in not_defined]  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 
@@ -139,13 +150,14 @@ def main() -> None:
         return
     if args.render:
         recorded = json.loads(Path(args.render).read_text())
-        text = markdown(recorded["zoo"], recorded["zoo_seed"], recorded["merges"])
+        text = markdown(recorded["zoo"], recorded["zoo_seed"], recorded["merges"], recorded.get("not_defined"))
         Path(args.render).with_suffix(".md").write_text(text)
         print(text)
         return
     output = Path(args.output or RESULTS / f"repairs_side_by_side_{args.zoo}_seed{args.zoo_seed}.json")
     folder = zoo_folder(args.zoo, args.zoo_seed, args.zoo_cache_dir)
     merges: dict[str, list[dict]] = {}
+    not_defined: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         for merge in args.merges:
@@ -154,20 +166,31 @@ def main() -> None:
             for repair in args.repairs:
                 before = os.getloadavg()
                 start = time.perf_counter()
-                run_compared(spec, [repair])
+                try:
+                    run_compared(spec, [repair])
+                except InvalidParameterError as exc:  # refused for the family, before any work
+                    if exc.name not in ("merge_method", "repair"):
+                        raise
+                    not_defined.append({"merge": merge, "repair": repair if exc.name == "repair" else None,
+                                        "reason": str(exc)})  # fmt: skip
+                    print(f"{merge} {repair}: not defined: {exc}", flush=True)
+                    if exc.name == "merge_method":
+                        break
+                    continue
                 loads[repair] = {"load_before": before, "load_after": os.getloadavg(),
                                  "call_s": time.perf_counter() - start}  # fmt: skip
                 print(f"{merge} {repair}: done, load {before[0]:.2f} → {os.getloadavg()[0]:.2f}", flush=True)
-            rows = read_comparison(work / merge)
-            merges[merge] = [{**row, **loads.get(row["repair"], {})} for row in rows]
+            if loads:
+                rows = read_comparison(work / merge)
+                merges[merge] = [{**row, **loads.get(row["repair"], {})} for row in rows]
     output.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "zoo": args.zoo, "zoo_seed": args.zoo_seed, "zoo_folder": folder.name, "threads": 1,
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor(), "python": platform.python_version()},
-        "merges": merges,
+        "merges": merges, "not_defined": not_defined,
     }  # fmt: skip
     output.write_text(json.dumps(record, indent=1) + "\n")
-    output.with_suffix(".md").write_text(markdown(args.zoo, args.zoo_seed, merges))
+    output.with_suffix(".md").write_text(markdown(args.zoo, args.zoo_seed, merges, not_defined))
     print(output.with_suffix(".md").read_text())
 
 
