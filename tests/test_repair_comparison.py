@@ -178,7 +178,7 @@ def test_an_entry_without_hyper_parameters_writes_what_it_wrote_before(compared)
                             "seconds", "peak_rss_bytes", "floor", "threads", "metrics"]  # fmt: skip
     argv = ["-q", "calibrate", "--method", "svc", "--merged", str(compared / "ta"), "--output",
             str(compared / "repairs" / "svc"), "--device", "cpu", "--threads", "1"]  # fmt: skip
-    identity = comparison.result_identity(result["run_id"], weights_sha256(compared / "ta"), argv)
+    identity = comparison.result_identity(result["run_id"], weights_sha256(compared / "ta"), argv, {"alpha": 0.1})
     assert result["identity"] == identity
 
 
@@ -578,3 +578,12 @@ def test_an_up_to_date_result_is_kept_and_force_redoes_it(compared, tmp_path, mo
     assert again(redo=False) and len(calls) == 2  # the copy's command names other folders: the floor and svc
     assert not again(redo=False) and len(calls) == 2  # up to date: kept
     assert again(redo=True) and len(calls) == 4  # --force
+
+
+def test_a_changed_default_redoes_a_kept_result() -> None:
+    """The identity that decides whether a rerun keeps a result covers the repair's defaults: a default changed
+    (LOT's ``norms`` became true) redoes a result whose command, naming only what an entry sets, is unchanged."""
+    argv = ["-q", "calibrate", "--method", "lot"]
+    old = comparison.result_identity("run", {"w": "0"}, argv, {"norms": False})
+    assert old != comparison.result_identity("run", {"w": "0"}, argv, {"norms": True})
+    assert old == comparison.result_identity("run", {"w": "0"}, argv, {"norms": False})

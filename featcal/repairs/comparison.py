@@ -37,7 +37,7 @@ from featcal.repairs.registry import Repair
 from featcal.spec import RUNTIME, TASKS, RunSpec
 
 REPAIRS_DIR = "repairs"  # in the run folder: each repair's output folder and result file
-COMPARISON_VERSION = 1
+COMPARISON_VERSION = 2
 # The run options each kind of repair's `featcal calibrate` reads (the others it refuses or ignores).
 CALIBRATION_DRAW = ("num_calibration_examples", "calibration_batch_size", "allow_fewer_calibration_examples")
 DATA_FREE = ("cache_dir", "device", "precision", "threads", "dist_timeout", "output_dtype")
@@ -177,12 +177,18 @@ def measure_floor() -> ChildCost:
     return measure_child([], what="The import floor of the repair processes")
 
 
-def result_identity(run_id: str, merged_weights: Mapping[str, str], argv: Sequence[str]) -> str:
-    """What a repair's result was computed from: the run, the merged weights and the repair's command."""
+def result_identity(
+    run_id: str, merged_weights: Mapping[str, str], argv: Sequence[str], defaults: Mapping[str, Any]
+) -> str:
+    """What a repair's result was computed from: the run, the merged weights, the repair's command and its
+    hyper-parameters' defaults (the command names only the values an entry sets, so a changed default, such as
+    LOT's ``norms``, redoes a result computed with the old one)."""
     from featcal.fingerprints import digest
     from featcal.version import __version__
 
-    return digest("repair-comparison", COMPARISON_VERSION, __version__, run_id, dict(merged_weights), list(argv))
+    return digest(
+        "repair-comparison", COMPARISON_VERSION, __version__, run_id, dict(merged_weights), list(argv), dict(defaults)
+    )
 
 
 def compare_repairs(
@@ -227,7 +233,7 @@ def compare_repairs(
         repair = entry.repair
         output, record = folder / entry.stem, folder / f"{entry.stem}.json"
         argv = repair_command(spec, repair, merged, output, entry.setting)
-        identity = result_identity(run_id, merged_weights, argv)
+        identity = result_identity(run_id, merged_weights, argv, repair.defaults())
         kept = read_json(record) if record.is_file() else None
         if not redo and isinstance(kept, dict) and kept.get("identity") == identity and output.is_dir():
             results.append(kept)
