@@ -233,7 +233,7 @@ def compare_repairs(
         repair = entry.repair
         output, record = folder / entry.stem, folder / f"{entry.stem}.json"
         argv = repair_command(spec, repair, merged, output, entry.setting)
-        identity = result_identity(run_id, merged_weights, argv, repair.defaults())
+        identity = result_identity(run_id, merged_weights, argv, repair.defaults)
         kept = read_json(record) if record.is_file() else None
         if not redo and isinstance(kept, dict) and kept.get("identity") == identity and output.is_dir():
             results.append(kept)
