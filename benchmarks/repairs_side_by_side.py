@@ -36,7 +36,7 @@ from pathlib import Path
 from featcal.errors import InvalidParameterError
 from featcal.memory import GIB
 from featcal.repairs.compare_run import run_compared
-from featcal.repairs.compare_table import comparison_table, read_comparison, score
+from featcal.repairs.compare_table import comparison_table, read_comparison, row_label, score
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -88,7 +88,7 @@ def markdown(zoo: str, seed: int, merges: dict[str, list[dict]], not_defined: li
                 continue
             load = f"{row['load_before'][0]:.2f} → {row['load_after'][0]:.2f}" if "load_before" in row else "—"
             lines.append(
-                f"| {row['repair']} | {average} | {row['seconds']:.1f} | {row['peak_rss_bytes'] / GIB:.2f} | {load} |"
+                f"| {row_label(row)} | {average} | {row['seconds']:.1f} | {row['peak_rss_bytes'] / GIB:.2f} | {load} |"
             )
         lines += ["", "Per task (% ; wall time and peak RSS of the repair's own process):", "", comparison_table(rows)]
         floor = next((row["floor"] for row in rows if row.get("floor")), None)
@@ -182,7 +182,7 @@ def main() -> None:
                 print(f"{merge} {repair}: done, load {before[0]:.2f} → {os.getloadavg()[0]:.2f}", flush=True)
             if loads:
                 rows = read_comparison(work / merge)
-                merges[merge] = [{**row, **loads.get(row["repair"], {})} for row in rows]
+                merges[merge] = [{**row, **loads.get(row_label(row), {})} for row in rows]
     output.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "zoo": args.zoo, "zoo_seed": args.zoo_seed, "zoo_folder": folder.name, "threads": 1,
