@@ -9,7 +9,8 @@
 
 ``--interleave A B`` times the repairs A and B again on the first merge's run in ``--work-dir`` (a folder of an
 earlier comparison), alternately A, B, A, B, ..., each in its own process as the comparison runs it, so that
-both see the same load on a shared machine; it writes ``..._interleaved.json``.
+both see the same load on a shared machine, after timing once a process that only imports what each repair's
+imports (the import floor); it writes ``..._interleaved.json``.
 
 For each merge, one run (merge, evaluate, FeatCal) with one torch thread, then each repair on that merge
 through :func:`featcal.repairs.compare_run.run_compared`, one repair at a time so that the machine's load
@@ -115,6 +116,7 @@ def interleave(spec, names: list[str], repeats: int, output: Path) -> None:
 
     record = read_run_config(Path(spec.output_dir) / RUN_CONFIG, f"Run folder {spec.output_dir}")
     times: dict[str, list[dict]] = {name: [] for name in names}
+    floor = comparison.measure_floor()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(repeats):
             for name in names:
@@ -125,7 +127,8 @@ def interleave(spec, names: list[str], repeats: int, output: Path) -> None:
                 times[name].append({"seconds": cost.seconds, "peak_rss_bytes": cost.peak_rss_bytes,
                                     "load_before": before, "load_after": os.getloadavg()})  # fmt: skip
                 print(f"{name} #{i}: {cost.seconds:.1f} s, load {before[0]:.2f}", flush=True)
-    result = {"run_id": record.recipe_sha256, "repeats": repeats, "times": times}
+    result = {"run_id": record.recipe_sha256, "repeats": repeats, "times": times,
+              "floor": {"seconds": floor.seconds, "peak_rss_bytes": floor.peak_rss_bytes}}  # fmt: skip
     output.write_text(json.dumps(result, indent=1) + "\n")
 
 
