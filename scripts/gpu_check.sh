@@ -19,10 +19,12 @@
 #                 featcal run --suite mergebench --eval-protocol mergebench --allow-code-execution --eval-zero-shot
 #                 --eval-experts on FEATCAL_CHECK_BACKBONE (default llama-3.2-3b): MergeBench's five domains on every
 #                 stage (docs/causal-lm.md); FEATCAL_CHECK_BENCHMARK_DATA=DIR reads local copies of the benchmarks,
-#                 FEATCAL_CHECK_MERGEBENCH_SAMPLES=N evaluates N examples per task,
-#                 FEATCAL_CHECK_MERGEBENCH_SAFETY=wildguard scores safety by MergeBench's judged protocol (WildGuard,
-#                 about 20 GB of GPU memory, the gated allenai/wildguardmix's terms accepted); the stages' metrics.json, the
-#                 card and timings.json go to the report; ifeval needs nltk's punkt_tab installed beforehand
+#                 FEATCAL_CHECK_MERGEBENCH_SAMPLES=N evaluates N examples per task; safety is MergeBench's judged
+#                 protocol, the default (WildGuard, about 20 GB of GPU memory; the gated allenai/wildguardmix's terms
+#                 accepted beforehand, else the run is refused before any work), and
+#                 FEATCAL_CHECK_MERGEBENCH_SAFETY=fusionbench scores FusionBench's lm-eval variant instead (not the
+#                 paper's); the stages' metrics.json, the card and timings.json go to the report; ifeval needs
+#                 nltk's punkt_tab installed beforehand
 #                 (`python -m nltk.downloader punkt_tab`, or NLTK_DATA=DIR), which the run checks before any work
 # FEATCAL_CHECK_DEVICE=cpu runs the measurements on the CPU (a check that they run: use a small TxN, 1x4,
 # and FEATCAL_CHECK_LM=1x2).

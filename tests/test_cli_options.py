@@ -37,7 +37,8 @@ DETAIL_CHANGES: dict[tuple[str, str, str], str] = {
     ("run", "--benchmark-data", "option"): "issue 43: local copies of MergeBench's benchmarks (docs/causal-lm.md)",
     ("run", "--allow-code-execution", "option"): "issue 43: the opt-in to running generated code (docs/code-eval.md)",
     ("calibrate --method", "lot", "hyper-parameters"): "issue 42: LOT solves the norms too; norms=false: linears only",
-    ("run", "--mergebench-safety", "option"): "issue 43: MergeBench's judged safety (docs/causal-lm.md)",
+    ("run", "--mergebench-safety", "option"): "issue 43: MergeBench's safety domain, its judged protocol by default "
+    "(wildguard: the paper's) or FusionBench's lm-eval variant by name (fusionbench; docs/causal-lm.md)",
     ("run", "--safety-judge", "option"): "issue 43: the judged safety's WildGuard (docs/causal-lm.md)",
 }
 # Changes on purpose: command -> (options added, options no longer listed).
@@ -79,7 +80,7 @@ CHANGES["run"] = (
     CHANGES["run"][0] | {"--eval-protocol", "--benchmark-data", "--allow-code-execution"},
     CHANGES["run"][1],
 )
-# MergeBench's judged safety in the protocol and its judge (docs/causal-lm.md)
+# the protocol's safety domain, MergeBench's judged one by default, and its judge (docs/causal-lm.md)
 CHANGES["run"] = (CHANGES["run"][0] | {"--mergebench-safety", "--safety-judge"}, CHANGES["run"][1])
 # several repairs side by side on a run's merge, and the table of them (docs/repairs.md)
 CHANGES["run"] = (CHANGES["run"][0] | {"--repair"}, CHANGES["run"][1])

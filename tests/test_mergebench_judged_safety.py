@@ -1,7 +1,7 @@
-"""MergeBench's judged safety (``--mergebench-safety wildguard``), rehearsed offline: the four benchmarks' small
-local copies in their Hub formats (tests/support/safety_data.py), a scripted judge for the metric arithmetic,
-and a tiny random Mistral through the real transformers judge path, whose answers are out of WildGuard's
-format and must be counted so."""
+"""MergeBench's judged safety (``--mergebench-safety wildguard``, the protocol's default), rehearsed offline: the
+four benchmarks' small local copies in their Hub formats (tests/support/safety_data.py), a scripted judge for the
+metric arithmetic, and a tiny random Mistral through the real transformers judge path, whose answers are out of
+WildGuard's format and must be counted so."""
 
 from __future__ import annotations
 
@@ -129,7 +129,8 @@ def test_a_judge_that_is_not_a_mistral_folder_is_refused(tmp_path) -> None:
     from featcal.errors import ModelInputError
 
     llama = save_tiny_judge(tmp_path / "llama", model_type="llama")
-    with pytest.raises(ModelInputError, match="not a Mistral model folder.*'llama'"):
+    with pytest.raises(ModelInputError, match=r"not a Mistral model folder.*'llama'.*, or use FusionBench's safety "
+                                              r"variant \(--mergebench-safety fusionbench\)\.$"):  # fmt: skip
         check_judge(str(llama), "cpu")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelInputError, match="not a Mistral model folder.*None"):
@@ -152,6 +153,44 @@ def test_a_gpu_with_too_little_free_memory_for_the_judge_is_refused(tmp_path, mo
     check_judge(str(judge), "cuda:0")
 
 
+def write_wildguard_config(folder: Path) -> Path:
+    """A folder holding WildGuard's config alone (Mistral-7B-v0.3's shape, as allenai/wildguard's config.json
+    gives it), no weights."""
+    from transformers import MistralConfig
+
+    MistralConfig(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  tie_word_embeddings=False).save_pretrained(folder)  # fmt: skip
+    return folder
+
+
+def test_a_7b_judge_is_refused_on_a_cpu_before_any_work(tmp_path, monkeypatch) -> None:
+    """On a CPU WildGuard's verdicts would take days: its Hub id is refused without asking the Hub (its size is
+    known), and a folder of its config is counted (on the meta device, no weight read) to the same 7.2B and
+    refused, both naming the GPU and FusionBench's variant; on a GPU with room the same folder is not refused;
+    the tiny stand-in runs on the CPU."""
+    import huggingface_hub
+    import torch
+
+    from featcal.errors import ModelInputError
+    from featcal.families.causal_lm.mergebench_eval.wildguard import JUDGE_PARAMETERS, judge_parameters
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "auth_check", lambda *a, **k: pytest.fail("the Hub was asked"))
+    refused = (r"The safety judge {} \(7.2B parameters, 29 GB in float32\) is not run on the CPU \(cpu\), where its "
+               r"verdicts would take days \(docs/causal-lm.md\): run on a GPU \(--device cuda\), or use FusionBench's "
+               r"safety variant \(--mergebench-safety fusionbench\)\.$")  # fmt: skip
+    with pytest.raises(ModelInputError, match=refused.format("allenai/wildguard")):
+        check_judge("allenai/wildguard", "cpu")
+    folder = write_wildguard_config(tmp_path / "wildguard")
+    assert judge_parameters(str(folder)) == JUDGE_PARAMETERS  # the constant, counted from the config
+    with pytest.raises(ModelInputError, match=refused.format(".*/wildguard")):
+        check_judge(str(folder), "cpu")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (21e9, 80e9))
+    check_judge(str(folder), "cuda:0")
+    check_judge(str(save_tiny_judge(tmp_path / "tiny")), "cpu")
+
+
 def test_a_gated_judge_or_dataset_is_named_with_its_fix(monkeypatch) -> None:
     import httpx
     import huggingface_hub
@@ -167,7 +206,7 @@ def test_a_gated_judge_or_dataset_is_named_with_its_fix(monkeypatch) -> None:
     monkeypatch.setattr(huggingface_hub, "auth_check", gated)
     with pytest.raises(ModelInputError, match=r"allenai/wildguard is gated: accept its terms at "
                                               r"https://huggingface.co/allenai/wildguard and log in"):  # fmt: skip
-        check_judge("allenai/wildguard", "cpu")
+        check_judge("allenai/wildguard", "cuda:0")  # on a GPU (on a CPU it is refused first, for its size)
     with pytest.raises(DatasetInputError, match="allenai/wildguardmix is gated.*huggingface.co/datasets/allenai/"):
         js.check_sources(None)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: the cache is read, the Hub not asked
@@ -177,7 +216,9 @@ def test_a_gated_judge_or_dataset_is_named_with_its_fix(monkeypatch) -> None:
 def test_a_missing_local_copy_is_named(safety_data, tmp_path) -> None:
     from featcal.errors import DatasetInputError
 
-    with pytest.raises(DatasetInputError, match="allenai/wildguardmix/wildguardtest/test.jsonl"):
+    with pytest.raises(DatasetInputError, match=r"allenai/wildguardmix/wildguardtest/test.jsonl.*docs/causal-lm.md\); "
+                                                r"or use FusionBench's safety variant \(--mergebench-safety "
+                                                r"fusionbench\)\.$"):  # fmt: skip
         js.check_sources(tmp_path)
     js.check_sources(safety_data)
 
@@ -260,18 +301,27 @@ def test_judged_safety_inputs_are_refused_in_one_line_before_any_work(
     llama = save_tiny_judge(tmp_path / "llama", model_type="llama")
     capsys.readouterr()  # saving's progress bars
     args = _run_args(world, protocol_world["benchmarks"], protocol_world["data_file"], out, "--allow-code-execution")
-    message = _error(capsys, [*args, "--mergebench-safety", "wildguard", "--safety-judge", str(llama)])
+    message = _error(capsys, [*args, "--safety-judge", str(llama)])  # the default safety: judged
     assert "is not a Mistral model folder" in message and "allenai/wildguard" in message and not out.exists()
-    message = _error(capsys, [*args, "--safety-judge", str(llama)])  # a judge for FusionBench's variant
+    assert "--mergebench-safety fusionbench" in message
+    message = _error(capsys, args)  # the default judge, WildGuard (7B), on the CPU (--device cpu)
+    assert message == (
+        "featcal: error: The safety judge allenai/wildguard (7.2B parameters, 29 GB in float32) is not run on the CPU "
+        "(cpu), where its verdicts would take days (docs/causal-lm.md): run on a GPU (--device cuda), or use "
+        "FusionBench's safety variant (--mergebench-safety fusionbench)."
+    )
+    assert not out.exists()
+    message = _error(capsys, [*args, "--mergebench-safety", "fusionbench", "--safety-judge", str(llama)])
     assert "--safety-judge" in message and "given with mergebench_safety wildguard" in message and not out.exists()
-    held_out = ["run", "--suite", "mergebench", "--mergebench-safety", "wildguard", "--output-dir", str(out)]
+    held_out = ["run", "--suite", "mergebench", "--mergebench-safety", "fusionbench", "--output-dir", str(out)]
     assert "given with eval_protocol mergebench" in _error(capsys, held_out) and not out.exists()
     from tests.support.mergebench_data import write_mergebench_data
 
     no_safety = write_mergebench_data(tmp_path / "no-safety")  # the other benchmarks' copies alone
     args = _run_args(world, no_safety, protocol_world["data_file"], out, "--allow-code-execution")
-    message = _error(capsys, [*args, "--mergebench-safety", "wildguard", "--safety-judge", str(llama)])
+    message = _error(capsys, [*args, "--safety-judge", str(llama)])
     assert "allenai/wildguardmix/wildguardtest/test.jsonl" in message and "is missing" in message
+    assert message.endswith("or use FusionBench's safety variant (--mergebench-safety fusionbench).")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "no-safety"] and not out.exists()
 
 
@@ -281,7 +331,8 @@ from featcal.errors import FeatcalError
 from featcal.families.causal_lm.mergebench_eval import judged_safety as js, wildguard as wg
 try:
     js.check_sources(None)
-    wg.check_judge(wg.JUDGE_ID, "cpu")
+    if (problem := wg.hub_access_problem(wg.JUDGE_ID, "model")) is not None:  # on a CPU check_judge refuses 7B
+        raise FeatcalError(problem)
 except FeatcalError as exc:
     print(json.dumps({"refused": str(exc)}))
     sys.exit(0)
@@ -347,10 +398,10 @@ def test_the_judged_safety_reads_its_datasets_and_judge_from_the_hub_under_their
 def test_a_run_with_judged_safety_records_it_in_metrics_and_card(
     protocol_world, tiny_judge, tmp_path, punkt_tab, monkeypatch
 ) -> None:
-    """``featcal run ... --eval-protocol mergebench --mergebench-safety wildguard``: the run's record names the
-    judged safety and its judge; each stage's ``mergebench`` holds the four benchmarks (no FusionBench task),
-    the judge's size and the domain's score; the card says which safety ran, names the judge, and no longer
-    lists MergeBench's safety as not run."""
+    """``featcal run ... --eval-protocol mergebench`` (no ``--mergebench-safety``: the judged safety is the
+    default; the tiny judge runs on the CPU): the run's record names the judged safety and its judge; each
+    stage's ``mergebench`` holds the four benchmarks (no FusionBench task), the judge's size and the domain's
+    score; the card says which safety ran, names the judge, and no longer lists MergeBench's safety as not run."""
     import functools
 
     from featcal.cli import main
@@ -361,7 +412,7 @@ def test_a_run_with_judged_safety_records_it_in_metrics_and_card(
     world = (protocol_world["base"], protocol_world["experts"])
     out = tmp_path / "run"
     args = _run_args(world, protocol_world["benchmarks"], protocol_world["data_file"], out, "--allow-code-execution",
-                     "--mergebench-safety", "wildguard", "--safety-judge", str(tiny_judge))  # fmt: skip
+                     "--safety-judge", str(tiny_judge))  # fmt: skip
     assert main(["-q", *args]) == 0
     record = json.loads((out / "run_config.json").read_text())["evaluation"]["protocol"]
     assert record["safety"] == "wildguard" and record["judge"] == str(tiny_judge.resolve())
@@ -374,3 +425,13 @@ def test_a_run_with_judged_safety_records_it_in_metrics_and_card(
     card = (out / "release" / "README.md").read_text()
     assert f"safety: {js.JUDGED_VARIANT} (the judge allenai/wildguard: 7.2B parameters, about 14.5 GB in bf16)" in card
     assert "- safety: wildguardtest" not in card and "FusionBench's lm-eval variant" not in card
+
+
+def test_the_suite_s_not_run_text_says_the_protocol_judges_safety_by_default() -> None:
+    """``featcal tasks`` and a held-out run's card quote it: the protocol runs MergeBench's judged safety, and
+    FusionBench's variant is the one asked for by name."""
+    from featcal.suites import suite_lm_eval
+
+    what = suite_lm_eval("mergebench")[1]["safety"]
+    assert "`--eval-protocol mergebench` runs them, judged by WildGuard on a GPU" in what
+    assert "`--mergebench-safety fusionbench`: FusionBench's lm-eval variant instead" in what

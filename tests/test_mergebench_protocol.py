@@ -250,10 +250,12 @@ def test_bad_protocol_inputs_are_refused_in_one_line_before_any_work(
 
 def test_a_mergebench_run_scores_every_stage_by_the_protocol(eos_world, benchmark_data, data_file, tmp_path) -> None:
     """A tiny model whose generations end at once goes through every task of the protocol, lm-eval reading the
-    local copies; each expert runs its own domain; the card and model-index show the scores."""
+    local copies; each expert runs its own domain; the card and model-index show the scores. Safety is
+    FusionBench's variant, asked for by name (``--mergebench-safety fusionbench``): its record and labels are
+    those it always had (the judged default: tests/test_mergebench_judged_safety.py)."""
     out = tmp_path / "run"
     argv = _run_args(eos_world, benchmark_data, data_file, out, "--allow-code-execution", "--eval-zero-shot",
-                     "--eval-experts")  # fmt: skip
+                     "--eval-experts", "--mergebench-safety", "fusionbench")  # fmt: skip
     assert main(["-q", *argv]) == 0
     record = json.loads((out / "run_config.json").read_text())["evaluation"]["protocol"]
     assert record == {"name": "mergebench", "benchmark_data": str(benchmark_data.resolve()),
@@ -321,7 +323,8 @@ def test_the_protocol_reads_every_benchmark_from_the_hub_under_its_real_id(
         args = [
             "run", "--suite", "mergebench", "--backbone", "llama-3.2-3b", "--skip-featcal", "--device", "cpu",
             "--num-calibration-examples", "8", "--max-eval-samples", "2", "--eval-max-new-tokens", "4", "--threads",
-            "1", "--eval-protocol", "mergebench", "--allow-code-execution", "--output-dir", str(run),
+            "1", "--eval-protocol", "mergebench", "--allow-code-execution", "--mergebench-safety", "fusionbench",
+            "--output-dir", str(run),
         ]  # fmt: skip
         env = user_env(hub.url, tmp_path / "user") | {"NLTK_DATA": str(punkt_tab_installed)}
         result = featcal_cli(args, env, timeout=900)

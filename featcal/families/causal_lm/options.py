@@ -52,14 +52,15 @@ class LMEvaluationOptions:
         "(docs/code-eval.md); the protocol is refused without it", group=EVALUATION,
     )  # fmt: skip
     mergebench_safety: str = option(
-        "fusionbench", help="mergebench protocol's safety domain: fusionbench (FusionBench's lm-eval variant: "
-        "truthfulqa_mc2, toxigen, winogender; not the paper's) or wildguard (MergeBench's: wildguardtest, harmbench, "
-        "xstest, do_anything_now answered by the model and judged by WildGuard, a 7B model needing about 20 GB of "
-        "GPU memory; docs/causal-lm.md)", group=EVALUATION, choices=("fusionbench", "wildguard"),
+        "wildguard", help="mergebench protocol's safety domain: wildguard (MergeBench's, the paper's: wildguardtest, "
+        "harmbench, xstest, do_anything_now answered by the model and judged by WildGuard, a 7B model needing about "
+        "20 GB of GPU memory; refused on a CPU) or fusionbench (FusionBench's lm-eval variant: truthfulqa_mc2, "
+        "toxigen, winogender; not comparable with the paper's; docs/causal-lm.md)", group=EVALUATION,
+        choices=("wildguard", "fusionbench"),
     )  # fmt: skip
     safety_judge: str = option(
-        "allenai/wildguard", help="mergebench protocol with --mergebench-safety wildguard: the judge, a Hub id or "
-        "a folder of WildGuard's weights", group=EVALUATION, metavar="ID_OR_DIR",
+        "allenai/wildguard", help="mergebench protocol's judged safety (--mergebench-safety wildguard): the judge, "
+        "a Hub id or a folder of WildGuard's weights", group=EVALUATION, metavar="ID_OR_DIR",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -99,6 +100,6 @@ class LMEvaluationOptions:
             for name in ("benchmark_data", "allow_code_execution"):
                 if getattr(self, name):
                     raise InvalidParameterError(name, getattr(self, name), "given with eval_protocol mergebench")
-            for name, default in (("mergebench_safety", "fusionbench"), ("safety_judge", "allenai/wildguard")):
+            for name, default in (("mergebench_safety", "wildguard"), ("safety_judge", "allenai/wildguard")):
                 if getattr(self, name) != default:
                     raise InvalidParameterError(name, getattr(self, name), "given with eval_protocol mergebench")

@@ -6,6 +6,6 @@ samples programs as bigcode-evaluation-harness does and runs them in featcal's s
 runs the protocol on a model; :mod:`.scores` combines the results into per-domain scores and averages;
 :mod:`.card` shows them in a model card; :mod:`.nltk_data` checks the nltk data ifeval reads;
 :mod:`.judged_safety` and :mod:`.wildguard` run MergeBench's own safety protocol (answers judged by
-WildGuard) when ``--mergebench-safety wildguard`` asks for it.
+WildGuard), the default (``--mergebench-safety fusionbench`` runs FusionBench's variant instead).
 ``docs/causal-lm.md`` describes it.
 """

@@ -49,7 +49,7 @@ NOT_RUN = (
 def card_context(run: RunFolder) -> dict[str, Any]:
     """The card's variables of the protocol: ``mergebench_section`` (None without its scores), the released
     model's ``model_index_results``, and, when the protocol ran, ``not_run`` (MergeBench's judged safety alone,
-    unless it ran: ``--mergebench-safety wildguard``).
+    where FusionBench's variant ran in its place: ``--mergebench-safety fusionbench``).
 
     Args:
         run: The run folder.

@@ -44,6 +44,7 @@ from typing import Any
 from featcal.errors import DatasetInputError, FeatcalError
 from featcal.families.causal_lm.mergebench_eval.local_data import DataSource, check_local_copies
 from featcal.families.causal_lm.mergebench_eval.wildguard import (
+    FUSIONBENCH_HINT,
     JUDGE_BF16_GB,
     JUDGE_ID,
     JUDGE_PARAMETERS,
@@ -100,11 +101,15 @@ def check_sources(data: Path | None) -> None:
         data: The folder of local copies (None: the Hub's datasets).
 
     Raises:
-        DatasetInputError: naming the dataset and the fix.
+        DatasetInputError: naming the dataset and the fix (FusionBench's variant among them).
     """
     sources = [b.source for b in BENCHMARKS]
     if data is not None:
-        check_local_copies(data, sources)
+        try:
+            check_local_copies(data, sources)
+        except DatasetInputError as exc:
+            message = f"{exc.message.removesuffix('.')}; {FUSIONBENCH_HINT}."
+            raise DatasetInputError("safety", exc.ref, message) from None
         return
     for source in sources:
         problem = hub_access_problem(source.dataset, "dataset")

@@ -4,11 +4,11 @@ MergeBench's ``scripts/evaluate.sh`` (uiuctml/MergeBench at b245648) runs lm-eva
 each task's own few-shot count and generation settings, no chat template and no ``--num_fewshot``
 (``gsm8k_cot`` is 8-shot by its definition, the others 0-shot); bigcode-evaluation-harness for
 ``humanevalplus`` and ``mbppplus`` (10 samples at temperature 0.2, top-p 0.95, at most 512 tokens of
-prompt and program, pass@1); and its safety-eval fork, whose responses a classifier judges. The safety
-domain here is FusionBench's lm-evaluation-harness variant (tanganke/fusion_bench
-``examples/mergebench/evaluate.sh``: ``truthfulqa``, ``toxigen``, ``winogender``), which is not the
-paper's protocol and is labelled so wherever it is shown; ``--mergebench-safety wildguard`` runs
-MergeBench's judged protocol in its place (:mod:`.judged_safety`).
+prompt and program, pass@1); and its safety-eval fork, whose responses a classifier judges: featcal's
+safety domain by default (:mod:`.judged_safety`). ``--mergebench-safety fusionbench`` runs FusionBench's
+lm-evaluation-harness variant in its place (tanganke/fusion_bench ``examples/mergebench/evaluate.sh``:
+``truthfulqa``, ``toxigen``, ``winogender``: the harness tasks of :data:`DOMAINS`' safety), which is not
+the paper's protocol and is labelled so wherever it is shown.
 
 Where the sources name no metric for a domain's score, the one featcal reads is its choice, stated in
 :data:`DOMAINS` and ``docs/causal-lm.md``. This module imports neither torch nor lm-eval.

@@ -63,7 +63,8 @@ class ProtocolSettings:
         allow_code_execution: The user's opt-in to running the coding domain's programs.
         limit: Examples per harness task and problems per coding benchmark (None: all).
         batch_size: The harness's batch size.
-        safety: ``fusionbench`` (FusionBench's lm-eval variant) or ``wildguard`` (MergeBench's judged protocol).
+        safety: ``wildguard`` (MergeBench's judged protocol, the run's default) or ``fusionbench`` (FusionBench's
+            lm-eval variant: what a run record naming no ``safety`` ran, hence the default here).
         judge: The judged protocol's WildGuard: a Hub id or a folder.
     """
 

@@ -22,14 +22,16 @@ def protocol_settings(spec: RunSpec) -> dict[str, Any] | None:
 
     Returns:
         ``{"name": "mergebench", "benchmark_data": folder or None, "allow_code_execution": True}``, with
-        ``"safety": "wildguard"`` and ``"judge"`` (its Hub id or resolved folder) for MergeBench's judged safety.
+        ``"safety": "wildguard"`` and ``"judge"`` (its Hub id or resolved folder) for MergeBench's judged safety
+        (the default); FusionBench's variant (``mergebench_safety fusionbench``) adds nothing, its record as
+        before the judged safety became the default.
 
     Raises:
         InvalidParameterError: for a ``benchmark_data`` that is not a folder.
         DatasetInputError: for a folder lacking a file the protocol reads.
         CodeExecutionNotAllowedError: without the opt-in to running generated code.
-        ModelInputError: for a safety judge that cannot be loaded; DatasetInputError: for a judged benchmark that
-            cannot be read (gated, or no local copy).
+        ModelInputError: for a safety judge that cannot be loaded or run here (on a CPU, WildGuard's 7B);
+            DatasetInputError: for a judged benchmark that cannot be read (gated, or no local copy).
         FeatcalError: when lm-eval is not installed.
     """
     from featcal.families.causal_lm.options import LMEvaluationOptions
@@ -55,6 +57,6 @@ def protocol_settings(spec: RunSpec) -> dict[str, Any] | None:
     device = str(resolve_device(spec.device))
     check_protocol(data, options.allow_code_execution, options.mergebench_safety, judge, device)
     record = {"name": PROTOCOL, "benchmark_data": data, "allow_code_execution": options.allow_code_execution}
-    if options.mergebench_safety == JUDGED:  # FusionBench's variant: the record of earlier runs, unchanged
+    if options.mergebench_safety == JUDGED:  # FusionBench's variant: its record as it always was
         record |= {"safety": JUDGED, "judge": judge}
     return record

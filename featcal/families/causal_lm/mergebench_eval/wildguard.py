@@ -30,6 +30,10 @@ JUDGE_ID = "allenai/wildguard"
 JUDGE_PARAMETERS = 7_248_023_552  # Mistral-7B-v0.3's (32,768-token vocabulary): the judge's config, computed
 JUDGE_BF16_GB = 14.5  # its weights in bf16: 2 bytes a parameter, computed (not measured here)
 JUDGE_MEMORY_GB = 20.0  # free GPU memory asked for: the weights, and 4.2 GB of cache for 16 pairs of 2,000 tokens
+# The largest judge run on a CPU: WildGuard's verdicts read up to 1.5 M tokens, 2.2e16 FLOP at 7.2B parameters,
+# days at a CPU's tens of GFLOP/s (docs/causal-lm.md); tiny stand-ins (the tests') run there.
+JUDGE_CPU_MAX_PARAMETERS = 1_000_000_000
+FUSIONBENCH_HINT = "or use FusionBench's safety variant (--mergebench-safety fusionbench)"
 JUDGE_MAX_NEW_TOKENS = 128
 JUDGE_BATCH_SIZE = 16
 JUDGE_ARCHITECTURE = "mistral"
@@ -97,7 +101,7 @@ def judge_prompt(request: str, response: str) -> str:
 
 
 def check_judge(judge: str, device: str) -> None:
-    """Refuse, before any work, a judge that cannot be loaded here.
+    """Refuse, before any work, a judge that cannot be loaded or run here.
 
     Args:
         judge: A local folder or a Hub id (``allenai/wildguard``).
@@ -105,9 +109,12 @@ def check_judge(judge: str, device: str) -> None:
 
     Raises:
         ModelInputError: for a folder without a Mistral ``config.json``; for a Hub id that cannot be reached or
-            whose terms were not accepted with the token in use; for too little free memory on the GPU.
+            whose terms were not accepted with the token in use; for too little free memory on the GPU; on a
+            CPU, for a judge of more than :data:`JUDGE_CPU_MAX_PARAMETERS` parameters (WildGuard's 7.2B:
+            refused without asking the Hub, its size being known). Each message names FusionBench's variant.
     """
     folder = Path(judge).expanduser()
+    on_gpu = device.startswith("cuda")
     if folder.exists():
         config = folder / "config.json"
         import json
@@ -117,11 +124,11 @@ def check_judge(judge: str, device: str) -> None:
             raise ModelInputError(
                 judge,
                 f"The safety judge {judge} is not a Mistral model folder (config.json model_type {kind!r}): give "
-                f"WildGuard's folder or its Hub id {JUDGE_ID} (docs/causal-lm.md).",
+                f"WildGuard's folder or its Hub id {JUDGE_ID} (docs/causal-lm.md), {FUSIONBENCH_HINT}.",
             )
-    elif (problem := hub_access_problem(judge, "model")) is not None:
+    elif (on_gpu or judge != JUDGE_ID) and (problem := hub_access_problem(judge, "model")) is not None:
         raise ModelInputError(judge, problem)
-    if device.startswith("cuda"):
+    if on_gpu:
         import torch
 
         free, _ = torch.cuda.mem_get_info(torch.device(device))
@@ -129,9 +136,43 @@ def check_judge(judge: str, device: str) -> None:
             raise ModelInputError(
                 judge,
                 f"The safety judge {judge} needs about {JUDGE_MEMORY_GB:.0f} GB of free GPU memory ({JUDGE_BF16_GB} "
-                f"GB of bf16 weights and its cache); {free / 1e9:.1f} GB are free on {device}: free some, or use "
-                "FusionBench's safety variant (--mergebench-safety fusionbench).",
+                f"GB of bf16 weights and its cache); {free / 1e9:.1f} GB are free on {device}: free some, "
+                f"{FUSIONBENCH_HINT}.",
             )
+    elif (count := judge_parameters(judge)) > JUDGE_CPU_MAX_PARAMETERS:
+        raise ModelInputError(
+            judge,
+            f"The safety judge {judge} ({count / 1e9:.1f}B parameters, {4 * count / 1e9:.0f} GB in float32) is not "
+            f"run on the CPU ({device}), where its verdicts would take days (docs/causal-lm.md): run on a GPU "
+            f"(--device cuda), {FUSIONBENCH_HINT}.",
+        )
+
+
+def judge_parameters(judge: str) -> int:
+    """The judge's parameter count: WildGuard's (computed from its config) for its Hub id, else counted from the
+    judge's ``config.json`` (a model built on the meta device: no weight is read or allocated).
+
+    Args:
+        judge: A local folder or a Hub id (its ``config.json`` alone is downloaded).
+
+    Raises:
+        ModelInputError: when its config cannot be read or names no causal language model.
+    """
+    if judge == JUDGE_ID:
+        return JUDGE_PARAMETERS
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(judge, trust_remote_code=False)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelInputError(
+            judge, f"The safety judge {judge}'s config could not be read ({type(exc).__name__}): give WildGuard's "
+            f"folder or its Hub id {JUDGE_ID}, {FUSIONBENCH_HINT}.",
+        ) from None  # fmt: skip
+    return sum(p.numel() for p in model.parameters())
 
 
 def hub_access_problem(repo_id: str, repo_type: str) -> str | None:
@@ -161,7 +202,7 @@ def hub_access_problem(repo_id: str, repo_type: str) -> str | None:
         reason = f"{repo_id} could not be reached on the Hub ({type(exc).__name__}): check the connection"
     else:
         return None
-    return f"MergeBench's judged safety reads {reason}; or use FusionBench's variant (--mergebench-safety fusionbench)."
+    return f"MergeBench's judged safety reads {reason}; {FUSIONBENCH_HINT}."
 
 
 class WildGuard:
