@@ -313,8 +313,10 @@ def test_judged_safety_inputs_are_refused_in_one_line_before_any_work(
     assert not out.exists()
     message = _error(capsys, [*args, "--mergebench-safety", "fusionbench", "--safety-judge", str(llama)])
     assert "--safety-judge" in message and "given with mergebench_safety wildguard" in message and not out.exists()
-    held_out = ["run", "--suite", "mergebench", "--mergebench-safety", "fusionbench", "--output-dir", str(out)]
-    assert "given with eval_protocol mergebench" in _error(capsys, held_out) and not out.exists()
+    for given in (["--mergebench-safety", "fusionbench"], ["--mergebench-safety", "wildguard"],
+                  ["--safety-judge", "allenai/wildguard"]):  # fmt: skip  # the defaults' values too, given
+        held_out = ["run", "--suite", "mergebench", *given, "--output-dir", str(out)]
+        assert "given with eval_protocol mergebench" in _error(capsys, held_out) and not out.exists()
     from tests.support.mergebench_data import write_mergebench_data
 
     no_safety = write_mergebench_data(tmp_path / "no-safety")  # the other benchmarks' copies alone

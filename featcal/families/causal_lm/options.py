@@ -51,17 +51,27 @@ class LMEvaluationOptions:
         False, help="mergebench protocol: run the coding domain's model-generated programs in featcal's sandbox "
         "(docs/code-eval.md); the protocol is refused without it", group=EVALUATION,
     )  # fmt: skip
-    mergebench_safety: str = option(
-        "wildguard", help="mergebench protocol's safety domain: wildguard (MergeBench's, the paper's: wildguardtest, "
-        "harmbench, xstest, do_anything_now answered by the model and judged by WildGuard, a 7B model needing about "
-        "20 GB of GPU memory; refused on a CPU) or fusionbench (FusionBench's lm-eval variant: truthfulqa_mc2, "
-        "toxigen, winogender; not comparable with the paper's; docs/causal-lm.md)", group=EVALUATION,
+    mergebench_safety: str | None = option(
+        None, help="mergebench protocol's safety domain: wildguard (the default; MergeBench's, the paper's: "
+        "wildguardtest, harmbench, xstest, do_anything_now answered by the model and judged by WildGuard, a 7B "
+        "model needing about 20 GB of GPU memory; refused on a CPU) or fusionbench (FusionBench's lm-eval variant: "
+        "truthfulqa_mc2, toxigen, winogender; not comparable with the paper's; docs/causal-lm.md)", group=EVALUATION,
         choices=("wildguard", "fusionbench"),
     )  # fmt: skip
-    safety_judge: str = option(
-        "allenai/wildguard", help="mergebench protocol's judged safety (--mergebench-safety wildguard): the judge, "
-        "a Hub id or a folder of WildGuard's weights", group=EVALUATION, metavar="ID_OR_DIR",
+    safety_judge: str | None = option(
+        None, help="mergebench protocol's judged safety (--mergebench-safety wildguard): the judge, a Hub id or a "
+        "folder of WildGuard's weights (default: allenai/wildguard)", group=EVALUATION, metavar="ID_OR_DIR",
     )  # fmt: skip
+
+    @property
+    def safety(self) -> str:
+        """The protocol's safety variant: ``mergebench_safety`` as given, else MergeBench's judged one."""
+        return self.mergebench_safety or "wildguard"
+
+    @property
+    def judge(self) -> str:
+        """The judged safety's judge: ``safety_judge`` as given, else WildGuard's Hub id."""
+        return self.safety_judge or "allenai/wildguard"
 
     def __post_init__(self) -> None:
         validate(self)
@@ -92,7 +102,7 @@ class LMEvaluationOptions:
                     "allow_code_execution", self.allow_code_execution, "given with eval_protocol mergebench: its "
                     "coding domain runs model-generated programs, in featcal's sandbox (docs/code-eval.md)",
                 )  # fmt: skip
-            if self.safety_judge != "allenai/wildguard" and self.mergebench_safety != "wildguard":
+            if self.safety_judge is not None and self.safety != "wildguard":
                 raise InvalidParameterError(
                     "safety_judge", self.safety_judge, "given with mergebench_safety wildguard, whose judge it is"
                 )
@@ -100,6 +110,6 @@ class LMEvaluationOptions:
             for name in ("benchmark_data", "allow_code_execution"):
                 if getattr(self, name):
                     raise InvalidParameterError(name, getattr(self, name), "given with eval_protocol mergebench")
-            for name, default in (("mergebench_safety", "wildguard"), ("safety_judge", "allenai/wildguard")):
-                if getattr(self, name) != default:
+            for name in ("mergebench_safety", "safety_judge"):
+                if getattr(self, name) is not None:
                     raise InvalidParameterError(name, getattr(self, name), "given with eval_protocol mergebench")

@@ -49,14 +49,14 @@ def protocol_settings(spec: RunSpec) -> dict[str, Any] | None:
                 "benchmark_data", options.benchmark_data, "a folder of local copies of the benchmarks' data"
             )
         data = str(folder.resolve())
-    judge = options.safety_judge
+    judge = options.judge
     if Path(judge).expanduser().exists():
         judge = str(Path(judge).expanduser().resolve())
     from featcal.devices import resolve_device
 
     device = str(resolve_device(spec.device))
-    check_protocol(data, options.allow_code_execution, options.mergebench_safety, judge, device)
+    check_protocol(data, options.allow_code_execution, options.safety, judge, device)
     record = {"name": PROTOCOL, "benchmark_data": data, "allow_code_execution": options.allow_code_execution}
-    if options.mergebench_safety == JUDGED:  # FusionBench's variant: its record as it always was
+    if options.safety == JUDGED:  # FusionBench's variant: its record as it always was
         record |= {"safety": JUDGED, "judge": judge}
     return record
