@@ -5,6 +5,7 @@ import json
 import pytest
 
 from featcal.errors import FeatcalError
+from featcal.families.clip_vision.entries import image_classes
 from featcal.suites import task_table
 from featcal.tasks import builtin_tasks, load_task_file
 
@@ -15,12 +16,12 @@ def test_builtin_ta8_matches_the_reference_table():
     assert table.base_model == "openai/clip-vit-base-patch32"
     assert table.tasks["svhn"].dataset.path == "ufldl-stanford/svhn"
     assert table.tasks["svhn"].dataset.name == "cropped_digits"
-    assert len(table.tasks["sun397"].classnames) == 397
+    assert len(image_classes(table.tasks["sun397"]).classnames) == 397
     assert table.tasks["mnist"].expert == "tanganke/clip-vit-base-patch32_mnist"
     assert table.reference_average["task_arithmetic_featcal"] == pytest.approx(0.8547, abs=1e-4)
     refs = [t.reference_accuracy["task_arithmetic_featcal"] for t in table.tasks.values()]
     assert sum(refs) / len(refs) == pytest.approx(table.reference_average["task_arithmetic_featcal"])
-    assert table.tasks["dtd"].prompts("banded")[0] == "a photo of a banded texture."
+    assert image_classes(table.tasks["dtd"]).prompts("banded")[0] == "a photo of a banded texture."
 
 
 def test_yaml_file_adds_tasks_and_resolves_local_paths(tmp_path):
