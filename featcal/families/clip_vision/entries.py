@@ -58,7 +58,10 @@ def image_classes(task: Task) -> ImageClasses:
     """
     if not isinstance(task.text, ImageClasses):
         raise DatasetInputError(
-            task.name, task.dataset.path, f"Task {task.name!r} says nothing of its class names and templates."
+            task.name,
+            task.dataset.path,
+            f"Task {task.name!r} is a {task.family} task, with no class names and prompt templates: give an image "
+            "task ('classnames' and 'templates').",
         )
     return task.text
 
