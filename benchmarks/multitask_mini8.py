@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from featcal.demo import ZooConfig, build_zoo
 from featcal.demo.training import _cosine_lr, accuracy, image_embeddings, zero_shot_head
+from featcal.families.clip_vision.entries import image_classes
 from featcal.families.clip_vision.evaluation import load_base_clip
 from featcal.progress import Progress
 from featcal.tasks import load_task_file
@@ -65,7 +66,8 @@ def main() -> None:
     names = list(table.tasks)
     train = {n: _pixels(processor, table.tasks[n], "train") for n in names}
     test = {n: _pixels(processor, table.tasks[n], "test") for n in names}
-    heads = {n: zero_shot_head(clip, tokenizer, table.tasks[n].classnames, table.tasks[n].templates) for n in names}
+    classes = {n: image_classes(table.tasks[n]) for n in names}
+    heads = {n: zero_shot_head(clip, tokenizer, classes[n].classnames, classes[n].templates) for n in names}
 
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(args.zoo_seed)

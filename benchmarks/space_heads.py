@@ -41,6 +41,7 @@ def main() -> None:
     import torch
     from transformers import CLIPConfig, CLIPModel
 
+    from featcal.families.clip_vision.entries import image_classes
     from featcal.families.clip_vision.evaluation import ZeroShotClassifier
     from featcal.space.heads import task_heads
     from featcal.suites import suite_table
@@ -56,7 +57,7 @@ def main() -> None:
     config.save_pretrained(str(base))  # what identifies the base in the cache key
     tokenizer.save_pretrained(str(base))
     tasks = list(suite_table("ta8").tasks.values())
-    prompts = [p for t in tasks for c in t.classnames for p in t.prompts(c)]
+    prompts = [p for t in map(image_classes, tasks) for c in t.classnames for p in t.prompts(c)]
     lengths = [len(ids) for ids in tokenizer(prompts, truncation=True)["input_ids"]]
 
     before = environment(args.threads)  # machine, versions, threads and the load average now

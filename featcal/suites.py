@@ -348,7 +348,8 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
         dataset id, configuration, splits, expert id and reference numbers, and for a CLIP task its
         number of classes and templates (``zero_shot`` and ``expert`` accuracies from FusionBench, and
         each merging method's where published; for a text-to-text task of glue8 the same, its number of
-        label words as classes, its one input template, its ``metric``, and FusionBench's FLAN-T5 scores),
+        label words as classes, its one input template, its ``metric``, and FusionBench's FLAN-T5 scores:
+        the listing of the task's format),
         for a language task the columns its text format reads,
         how its answer is found (exact match) or none, and its lm-evaluation-harness tasks; the published
         merge averages; a language suite's merge settings, where its FeatCal parameters come from and what
@@ -357,8 +358,6 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
     Raises:
         UnknownNameError: for a suite or backbone that is not built in, or a backbone of another suite.
     """
-    from featcal.tasks import TextPairFormat
-
     suite = suite or DEFAULT_SUITE
     backbone_name = backbone_name or default_backbone(suite)
     table = suite_table(suite, backbone_name)
@@ -381,7 +380,7 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
     tasks = []
     for task in table.tasks.values():
         reference = {kind: single[kind][task.name] for kind in SINGLE_MODEL_KINDS if task.name in single[kind]}
-        pair = isinstance(task.text, TextPairFormat)  # a text-to-text task: label words, one input template
+        assert task.text is not None  # an image or a text-to-text task: its format lists its classes and templates
         tasks.append(
             {
                 "name": task.name,
@@ -389,9 +388,7 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
                 "config": task.dataset.name,
                 "train_split": task.dataset.train_split,
                 "test_split": task.dataset.test_split,
-                "classes": len(task.text.labels) if pair else len(task.classnames),
-                "templates": 1 if pair else len(task.templates),
-                **({"metric": task.text.metric} if pair else {}),
+                **task.text.listing(),
                 "expert": task.expert,
                 "reference_accuracy": {**reference, **task.reference_accuracy},
             }

@@ -1,4 +1,4 @@
-"""Task metadata: datasets, class names, prompt templates, text formats and reference numbers.
+"""Task metadata: datasets, each family's description of its tasks (their formats) and reference numbers.
 
 One source of truth for the evaluator, the model card and the Space. The eight TA8 tasks ship with
 the package (``featcal/resources/ta8_tasks.json``), and with them the 14- and 20-task suites on three
@@ -7,10 +7,11 @@ schema (JSON or YAML).
 
 A task belongs to one model family (``family``, default :data:`~featcal.families.registry.DEFAULT_FAMILY`), which
 reads what else its entry says (:func:`~featcal.families.registry.task_entry_reader`: the family's
-``task_fields`` and ``parse_task_fields``): an image task its class names and zero-shot prompt templates; a text
-task how a row of its dataset becomes a text (:class:`TextFormat`); a text-to-text task how it becomes an input
-and a target text, and how its generations are scored (:class:`TextPairFormat`). This module reads the fields
-every entry has (dataset, expert, references) and the table's; the family is reached through the registry only.
+``task_fields`` and ``parse_task_fields``) into the task's :class:`TaskFormat` (``Task.text``): an image task's
+classes and zero-shot prompts (the vision family's own); a text task how a row of its dataset becomes a text
+(:class:`TextFormat`); a text-to-text task how it becomes an input and a target text, and how its generations are
+scored (:class:`TextPairFormat`). This module reads the fields every entry has (dataset, expert, references) and
+the table's; the family is reached through the registry only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from featcal.errors import FeatcalError, UnknownNameError
-from featcal.families.registry import DEFAULT_FAMILY, task_entry_reader
+from featcal.families.registry import DEFAULT_FAMILY, TASK_SCHEMAS, task_entry_reader, task_schema
 from featcal.files.reading import read_structured
 from featcal.hub.refs import local_path, split_revision
 from featcal.metrics import RESERVED_TASK_NAMES
@@ -159,6 +160,11 @@ class TextPairFormat:
     max_length: int = DEFAULT_INPUT_LENGTH
     target_max_length: int = DEFAULT_TARGET_LENGTH
 
+    def listing(self) -> dict[str, Any]:
+        """What a suite's description says of the task (:func:`featcal.suites.describe_suite`): its classes (its
+        label words), its one input template and its metric."""
+        return {"classes": len(self.labels), "templates": 1, "metric": self.metric}
+
     def to_dict(self) -> dict[str, Any]:
         """The entry's keys (``labels`` only when set)."""
         data: dict[str, Any] = {"input": self.input, "target": self.target}
@@ -179,41 +185,34 @@ class TaskFormat(Protocol):
 
 @dataclass(frozen=True)
 class Task:
-    """One task: its data, its family's description of it (for CLIP: class names and zero-shot
-    prompts; for another family its :class:`TaskFormat`, ``text``) and (optionally) its expert."""
+    """One task: its data, its family's description of it (its :class:`TaskFormat`, ``text``: the texts it is
+    read as or classified by) and (optionally) its expert."""
 
     name: str
     dataset: DatasetSpec
-    classnames: tuple[str, ...] = ()
-    templates: tuple[str, ...] = ()
     expert: str | None = None
     reference_accuracy: Mapping[str, float] = field(default_factory=dict)
     reference_source: str | None = None
     family: str = DEFAULT_FAMILY
     text: TaskFormat | None = None
 
-    def prompts(self, classname: str) -> list[str]:
-        """The task's templates filled with one class name."""
-        return [template.format(classname) for template in self.templates]
-
     def to_dict(self) -> dict[str, Any]:
-        """The task's entry as a tasks file writes it (and a run records it)."""
+        """The task's entry as a tasks file writes it (and a run records it): the common fields and its format's
+        keys, which an ``image`` entry gives right after its dataset and any other entry last."""
         data = asdict(self)
         data.pop("name")
         data.pop("text")
-        if self.text is not None:  # a text task (or another family's): its format instead of classes and templates
-            data.pop("classnames")
-            data.pop("templates")
-            data.update(self.text.to_dict())
+        own = self.text.to_dict() if self.text is not None else {}
+        if task_schema(self.family) == TASK_SCHEMAS[0]:
+            data = {"dataset": data.pop("dataset"), **own, **data}
         else:
-            data["classnames"] = list(self.classnames)
-            data["templates"] = list(self.templates)
+            data.update(own)
         data["reference_accuracy"] = dict(self.reference_accuracy)
         if self.dataset.revision is None:  # absent rather than null: unpinned tables record as before
             data["dataset"].pop("revision")
         if self.reference_source is None:  # absent rather than null: tables without one record as before
             data.pop("reference_source")
-        if self.family == DEFAULT_FAMILY:  # likewise: a CLIP task's entry names no family
+        if self.family == DEFAULT_FAMILY:  # likewise: an entry of the default family names no family
             data.pop("family")
         return data
 

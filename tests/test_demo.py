@@ -202,6 +202,7 @@ def test_zoo_layout_loads_with_featcal_loaders(micro_zoo):
     from transformers import CLIPModel, CLIPVisionModel
 
     from featcal.checkpoint import check_compatible
+    from featcal.families.clip_vision.entries import image_classes
     from featcal.families.clip_vision.evaluation import load_base_clip
     from featcal.families.clip_vision.folders import vision_checkpoint
     from featcal.families.clip_vision.images import load_task_split
@@ -214,7 +215,7 @@ def test_zoo_layout_loads_with_featcal_loaders(micro_zoo):
         assert Path(task.expert) == micro_zoo / "experts" / task.name
         test = load_task_split(task, "test")
         assert len(test) == MICRO.test_per_task and len(load_task_split(task, "train")) == MICRO.train_per_task
-        assert test.features["label"].names == list(task.classnames)
+        assert test.features["label"].names == list(image_classes(task).classnames)
         assert test[0]["image"].size == (32, 32)
     base = vision_checkpoint(micro_zoo / "base")
     check_compatible(base, {t: vision_checkpoint(micro_zoo / "experts" / t) for t in table.tasks})

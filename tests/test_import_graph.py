@@ -251,3 +251,49 @@ def test_the_family_leak_check_sees_names_and_imports(tmp_path: Path) -> None:
         ("featcal/generic/a.py", "imports featcal.families.fam"): 1,
         ("featcal/generic/a.py", "names the family 'fam'"): 2,
     }
+
+
+# CLIP's task fields (class names and prompt templates) are its family's own (``ImageClasses``, read through
+# ``featcal.families.clip_vision.entries.image_classes``): a module outside FAMILY_OWNERS names none of them.
+CLIP_NAMES = ("classnames",)  # never named at all: no variable, attribute, keyword, string or word in a docstring
+CLIP_ATTRIBUTES = ("classnames", "templates", "prompts")  # never read from an object (``task.templates``)
+
+
+def task_field_leaks(root: Path = PACKAGE) -> list[tuple[str, str]]:
+    """Each (module, what) by which a module outside :data:`FAMILY_OWNERS` names CLIP's class names or reads a
+    task's templates or prompts as attributes, once per occurrence."""
+    leaks = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(FAMILY_OWNERS):
+            continue
+        text = path.read_text(encoding="utf-8")
+        where = f"{root.name}/{rel}"
+        leaks += [(where, f"names {name!r}") for name in CLIP_NAMES for _ in range(text.count(name))]
+        leaks += [
+            (where, f"reads .{node.attr}")
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.Attribute) and node.attr in CLIP_ATTRIBUTES
+        ]
+    return leaks
+
+
+def test_generic_modules_name_no_clip_task_field() -> None:
+    assert task_field_leaks() == [], "read them through the family (featcal.families.clip_vision.entries)"
+
+
+def test_the_task_field_check_sees_names_and_attributes(tmp_path: Path) -> None:
+    pkg = tmp_path / "featcal"
+    for folder in ("families/fam", "space", "generic"):
+        (pkg / folder).mkdir(parents=True)
+    (pkg / "families" / "fam" / "entries.py").write_text("def f(task):\n    return task.classnames, task.templates\n")
+    (pkg / "space" / "model.py").write_text("KEY = 'classnames'\n")
+    (pkg / "generic" / "a.py").write_text(
+        '"""The classnames."""\n\n\ndef f(task, fmt):\n    return task.templates, fmt.prompts("x"), fmt.text\n'
+    )
+    (pkg / "generic" / "b.py").write_text("KEYS = {'templates': 1}\n")
+    assert task_field_leaks(pkg) == [
+        ("featcal/generic/a.py", "names 'classnames'"),
+        ("featcal/generic/a.py", "reads .templates"),
+        ("featcal/generic/a.py", "reads .prompts"),
+    ]

@@ -20,6 +20,7 @@ import torch
 from PIL import Image, ImageOps
 
 from featcal.errors import FeatcalError, ModelInputError
+from featcal.families.clip_vision.entries import image_classes
 from featcal.families.clip_vision.evaluation import ZeroShotClassifier, load_base_clip
 from featcal.families.clip_vision.folders import load_vision_folder
 from featcal.families.clip_vision.images import load_task_split, pixel_values, to_rgb
@@ -82,8 +83,8 @@ def test_probabilities_match_the_library_evaluation(served, library, tmp_path, d
         for key, tower in (("model", vision), ("base", base_vision)):
             expected = classifier.logits(tower, pixels, table)[0].softmax(-1)
             got = reply["results"][name][key]
-            assert list(got) == [table.classnames[i] for i in expected.argsort(descending=True).tolist()]
-            probs = torch.tensor([got[c] for c in table.classnames])
+            assert list(got) == [image_classes(table).classnames[i] for i in expected.argsort(descending=True).tolist()]
+            probs = torch.tensor([got[c] for c in image_classes(table).classnames])
             torch.testing.assert_close(probs, expected, atol=ATOL[device], rtol=0)
     # The expert differs from the base, so the two columns must too.
     assert reply["results"]["t0"]["model"] != reply["results"]["t0"]["base"]
@@ -173,7 +174,7 @@ def test_odd_images_are_converted_or_explained_never_a_crash(served, library, tm
             expected = classifier.logits(vision, pixel_values(processor, [to_rgb(image)]), t0)[0].softmax(-1)
             values, indices = expected.topk(3)
             assert reply["results"]["t0"]["model"] == pytest.approx(
-                {t0.classnames[i]: float(v) for v, i in zip(values, indices.tolist())}, abs=ATOL[device]
+                {image_classes(t0).classnames[i]: float(v) for v, i in zip(values, indices.tolist())}, abs=ATOL[device]
             ), name
         else:
             assert reply["results"] == {} and text in reply["error"], (name, reply["error"])

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from featcal.families.clip_vision.entries import image_classes
 from featcal.families.clip_vision.images import load_task_split, to_rgb
 from featcal.space import SpaceSettings, create_space
 from featcal.suites import task_table
@@ -42,7 +43,7 @@ def test_upload_pick_a_task_and_read_the_result(tmp_path, device):
     image = tmp_path / "upload.png"
     load_task_split(task, "test")[2]["image"].resize((256, 256), Image.NEAREST).save(image)
     probs = space.model.probabilities(to_rgb(Image.open(image)), ["t1"])["t1"]
-    expected = task.classnames[int(probs.argmax())]
+    expected = image_classes(task).classnames[int(probs.argmax())]
 
     space.launch(host="127.0.0.1", prevent_thread_lock=True)
     try:

@@ -12,6 +12,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from featcal.cli import main
 from featcal.errors import InvalidParameterError, UnknownNameError
+from featcal.families.clip_vision.entries import image_classes
 from featcal.spec import RunSpec, build_spec
 from featcal.suites import (
     BACKBONE_NAMES,
@@ -58,9 +59,10 @@ def test_every_table_is_well_formed(suite, backbone_name):
     assert list(table.tasks) == suite_task_names(suite)
     assert table.base_model == model.base_model
     for name, task in table.tasks.items():
-        assert len(task.classnames) == FUSIONBENCH_CLASSES[name], name
-        assert len(set(task.classnames)) == len(task.classnames), name
-        assert task.templates and all(t.count("{}") == 1 for t in task.templates), name
+        classes = image_classes(task)
+        assert len(classes.classnames) == FUSIONBENCH_CLASSES[name], name
+        assert len(set(classes.classnames)) == len(classes.classnames), name
+        assert classes.templates and all(t.count("{}") == 1 for t in classes.templates), name
         validate_repo_id(task.dataset.path)
         validate_repo_id(task.expert)
         assert task.expert == model.expert(name)
@@ -101,8 +103,11 @@ def test_real_splits_columns_and_labels_that_differ_from_the_usual():
     table = suite_table("ta20", "b32")
     assert table.tasks["food101"].dataset.test_split == "validation"
     assert (table.tasks["fer2013"].dataset.image_column, table.tasks["fer2013"].dataset.label_column) == ("jpg", "cls")
-    assert table.tasks["emnist_letters"].classnames[0] == "A" and table.tasks["emnist_letters"].classnames[-1] == "Z"
-    assert table.tasks["pcam"].classnames == ("lymph node", "lymph node containing metastatic tumor tissue")
+    letters = image_classes(table.tasks["emnist_letters"]).classnames
+    assert letters[0] == "A" and letters[-1] == "Z"
+    assert image_classes(table.tasks["pcam"]).classnames == (
+        "lymph node", "lymph node containing metastatic tumor tissue"
+    )  # fmt: skip
 
 
 def test_references_belong_to_the_suite_and_backbone_they_were_published_for():

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from featcal.errors import FeatcalError
+from featcal.errors import DatasetInputError, FeatcalError
+from featcal.families.clip_vision.entries import image_classes
 from featcal.suites import task_table
 from featcal.tasks import builtin_tasks, load_task_file
 
@@ -15,12 +16,12 @@ def test_builtin_ta8_matches_the_reference_table():
     assert table.base_model == "openai/clip-vit-base-patch32"
     assert table.tasks["svhn"].dataset.path == "ufldl-stanford/svhn"
     assert table.tasks["svhn"].dataset.name == "cropped_digits"
-    assert len(table.tasks["sun397"].classnames) == 397
+    assert len(image_classes(table.tasks["sun397"]).classnames) == 397
     assert table.tasks["mnist"].expert == "tanganke/clip-vit-base-patch32_mnist"
     assert table.reference_average["task_arithmetic_featcal"] == pytest.approx(0.8547, abs=1e-4)
     refs = [t.reference_accuracy["task_arithmetic_featcal"] for t in table.tasks.values()]
     assert sum(refs) / len(refs) == pytest.approx(table.reference_average["task_arithmetic_featcal"])
-    assert table.tasks["dtd"].prompts("banded")[0] == "a photo of a banded texture."
+    assert image_classes(table.tasks["dtd"]).prompts("banded")[0] == "a photo of a banded texture."
 
 
 def test_yaml_file_adds_tasks_and_resolves_local_paths(tmp_path):
@@ -101,3 +102,30 @@ def test_invalid_top_level_keys_are_named(tmp_path, table, message):
     with pytest.raises(FeatcalError) as info:
         load_task_file(path)
     assert message in str(info.value) and str(path) in str(info.value)
+
+
+def test_an_entry_keeps_its_key_order_with_its_family_s_format(tmp_path):
+    image = {"dataset": "ns/pics", "templates": ["a {}."], "expert": "ns/e", "classnames": ["a", "b"]}
+    text = {"family": "causal_lm", "dataset": "ns/texts", "text": "{t}", "expert": "ns/f"}
+    (tmp_path / "t.json").write_text(json.dumps({"tasks": {"image": image, "text": text}}))
+    table = load_task_file(tmp_path / "t.json").tasks
+    # an image entry gives its class names and templates right after its dataset (as the built-in tables do and
+    # as runs recorded them), a text entry its format last
+    assert list(table["image"].to_dict()) == ["dataset", "classnames", "templates", "expert", "reference_accuracy"]
+    assert list(table["text"].to_dict()) == [
+        "dataset", "expert", "reference_accuracy", "family", "text", "weigh", "max_length"
+    ]  # fmt: skip
+    assert image_classes(table["image"]).to_dict() == {"classnames": ["a", "b"], "templates": ["a {}."]}
+    assert image_classes(table["image"]).prompts("b") == ["a b."]
+
+
+def test_a_task_of_another_family_has_no_image_classes(tmp_path):
+    entry = {"family": "causal_lm", "dataset": "ns/texts", "text": "{t}"}
+    (tmp_path / "t.json").write_text(json.dumps({"tasks": {"chat": entry}}))
+    task = load_task_file(tmp_path / "t.json").tasks["chat"]
+    with pytest.raises(DatasetInputError) as info:
+        image_classes(task)
+    assert str(info.value).splitlines() == [
+        "Task 'chat' is a causal_lm task, with no class names and prompt templates: give an image task "
+        "('classnames' and 'templates')."
+    ]

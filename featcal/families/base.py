@@ -138,8 +138,8 @@ class ModelFamily(Protocol):
             references, family); with ``parse_task_fields``. Optional: a family without them reads ``image`` entries
             (the default family's).
         parse_task_fields: A method ``(entry, where) -> dict`` that checks those keys of one entry and returns the
-            :class:`~featcal.tasks.Task` fields they make (``classnames`` and ``templates``, or ``text``), raising a
-            :class:`~featcal.errors.FeatcalError` that names ``where``. Optional, with ``task_fields``.
+            :class:`~featcal.tasks.Task` field they make (``text``: the task's :class:`~featcal.tasks.TaskFormat`),
+            raising a :class:`~featcal.errors.FeatcalError` that names ``where``. Optional, with ``task_fields``.
         data_file: The family's :class:`DataFileEntries`, for a family whose experts a calibration data file
             describes. Optional.
         command_module: The module of the family's own CLI commands (``register(subparsers)``: the causal-LM

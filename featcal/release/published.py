@@ -17,15 +17,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from functools import cache
 from typing import Any
 
+from featcal.families.registry import DEFAULT_FAMILY, task_entry_reader
 from featcal.hub.refs import is_hub_id
 
 LOCAL_MARK = "local:"
 # Values that look like an absolute path on some system: /x, ~, ~user, C:\x or C:/x, \\server\x.
 _ABSOLUTE = re.compile(r"^(/|~|[A-Za-z]:[\\/]|\\\\)")
-# Task-table entries that are prose, not references: never rewritten.
-_PROSE_KEYS = frozenset({"classnames", "templates"})
+
+
+@cache
+def _prose_keys() -> frozenset[str]:
+    """The task-entry keys whose lists are prose, not references, and never rewritten: an image entry's own fields
+    (the default family's ``task_fields``: its class names and prompt templates)."""
+    return frozenset(task_entry_reader(DEFAULT_FAMILY).task_fields)
 
 
 def local_name(ref: str) -> str:
@@ -58,8 +65,8 @@ def published_config(config: Mapping[str, Any]) -> dict[str, Any]:
     The references to inputs (``base_model_id``, ``experts``, each task's ``dataset.path`` and
     ``expert``, ``merge.from``) become :func:`published_ref`; any other string value that looks like
     an absolute path (``/…``, ``~…``, ``C:\\…``) is named by its last component the same way, so a
-    field added to the recipe later cannot leak a local path either. Class names and prompt
-    templates are left alone. Everything else, ``run_id`` included, is unchanged.
+    field added to the recipe later cannot leak a local path either. An image entry's own lists (its
+    class names and prompt templates) are left alone. Everything else, ``run_id`` included, is unchanged.
 
     Args:
         config: The run folder's ``run_config.json``.
@@ -91,7 +98,7 @@ def _sweep(value: Any, key: str | None = None) -> Any:
     if isinstance(value, Mapping):
         return {k: _sweep(v, k) for k, v in value.items()}
     if isinstance(value, list):
-        return list(value) if key in _PROSE_KEYS else [_sweep(v) for v in value]
+        return list(value) if key in _prose_keys() else [_sweep(v) for v in value]
     if isinstance(value, str) and _ABSOLUTE.match(value):
         return LOCAL_MARK + local_name(value)
     return value

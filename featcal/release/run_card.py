@@ -243,7 +243,6 @@ def run_context(
                 "dataset_commit": run.record.commit_of("datasets", t.name) or t.dataset.revision,
                 "config": t.dataset.name,
                 "test_split": evaluated_split(t, run.max_eval_samples, run.record.evaluation.details.get("held_out")),
-                "classes": len(t.classnames),
                 "expert": published_ref(run.experts.get(t.name)),
                 "expert_commit": run.record.commit_of("models", run.experts.get(t.name)),
             }

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from featcal.families.clip_vision.entries import image_classes
 from featcal.families.clip_vision.evaluation import ZeroShotClassifier
 from featcal.progress import Progress
 from featcal.tasks import Task
@@ -42,7 +43,7 @@ def base_fingerprint(folder: Path) -> list:
 
 
 def _key(fingerprint: list, task: Task) -> str:
-    data = {"base": fingerprint, "classnames": list(task.classnames), "templates": list(task.templates)}
+    data = {"base": fingerprint, **image_classes(task).to_dict()}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -17,6 +17,7 @@ from PIL import Image
 from featcal.devices import resolve_device
 from featcal.errors import FeatcalError, ModelInputError, UnknownNameError
 from featcal.families import DEFAULT_FAMILY
+from featcal.families.clip_vision.entries import image_classes
 from featcal.families.clip_vision.evaluation import ZeroShotClassifier, load_base_clip
 from featcal.families.clip_vision.folders import load_vision_folder
 from featcal.families.clip_vision.images import pixel_values
@@ -257,6 +258,6 @@ class SpaceModel:
         result = {}
         for name, probs in self.probabilities(image, task_names, base=base).items():
             values, indices = probs.topk(min(top_k, probs.numel()))
-            classnames = self.tasks[name].classnames
+            classnames = image_classes(self.tasks[name]).classnames
             result[name] = {classnames[i]: round(float(v), 6) for v, i in zip(values, indices.tolist())}
         return result

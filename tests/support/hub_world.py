@@ -121,6 +121,7 @@ class World:
 
 def build_world(root: Path, seed: int = 0, *, suite: str | None = None, backbone: str | None = None) -> World:
     """Write the base, experts and datasets of ``suite`` on ``backbone`` (default TA8 on B/32) under ``root``."""
+    from featcal.families.clip_vision.entries import image_classes
     from featcal.suites import suite_table
 
     table = suite_table(suite, backbone)
@@ -143,7 +144,7 @@ def build_world(root: Path, seed: int = 0, *, suite: str | None = None, backbone
             write_dataset(
                 datasets[spec.path],
                 DATASETS[spec.path],
-                list(task.classnames),
+                list(image_classes(task).classnames),
                 seed=seed + 200 + i,
                 columns=(spec.image_column, spec.label_column),
                 full_splits=(spec.train_split, spec.test_split),

@@ -109,7 +109,7 @@ class TinyDecoderFamily:
     )  # fmt: skip
 
     def task(self, name: str) -> Task:
-        return Task(name, DatasetSpec(f"memory:{name}"), (), (), family=self.name)
+        return Task(name, DatasetSpec(f"memory:{name}"), family=self.name)
 
     def check_base_folder(self, folder: Path) -> None:
         assert json.loads((folder / MODEL_CONFIG).read_text())["model_type"] == "llama"

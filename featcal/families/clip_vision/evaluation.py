@@ -15,6 +15,7 @@ from torch import nn
 from featcal.devices import default_eval_batch_size
 from featcal.distributed import SINGLE, World
 from featcal.errors import FeatcalError, ModelInputError
+from featcal.families.clip_vision.entries import image_classes
 from featcal.families.clip_vision.folders import check_clip_model_folder
 from featcal.families.clip_vision.images import TestImages
 from featcal.metrics import MetricsReport, TaskMetrics, count_parameters
@@ -145,8 +146,9 @@ class ZeroShotClassifier:
         if task.name not in self._heads:
             if self.tokenizer is None:
                 raise FeatcalError(f"Task {task.name!r} has no class head: the text tower was already released.")
-            texts = [p for c in task.classnames for p in task.prompts(c)]
-            emb = self.text_embeddings(texts).view(len(task.classnames), len(task.templates), -1)
+            classes = image_classes(task)
+            texts = [p for c in classes.classnames for p in classes.prompts(c)]
+            emb = self.text_embeddings(texts).view(len(classes.classnames), len(classes.templates), -1)
             self._heads[task.name] = F.normalize(emb.mean(1), dim=-1)
         return self._heads[task.name]
 

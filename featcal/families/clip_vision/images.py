@@ -16,6 +16,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 from featcal.data import held_out_indices, load_dataset_split, process_calibration_rows
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError
+from featcal.families.clip_vision.entries import image_classes
 from featcal.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -331,13 +332,14 @@ def check_labels(task: Task, dataset, split: str) -> None:
         )
     bounds = pc.min_max(column).as_py()
     low, high = int(bounds["min"]), int(bounds["max"])
-    if low < 0 or high >= len(task.classnames):
+    count = len(image_classes(task).classnames)
+    if low < 0 or high >= count:
         bad = low if low < 0 else high
         raise DatasetInputError(
             task.name,
             task.dataset.path,
             f"Task {task.name!r}: the {split} split of {task.dataset.path} has label {bad}, but the task has "
-            f"{len(task.classnames)} class names (labels 0 to {len(task.classnames) - 1}); fix 'classnames' in "
+            f"{count} class names (labels 0 to {count - 1}); fix 'classnames' in "
             "the tasks file or the dataset.",
         )
 
