@@ -15,6 +15,7 @@ metadata as ``published_config_sha256``; it equals ``run_id`` when no input was 
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterable, Mapping
 from functools import cache
@@ -65,8 +66,10 @@ def published_config(config: Mapping[str, Any]) -> dict[str, Any]:
     The references to inputs (``base_model_id``, ``experts``, each task's ``dataset.path`` and
     ``expert``, ``merge.from``) become :func:`published_ref`; any other string value that looks like
     an absolute path (``/…``, ``~…``, ``C:\\…``) is named by its last component the same way, so a
-    field added to the recipe later cannot leak a local path either. An image entry's own lists (its
-    class names and prompt templates) are left alone. Everything else, ``run_id`` included, is unchanged.
+    field added to the recipe later cannot leak a local path either. A task entry's own fields (its family's
+    ``task_fields``: an image entry's class names and prompt templates, a text entry's templates, label words and
+    answer rule) are prose and left as written, so a template such as ``/no_think {query}`` is kept. Everything
+    else, ``run_id`` included, is unchanged.
 
     Args:
         config: The run folder's ``run_config.json``.
@@ -84,6 +87,8 @@ def published_config(config: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(entry, Mapping):
             continue
         out = published["tasks_table"][name]
+        for key in task_entry_reader(entry.get("family", DEFAULT_FAMILY)).task_fields & entry.keys():
+            out[key] = copy.deepcopy(entry[key])  # the family's own fields: prose, kept as written
         if entry.get("expert"):
             out["expert"] = published_ref(entry["expert"])
         if isinstance(entry.get("dataset"), Mapping) and entry["dataset"].get("path"):
