@@ -19,7 +19,7 @@ from featcal.calibration.streaming import featcal_calibrate_folder
 from featcal.checkpoint import check_finite_state
 from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError
-from featcal.families import TASK_SCHEMAS, task_schema
+from featcal.families import IMAGE_SCHEMA, task_schema
 from featcal.merging import get_method
 from featcal.merging.data import MergeData
 from featcal.model_recipe import (
@@ -95,7 +95,7 @@ def calibration_recipe(
             t, inputs.expert_refs.get(t.name), counts.get(t.name, params.num_calibration_examples)
         )
         for t in inputs.tasks
-        if t.text is not None and task_schema(t.family) != TASK_SCHEMAS[0]  # an image task's classes are no data
+        if t.text is not None and task_schema(t.family) != IMAGE_SCHEMA  # an image task's classes are no data
     }
     return ModelRecipe(
         CALIBRATION, inputs.family.name, inputs.base_ref, inputs.expert_refs, merge_record,

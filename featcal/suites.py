@@ -25,7 +25,7 @@ from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from featcal.errors import UnknownNameError
+from featcal.errors import FeatcalError, UnknownNameError
 from featcal.families.registry import DEFAULT_FAMILY
 
 if TYPE_CHECKING:
@@ -380,7 +380,8 @@ def describe_suite(suite: str | None = None, backbone_name: str | None = None) -
     tasks = []
     for task in table.tasks.values():
         reference = {kind: single[kind][task.name] for kind in SINGLE_MODEL_KINDS if task.name in single[kind]}
-        assert task.text is not None  # an image or a text-to-text task: its format lists its classes and templates
+        if task.text is None:  # every built-in table's task has its family's format (classes and templates)
+            raise FeatcalError(f"Task {task.name!r} of suite {suite!r} has no classes or templates to list.")
         tasks.append(
             {
                 "name": task.name,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from featcal.errors import FeatcalError, UnknownNameError
-from featcal.families.registry import DEFAULT_FAMILY, TASK_SCHEMAS, task_entry_reader, task_schema
+from featcal.families.registry import DEFAULT_FAMILY, IMAGE_SCHEMA, task_entry_reader, task_schema
 from featcal.files.reading import read_structured
 from featcal.hub.refs import local_path, split_revision
 from featcal.metrics import RESERVED_TASK_NAMES
@@ -203,7 +203,7 @@ class Task:
         data.pop("name")
         data.pop("text")
         own = self.text.to_dict() if self.text is not None else {}
-        if task_schema(self.family) == TASK_SCHEMAS[0]:
+        if task_schema(self.family) == IMAGE_SCHEMA:
             data = {"dataset": data.pop("dataset"), **own, **data}
         else:
             data.update(own)

@@ -165,9 +165,9 @@ def test_the_same_repair_under_two_settings_has_its_own_result_and_row(compared,
 
 
 def test_an_entry_without_hyper_parameters_writes_what_it_wrote_before(compared) -> None:
-    """A default entry keeps the name alone (``svc.json``, ``svc/``), the keys of its result and the identity the
-    comparison computed before entries took hyper-parameters: the run's id, the merged weights and the command
-    ``featcal -q calibrate --method svc --merged TA --output RUN/repairs/svc`` with the run's options, no more."""
+    """A default entry keeps the name alone (``svc.json``, ``svc/``) and the keys of its result, and its identity
+    is the run's id, the merged weights, the command ``featcal -q calibrate --method svc --merged TA --output
+    RUN/repairs/svc`` with the run's options, and the repair's defaults (α 0.1), no more."""
     from featcal.metrics import weights_sha256
 
     assert sorted(p.name for p in (compared / "repairs").iterdir()) == sorted(
@@ -580,10 +580,36 @@ def test_an_up_to_date_result_is_kept_and_force_redoes_it(compared, tmp_path, mo
     assert again(redo=True) and len(calls) == 4  # --force
 
 
-def test_a_changed_default_redoes_a_kept_result() -> None:
-    """The identity that decides whether a rerun keeps a result covers the repair's defaults: a default changed
-    (LOT's ``norms`` became true) redoes a result whose command, naming only what an entry sets, is unchanged."""
-    argv = ["-q", "calibrate", "--method", "lot"]
-    old = comparison.result_identity("run", {"w": "0"}, argv, {"norms": False})
-    assert old != comparison.result_identity("run", {"w": "0"}, argv, {"norms": True})
-    assert old == comparison.result_identity("run", {"w": "0"}, argv, {"norms": False})
+def test_a_changed_default_redoes_a_kept_result(compared, tmp_path, monkeypatch) -> None:
+    """A result is kept while the repair's defaults are those it was computed with, and redone once one changes
+    (as LOT's ``norms`` became true): the child's command names only what an entry sets, so it alone cannot tell."""
+    import dataclasses
+
+    run = tmp_path / "run"
+    shutil.copytree(compared, run)
+    spec = RunSpec(
+        tasks_file=str(compared.parent / "tasks.json"), base_model_id=str(F / "base"), device="cpu", threads=1,
+        featcal=dict(num_calibration_examples=8), output_dir=str(run),
+    )  # fmt: skip
+    calls = []
+
+    def child(args, *, what):
+        calls.append(args)
+        if args:  # a repair's command, not the floor's
+            Path(args[args.index("--output") + 1]).mkdir()
+        return comparison.ChildCost(1.0, 1)
+
+    monkeypatch.setattr(comparison, "measure_child", child)
+    svc = get_repair("svc")
+
+    def again(repair) -> bool:
+        return comparison.compare_repairs(spec, [ComparedRepair(repair)], run, run / "ta", lambda *_: {})[1]
+
+    assert again(svc) and len(calls) == 2  # the copy's command names other folders: the floor and svc
+    assert not again(svc) and len(calls) == 2  # the same defaults: kept
+    alpha = dataclasses.replace(svc.params[0], default=0.2)
+    changed = dataclasses.replace(svc, params=(alpha, *svc.params[1:]))
+    assert comparison.repair_command(spec, changed, run / "ta", run / "repairs" / "svc") == comparison.repair_command(
+        spec, svc, run / "ta", run / "repairs" / "svc"
+    )  # the command alone is the same
+    assert again(changed) and len(calls) == 4  # another default: redone

@@ -505,3 +505,19 @@ def test_a_package_that_is_not_there_or_built_for_another_python_is_refused(tmp_
     )
     (core / f"_multiarray_umath{suffix}").write_bytes(b"")
     check_extensions(str(tmp_path / "numpy"))  # one built for it among them: accepted
+
+
+def test_a_record_s_absolute_or_outside_paths_are_never_shared(tmp_path):
+    """Only the top-level folders a distribution's RECORD installed inside its site are shared: an absolute
+    entry (``/etc/passwd``) or one above the site (``../../bin/f2py``) never makes ``/`` or another folder
+    shared."""
+    (tmp_path / "numpy").mkdir()
+    (tmp_path / "numpy" / "__init__.py").write_text("")
+    (tmp_path / "numpy.libs").mkdir()
+    info = tmp_path / "numpy-9.9.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: numpy\nVersion: 9.9\n")
+    (info / "RECORD").write_text(
+        "numpy/__init__.py,,\nnumpy.libs/libx.so,,\nnumpy-9.9.dist-info/RECORD,,\n/etc/passwd,,\n../../bin/f2py,,\n"
+    )
+    assert package_folders("numpy", [str(tmp_path)]) == [str(tmp_path / "numpy"), str(tmp_path / "numpy.libs")]

@@ -14,6 +14,7 @@ from featcal.errors import ModelInputError
 from featcal.families.registry import (
     BUILTIN,
     DEFAULT_FAMILY,
+    IMAGE_SCHEMA,
     REGISTERED,
     TASK_SCHEMAS,
     command_modules,
@@ -32,6 +33,7 @@ from featcal.files.model_files import MODEL_CONFIG
 __all__ = [
     "BUILTIN",
     "DEFAULT_FAMILY",
+    "IMAGE_SCHEMA",
     "TASK_SCHEMAS",
     "adapter_for",
     "command_modules",

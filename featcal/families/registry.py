@@ -19,7 +19,8 @@ BUILTIN = {
     "seq2seq": "featcal.families.seq2seq",
 }
 DEFAULT_FAMILY = "clip_vision"  # the family of a task, suite, run record or release whose entry names none
-TASK_SCHEMAS = ("image", "text", "pair")  # the built-in families' kinds of task (ModelFamily.task_schema)
+IMAGE_SCHEMA = "image"  # the default family's kind of task: classes and zero-shot templates, no calibration texts
+TASK_SCHEMAS = (IMAGE_SCHEMA, "text", "pair")  # the built-in families' kinds of task (ModelFamily.task_schema)
 REGISTERED: dict[str, Any] = {}  # families added by a plugin or a test (featcal.families.register_family)
 
 
@@ -49,8 +50,8 @@ def task_schema(name: str) -> str:
     ``image`` entries (the default family's).
     """
     if name not in family_names():
-        return TASK_SCHEMAS[0]
-    return str(getattr(lookup(name), "task_schema", TASK_SCHEMAS[0]))
+        return IMAGE_SCHEMA
+    return str(getattr(lookup(name), "task_schema", IMAGE_SCHEMA))
 
 
 def task_entry_reader(name: str) -> Any:

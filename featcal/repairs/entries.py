@@ -60,14 +60,29 @@ class ComparedRepair:
 
 
 def shown_value(value: Any) -> str:
-    """A hyper-parameter's value as ``KEY=VALUE`` text writes it, read back to the same value (``true``, ``0.3``)."""
+    """A hyper-parameter's value as ``KEY=VALUE`` text writes it, read back to the same value (``true``, ``0.3``).
+
+    Args:
+        value: The converted value.
+
+    Returns:
+        Its text: ``true``/``false`` for a bool, ``repr`` for a float (all its digits), ``str`` otherwise.
+    """
     if isinstance(value, bool):
         return "true" if value else "false"
     return repr(value) if isinstance(value, float) else str(value)
 
 
 def entry_label(name: str, setting: Mapping[str, Any]) -> str:
-    """The label of the entry ``name`` with the hyper-parameters ``setting``: ``NAME`` or ``NAME:KEY=VALUE,...``."""
+    """The label of the entry ``name`` with the hyper-parameters ``setting``: ``NAME`` or ``NAME:KEY=VALUE,...``.
+
+    Args:
+        name: The repair's name.
+        setting: The hyper-parameters the entry gives, in the repair's declared order (empty: none).
+
+    Returns:
+        The label, as the command line spells the entry.
+    """
     if not setting:
         return name
     return f"{name}:" + ",".join(f"{key}={shown_value(value)}" for key, value in setting.items())

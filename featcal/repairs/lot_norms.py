@@ -58,13 +58,22 @@ class NormDrift:
         self.rhs = torch.zeros(dim, size, device=device, dtype=torch.float64)
 
     def add(self, x: torch.Tensor, token_weights: torch.Tensor | None) -> None:
-        """One forward batch of the module's inputs ``x`` (``[rows, seq, d]``), each token weighing its
-        ``token_weights`` entry (``[rows, seq]``; None: 1)."""
+        """Add one forward batch of the module's inputs to the task's sums.
+
+        Args:
+            x: The norm's inputs, ``[rows, seq, d]``.
+            token_weights: Each token's weight, ``[rows, seq]`` (0 for padding); None: every token weighs 1.
+        """
         self.moments.add(x, lambda rows: self.norm.normalize(rows).to(torch.float64, copy=True), token_weights)
 
     def fold(self, module: nn.Module, world: World = SINGLE) -> None:
         """End the task whose expert's parameters ``module`` holds: its sums (over every process) folded in
-        with the expert's weight and bias."""
+        with the expert's weight and bias.
+
+        Args:
+            module: The expert's norm (its ``weight`` and, for a LayerNorm, ``bias``).
+            world: The processes whose sums are added together first.
+        """
         moments = self.moments
         world.all_reduce_sum_(moments.tensors(), what="LOT normalisation statistics")
         lhs = _task_lhs(moments, self.norm.has_bias)

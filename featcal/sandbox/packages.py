@@ -26,10 +26,11 @@ SUFFIXES_OF = "import importlib.machinery as m; print('\\n'.join(m.EXTENSION_SUF
 
 def _installed_files_folders(name: str, site: str) -> list[str]:
     """The top-level folders in ``site`` that the distribution of ``name`` installed (from its RECORD), its
-    metadata folder and files outside ``site`` (scripts) left out; none when it has no RECORD."""
+    metadata folder and files outside ``site`` (scripts, or any absolute path a RECORD may hold) left out; none
+    when it has no RECORD."""
     found = next(iter(importlib.metadata.distributions(name=name, path=[site])), None)
     files = (found.files or []) if found is not None else []
-    tops = {f.parts[0] for f in files if len(f.parts) > 1 and f.parts[0] != ".."}
+    tops = {f.parts[0] for f in files if len(f.parts) > 1 and f.parts[0] != ".." and not f.is_absolute()}
     folders = [os.path.join(site, top) for top in sorted(tops) if not top.endswith((".dist-info", ".egg-info"))]
     return [folder for folder in folders if os.path.isdir(folder)]
 
