@@ -223,11 +223,24 @@ def test_a_missing_local_copy_is_named(safety_data, tmp_path) -> None:
     js.check_sources(safety_data)
 
 
-def test_the_judge_is_named_with_its_size() -> None:
-    card = js.judge_card()
-    assert card["id"] == "allenai/wildguard" and card["bf16_weights_gb"] == pytest.approx(
-        2 * card["parameters"] / 1e9, abs=0.05)  # fmt: skip
-    assert json.dumps(card)
+def _loaded_parameters(folder: Path) -> int:
+    """The parameter count of the model in ``folder``, its weights loaded (the card's count is from its config)."""
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
+
+
+def test_the_judge_is_named_with_its_size(tiny_judge) -> None:
+    """The judge that ran is named: WildGuard's id with its 7.2B (14.5 GB in bf16); a folder with its own count."""
+    from featcal.families.causal_lm.mergebench_eval.wildguard import JUDGE_PARAMETERS
+
+    assert js.judge_card("allenai/wildguard") == {
+        "id": "allenai/wildguard", "parameters": JUDGE_PARAMETERS, "bf16_weights_gb": 14.5}  # fmt: skip
+    count = _loaded_parameters(tiny_judge)
+    card = js.judge_card(str(tiny_judge))
+    assert card["id"] == str(tiny_judge) and card["parameters"] == count < 1e8
+    assert card["bf16_weights_gb"] == pytest.approx(2 * count / 1e9, rel=1e-2) and card["bf16_weights_gb"] > 0
+    assert json.loads(json.dumps(card)) == card  # metrics.json holds it as it is
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +289,8 @@ def test_the_protocol_s_safety_domain_is_judged_when_asked(protocol_world, tiny_
     with torch.no_grad():
         report = protocol.run(eos_model(), tok, ("safety",))
     assert set(report["tasks"]) == {b.name for b in js.BENCHMARKS}  # truthfulqa, toxigen, winogender: not run
-    assert report["safety"] == js.JUDGED_VARIANT and report["judge"]["id"] == "allenai/wildguard"
+    assert report["safety"] == js.JUDGED_VARIANT and report["judge"]["id"] == str(tiny_judge)
+    assert report["judge"]["parameters"] == _loaded_parameters(tiny_judge)  # the judge that ran, not WildGuard
     assert all(report["tasks"][b.name]["count"] == 2 for b in js.BENCHMARKS)
     assert report["domains"]["safety"] == js.safety_score(report["tasks"]) is not None
     assert report["tasks"]["wildguardtest"]["unparseable"] == 2  # the random judge's answers
@@ -422,10 +436,14 @@ def test_a_run_with_judged_safety_records_it_in_metrics_and_card(
         report = json.loads((out / stage / "metrics.json").read_text())["mergebench"]
         judged = {b.name for b in js.BENCHMARKS}
         assert judged <= set(report["tasks"]) and "truthfulqa_mc2" not in report["tasks"], stage
-        assert report["safety"] == js.JUDGED_VARIANT and report["judge"] == js.judge_card()
+        assert report["safety"] == js.JUDGED_VARIANT and report["judge"]["id"] == str(tiny_judge.resolve())
+        assert report["judge"]["parameters"] == _loaded_parameters(tiny_judge), stage
         assert report["domains"]["safety"] == js.safety_score(report["tasks"]) is not None
     card = (out / "release" / "README.md").read_text()
-    assert f"safety: {js.JUDGED_VARIANT} (the judge allenai/wildguard: 7.2B parameters, about 14.5 GB in bf16)" in card
+    count = _loaded_parameters(tiny_judge)
+    named = f"(the judge {tiny_judge.resolve()}: {count / 1e6:.1f}M parameters, about {2 * count / 1e9:.3g} GB in bf16)"
+    assert f"safety: {js.JUDGED_VARIANT} {named}" in card, card
+    assert "allenai/wildguard" not in card and "7.2B" not in card  # not the judge that ran
     assert "- safety: wildguardtest" not in card and "FusionBench's lm-eval variant" not in card
 
 

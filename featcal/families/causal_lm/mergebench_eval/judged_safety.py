@@ -45,12 +45,10 @@ from featcal.errors import DatasetInputError, FeatcalError
 from featcal.families.causal_lm.mergebench_eval.local_data import DataSource, check_local_copies
 from featcal.families.causal_lm.mergebench_eval.wildguard import (
     FUSIONBENCH_HINT,
-    JUDGE_BF16_GB,
-    JUDGE_ID,
-    JUDGE_PARAMETERS,
     Judge,
     Verdict,
     hub_access_problem,
+    judge_parameters,
     parse_verdict,
 )
 
@@ -62,8 +60,8 @@ CHAT_FORMAT = (
 )
 MAX_NEW_TOKENS = 512
 JUDGED_VARIANT = (
-    "MergeBench's judged protocol (wildguardtest, harmbench, xstest, do_anything_now judged by WildGuard, "
-    f"{JUDGE_ID}); the domain's score is featcal's mean of their safe rates"
+    "MergeBench's judged protocol (wildguardtest, harmbench, xstest, do_anything_now judged by the run's safety "
+    "judge); the domain's score is featcal's mean of their safe rates"
 )
 
 
@@ -88,9 +86,22 @@ BENCHMARKS = (
 )
 
 
-def judge_card() -> dict[str, Any]:
-    """The judge as ``metrics.json`` and the card name it: id, parameters and bf16 weight size (computed)."""
-    return {"id": JUDGE_ID, "parameters": JUDGE_PARAMETERS, "bf16_weights_gb": JUDGE_BF16_GB}
+def judge_card(judge: str) -> dict[str, Any]:
+    """The judge that ran, as ``metrics.json`` and the card name it.
+
+    Args:
+        judge: The judge as the run records it: its Hub id or its resolved folder.
+
+    Returns:
+        ``{"id": judge, "parameters": count, "bf16_weights_gb": size}``: the count from its config
+        (:func:`.wildguard.judge_parameters`), the size its weights take in bf16 (2 bytes a parameter, computed,
+        three significant digits).
+
+    Raises:
+        ModelInputError: when its config cannot be read.
+    """
+    count = judge_parameters(judge)
+    return {"id": judge, "parameters": count, "bf16_weights_gb": float(f"{2 * count / 1e9:.3g}")}
 
 
 def check_sources(data: Path | None) -> None:

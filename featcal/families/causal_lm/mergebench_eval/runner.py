@@ -179,7 +179,7 @@ class MergeBenchEvaluation:
         report: dict[str, Any] = {"protocol": PROTOCOL, "tasks": results}
         if judged:
             scores[SAFETY] = safety_score(results)
-            report["judge"] = judge_card()
+            report["judge"] = judge_card(self.settings.judge)
         report |= {"domains": scores, "average": raw_average(scores)}
         report["safety"] = JUDGED_VARIANT if self.settings.safety == JUDGED else SAFETY_VARIANT
         return report
