@@ -153,6 +153,47 @@ def test_a_gpu_with_too_little_free_memory_for_the_judge_is_refused(tmp_path, mo
     check_judge(str(judge), "cuda:0")
 
 
+def test_the_free_gpu_memory_must_hold_the_judge_beside_the_evaluated_model(tmp_path, monkeypatch) -> None:
+    """An 8B model in float32 (32 GB) stays on the GPU while the judge runs: 40 GB free are not enough for both,
+    though they are for the judge alone."""
+    import torch
+
+    from featcal.errors import ModelInputError
+
+    judge = save_tiny_judge(tmp_path / "mistral")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40e9, 48e9))
+    with pytest.raises(ModelInputError, match=r"needs about 20 GB of free GPU memory \(14.5 GB of bf16 weights and "
+                                              r"its cache\) beside the evaluated model's 32.0 GB; 40.0 GB are free on "
+                                              r"cuda:0: free some, or use FusionBench's safety variant"):  # fmt: skip
+        check_judge(str(judge), "cuda:0", evaluated_bytes=32 * 10**9)
+    check_judge(str(judge), "cuda:0")  # the judge alone fits
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (53e9, 80e9))
+    check_judge(str(judge), "cuda:0", evaluated_bytes=32 * 10**9)
+
+
+def test_the_evaluator_checks_the_judge_beside_the_base_s_float32_weights(protocol_world, monkeypatch) -> None:
+    """The held-out evaluator sets up the protocol with the evaluated models' size: the base's parameters (from its
+    config) in float32, the dtype it and the merged models are evaluated in."""
+    from featcal.families.causal_lm.evaluation import HeldOutEvaluator
+    from featcal.families.causal_lm.folders import load_lm_folder
+    from featcal.families.causal_lm.mergebench_eval import runner
+    from featcal.families.causal_lm.settings import LMEvaluationSettings
+
+    seen: dict = {}
+
+    def set_up(settings, device=None, evaluated_bytes=0):
+        seen.update(device=device, evaluated_bytes=evaluated_bytes)
+
+    monkeypatch.setattr(runner, "MergeBenchEvaluation", set_up)
+    record = {"name": "mergebench", "benchmark_data": None, "allow_code_execution": True, "safety": "wildguard",
+              "judge": "allenai/wildguard"}  # fmt: skip
+    settings = LMEvaluationSettings(seed=0, held_out_after=0, max_new_tokens=4, protocol=record).to_json()
+    HeldOutEvaluator(protocol_world["base"], "cpu", settings=settings)
+    loaded = load_lm_folder(protocol_world["base"])
+    assert seen == {"device": "cpu", "evaluated_bytes": 4 * sum(p.numel() for p in loaded.parameters())}
+    assert next(loaded.parameters()).dtype.itemsize == 4
+
+
 def write_wildguard_config(folder: Path) -> Path:
     """A folder holding WildGuard's config alone (Mistral-7B-v0.3's shape, as allenai/wildguard's config.json
     gives it), no weights."""

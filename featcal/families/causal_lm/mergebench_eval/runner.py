@@ -94,6 +94,7 @@ def check_protocol(
     safety: str = FUSIONBENCH,
     judge: str = JUDGE_ID,
     device: str | None = None,
+    evaluated_bytes: int = 0,
 ) -> None:
     """Refuse, before any work, what the protocol cannot run with.
 
@@ -103,6 +104,8 @@ def check_protocol(
         safety: ``fusionbench`` or ``wildguard`` (:class:`ProtocolSettings`).
         judge: WildGuard's Hub id or folder (``wildguard`` alone).
         device: Where the evaluated model, and so the judge, runs (None: :func:`judge_device`).
+        evaluated_bytes: The evaluated model's weights on ``device``, which stay there while the judge runs
+            (0: not known yet; the judge alone is checked).
 
     Raises:
         CodeExecutionNotAllowedError: without the opt-in (the coding domain runs programs).
@@ -123,7 +126,7 @@ def check_protocol(
     sandbox_numpy()
     if safety == JUDGED:
         check_sources(None if data is None else Path(data))
-        check_judge(judge, device or judge_device())
+        check_judge(judge, device or judge_device(), evaluated_bytes)
 
 
 class MergeBenchEvaluation:
@@ -132,13 +135,16 @@ class MergeBenchEvaluation:
     Args:
         settings: The run's :class:`ProtocolSettings`.
         device: Where the evaluated models run (None: :func:`judge_device`).
+        evaluated_bytes: The weights of each evaluated model on ``device`` (the judge is loaded beside them).
 
     Raises:
         as :func:`check_protocol`.
     """
 
-    def __init__(self, settings: ProtocolSettings, device: str | None = None) -> None:
-        check_protocol(settings.data, settings.allow_code_execution, settings.safety, settings.judge, device)
+    def __init__(self, settings: ProtocolSettings, device: str | None = None, evaluated_bytes: int = 0) -> None:
+        check_protocol(
+            settings.data, settings.allow_code_execution, settings.safety, settings.judge, device, evaluated_bytes
+        )
         self.settings = settings
         self._harness_set_up: Any = None
         self._definitions: tempfile.TemporaryDirectory[str] | None = None

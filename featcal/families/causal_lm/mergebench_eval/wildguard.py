@@ -100,16 +100,19 @@ def judge_prompt(request: str, response: str) -> str:
     return INPUT_FORMAT.format(prompt=request, response=response)
 
 
-def check_judge(judge: str, device: str) -> None:
+def check_judge(judge: str, device: str, evaluated_bytes: int = 0) -> None:
     """Refuse, before any work, a judge that cannot be loaded or run here.
 
     Args:
         judge: A local folder or a Hub id (``allenai/wildguard``).
         device: Where it would run (``cuda``, ``cuda:0``, ``cpu``).
+        evaluated_bytes: The evaluated model's weights on that device, beside which the judge is loaded (not yet
+            loaded when this is checked): the free GPU memory must hold both.
 
     Raises:
         ModelInputError: for a folder without a Mistral ``config.json``; for a Hub id that cannot be reached or
-            whose terms were not accepted with the token in use; for too little free memory on the GPU; on a
+            whose terms were not accepted with the token in use; for too little free memory on the GPU (for the
+            judge and ``evaluated_bytes``); on a
             CPU, for a judge of more than :data:`JUDGE_CPU_MAX_PARAMETERS` parameters (WildGuard's 7.2B:
             refused without asking the Hub, its size being known). Each message names FusionBench's variant.
     """
@@ -132,11 +135,12 @@ def check_judge(judge: str, device: str) -> None:
         import torch
 
         free, _ = torch.cuda.mem_get_info(torch.device(device))
-        if free < JUDGE_MEMORY_GB * 1e9:
+        if free < JUDGE_MEMORY_GB * 1e9 + evaluated_bytes:
+            beside = f" beside the evaluated model's {evaluated_bytes / 1e9:.1f} GB" if evaluated_bytes else ""
             raise ModelInputError(
                 judge,
                 f"The safety judge {judge} needs about {JUDGE_MEMORY_GB:.0f} GB of free GPU memory ({JUDGE_BF16_GB} "
-                f"GB of bf16 weights and its cache); {free / 1e9:.1f} GB are free on {device}: free some, "
+                f"GB of bf16 weights and its cache){beside}; {free / 1e9:.1f} GB are free on {device}: free some, "
                 f"{FUSIONBENCH_HINT}.",
             )
     elif (count := judge_parameters(judge)) > JUDGE_CPU_MAX_PARAMETERS:
