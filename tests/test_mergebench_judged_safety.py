@@ -337,6 +337,53 @@ def test_the_protocol_s_safety_domain_is_judged_when_asked(protocol_world, tiny_
     assert report["tasks"]["wildguardtest"]["unparseable"] == 2  # the random judge's answers
 
 
+def _end_of_turn_world():
+    """The tiny tokenizer with Llama-3's ``<|eot_id|>`` added, and the tiny eos Llama turned to answer it first
+    (every next token ``<|eot_id|>``), its generation config's stop list the tokenizer's end of text alone."""
+    import torch
+
+    from tests.support.mergebench_data import eos_model
+    from tests.support.tiny_lm_world import tokenizer
+
+    tok = tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>"]})
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    model = eos_model()
+    model.resize_token_embeddings(len(tok))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[eot, 0] = 2.0
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok, eot
+
+
+def test_a_safety_answer_ends_at_the_end_of_its_chat_turn() -> None:
+    """Llama-3 ends a chat answer with ``<|eot_id|>``, which its tokenizer's eos is not: the judged safety stops
+    there (1 new token), as it stops at the model's and the tokenizer's eos; the held-out evaluation's greedy
+    answers keep the tokenizer's eos alone (they run to the token limit here)."""
+    from featcal.families.causal_lm.generation import greedy_responses
+    from featcal.families.causal_lm.mergebench_eval.runner import safety_answers
+
+    model, tok, eot = _end_of_turn_world()
+    assert js.stop_ids(None, tok) == [tok.eos_token_id, eot]
+    assert js.stop_ids([7, tok.eos_token_id], tok) == [7, tok.eos_token_id, eot]
+    assert js.stop_ids(5, tok) == [5, tok.eos_token_id, eot]
+    lengths: list[int] = []
+    generate = model.generate
+
+    def counted(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        lengths.append(out.shape[1] - kwargs["input_ids"].shape[1])
+        return out
+
+    model.generate = counted
+    prompts = [js.CHAT_FORMAT.format(prompt="vanilla HARM one"), js.CHAT_FORMAT.format(prompt="x")]
+    assert safety_answers(model, tok, prompts, batch_size=2) == ["", ""] and lengths == [1]
+    greedy_responses(model, tok, prompts, max_length=64, max_new_tokens=5, batch_size=2)
+    assert lengths[1] == 5  # the held-out evaluation: unchanged, the tokenizer's eos alone
+
+
 def _error(capsys, argv: list[str]) -> str:
     from featcal.cli import main
 

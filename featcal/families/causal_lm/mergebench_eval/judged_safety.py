@@ -59,6 +59,32 @@ CHAT_FORMAT = (
     "<|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
 )
 MAX_NEW_TOKENS = 512
+END_OF_TURN = "<|eot_id|>"  # Llama-3's end of a chat turn, where an answer in CHAT_FORMAT ends
+
+
+def stop_ids(generation_eos: int | Sequence[int] | None, tokenizer: Any) -> list[int]:
+    """The tokens that end a safety answer: the model's own stop list, the tokenizer's end of text, and
+    :data:`END_OF_TURN` when the tokenizer has it.
+
+    Args:
+        generation_eos: The model's ``generation_config.eos_token_id`` (an id, a list of ids, or None).
+        tokenizer: The evaluated model's tokenizer.
+
+    Returns:
+        The ids, each once, in that order.
+    """
+    if generation_eos is None:
+        ids: list[int] = []
+    else:
+        ids = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    vocabulary = tokenizer.get_vocab()
+    if END_OF_TURN in vocabulary:
+        ids.append(vocabulary[END_OF_TURN])
+    return list(dict.fromkeys(ids))
+
+
 JUDGED_VARIANT = (
     "MergeBench's judged protocol (wildguardtest, harmbench, xstest, do_anything_now judged by the run's safety "
     "judge); the domain's score is featcal's mean of their safe rates"

@@ -28,6 +28,7 @@ from featcal.families.causal_lm.mergebench_eval.judged_safety import (
     judge_card,
     run_judged_safety,
     safety_score,
+    stop_ids,
 )
 from featcal.families.causal_lm.mergebench_eval.local_data import (
     check_local_copies,
@@ -129,6 +130,27 @@ def check_protocol(
         check_judge(judge, device or judge_device(), evaluated_bytes)
 
 
+def safety_answers(model: Any, tokenizer: Any, prompts: Sequence[str], batch_size: int) -> list[str]:
+    """The evaluated model's greedy answers to the judged safety's chat-formatted prompts: none cut, at most
+    :data:`~.judged_safety.MAX_NEW_TOKENS` new tokens, each ending at the end of its turn
+    (:func:`~.judged_safety.stop_ids`).
+
+    Args:
+        model: A ``*ForCausalLM`` in eval mode, on its device.
+        tokenizer: The base's tokenizer.
+        prompts: The prompts in :data:`~.judged_safety.CHAT_FORMAT`.
+        batch_size: Prompts per batch.
+
+    Returns:
+        The answers, decoded without special tokens.
+    """
+    from featcal.families.causal_lm.generation import greedy_responses
+
+    stops = stop_ids(getattr(model.generation_config, "eos_token_id", None), tokenizer)
+    return greedy_responses(model, tokenizer, prompts, max_length=1 << 30, max_new_tokens=MAX_NEW_TOKENS,
+                            batch_size=batch_size, stop_ids=stops)  # fmt: skip  # max_length: no prompt is cut
+
+
 class MergeBenchEvaluation:
     """MergeBench's protocol set up for a run (checked by :func:`check_protocol` first).
 
@@ -192,16 +214,14 @@ class MergeBenchEvaluation:
 
     def _judged_safety(self, model: Any, tokenizer: Any) -> dict[str, dict[str, Any]]:
         """MergeBench's judged safety of ``model``: its answers, then WildGuard's verdicts (loaded for them alone)."""
-        from featcal.families.causal_lm.generation import greedy_responses
         from featcal.families.causal_lm.mergebench_eval.judged_safety import read_rows as safety_rows
         from featcal.families.causal_lm.mergebench_eval.wildguard import WildGuard
 
         data = None if self.settings.data is None else Path(self.settings.data)
         rows = {b.name: safety_rows(b, data, self.settings.limit) for b in BENCHMARKS}
 
-        def respond(prompts: Any) -> list[str]:  # no prompt is cut: max_length spans any prompt
-            return greedy_responses(model, tokenizer, prompts, max_length=1 << 30, max_new_tokens=MAX_NEW_TOKENS,
-                                    batch_size=self.settings.batch_size)  # fmt: skip
+        def respond(prompts: Any) -> list[str]:
+            return safety_answers(model, tokenizer, prompts, self.settings.batch_size)
 
         holder: dict[str, Any] = {}
 
