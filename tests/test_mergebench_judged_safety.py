@@ -271,6 +271,64 @@ def _loaded_parameters(folder: Path) -> int:
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
 
 
+def test_a_judge_config_that_is_not_json_is_refused(tmp_path) -> None:
+    from featcal.errors import ModelInputError
+
+    folder = save_tiny_judge(tmp_path / "broken")
+    (folder / "config.json").write_text('{"model_type": "mistral",', encoding="utf-8")
+    with pytest.raises(ModelInputError, match=r"The safety judge .*/broken's config.json \(.*config.json\) is not a "
+                                              r"JSON object: give WildGuard's folder .* or use FusionBench's safety "
+                                              r"variant \(--mergebench-safety fusionbench\)\.$"):  # fmt: skip
+        check_judge(str(folder), "cpu")
+    (folder / "config.json").write_text("[1, 2]", encoding="utf-8")
+    with pytest.raises(ModelInputError, match="is not a JSON object"):
+        check_judge(str(folder), "cpu")
+
+
+def _without(data: Path, into: Path, dataset: str, row: int, key: str) -> Path:
+    """A copy of the local copies whose ``dataset``'s row ``row`` (from 0) lacks ``key``."""
+    import shutil
+
+    copy = shutil.copytree(data, into)
+    path = next((copy / dataset).glob("*/test.jsonl"))
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    del rows[row][key]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return copy
+
+
+def test_a_local_copy_whose_rows_lack_a_field_the_metrics_read_is_refused(safety_data, tmp_path) -> None:
+    """Checked with the local copies, before any answer is generated (a missing field was a KeyError after)."""
+    from featcal.errors import DatasetInputError
+
+    for dataset, row, key in (("allenai/tulu-3-harmbench-eval", 1, "FunctionalCategory"),
+                              ("walledai/XSTest", 4, "label"), ("walledai/XSTest", 0, "type"),
+                              ("allenai/tulu-3-do-anything-now-eval", 2, "adversarial"),
+                              ("allenai/wildguardmix", 0, "adversarial")):  # fmt: skip
+        copy = _without(safety_data, tmp_path / f"{dataset}-{key}", dataset, row, key)
+        refused = (rf"Row {row + 1} of .*/test.jsonl \({dataset}\) has no field '{key}', which the judged safety "
+                   r"reads .*; or use FusionBench's safety variant \(--mergebench-safety fusionbench\)\.$")  # fmt: skip
+        with pytest.raises(DatasetInputError, match=refused):
+            js.check_sources(copy)
+    broken = _without(safety_data, tmp_path / "not-json", "walledai/XSTest", 0, "note")
+    path = broken / "walledai/XSTest/default/test.jsonl"
+    path.write_text(path.read_text(encoding="utf-8") + "{not json\n", encoding="utf-8")
+    with pytest.raises(DatasetInputError, match=r"walledai/XSTest .*test.jsonl, line 6, is not a JSON object"):
+        js.check_sources(broken)
+
+
+def test_rows_without_a_field_and_an_unknown_benchmark_raise_typed_errors() -> None:
+    from featcal.errors import DatasetInputError, UnknownNameError
+
+    with pytest.raises(DatasetInputError, match=r"A row of allenai/tulu-3-harmbench-eval \(harmbench\) has no field "
+                                                r"'FunctionalCategory'"):  # fmt: skip
+        js.prompt_of("harmbench", {"Behavior": "x"})
+    with pytest.raises(DatasetInputError, match="walledai/XSTest.*'label'"):
+        js.benchmark_metrics("xstest", [{"type": "homonyms", "prompt": "p"}], [Verdict()])
+    with pytest.raises(UnknownNameError, match="Unknown safety benchmark 'toxigen'; known: wildguardtest, harmbench"):
+        js.benchmark_metrics("toxigen", [], [])
+
+
 def test_the_judge_is_named_with_its_size(tiny_judge) -> None:
     """The judge that ran is named: WildGuard's id with its 7.2B (14.5 GB in bf16); a folder with its own count."""
     from featcal.families.causal_lm.mergebench_eval.wildguard import JUDGE_PARAMETERS
@@ -427,6 +485,26 @@ def test_judged_safety_inputs_are_refused_in_one_line_before_any_work(
     assert "allenai/wildguardmix/wildguardtest/test.jsonl" in message and "is missing" in message
     assert message.endswith("or use FusionBench's safety variant (--mergebench-safety fusionbench).")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "no-safety"] and not out.exists()
+
+
+def test_a_broken_judge_config_or_a_row_without_a_field_is_refused_in_one_line(
+    protocol_world, tmp_path, capsys, punkt_tab
+) -> None:
+    from tests.test_mergebench_protocol import _run_args
+
+    world = (protocol_world["base"], protocol_world["experts"])
+    out = tmp_path / "run"
+    broken = save_tiny_judge(tmp_path / "broken")
+    (broken / "config.json").write_text("{", encoding="utf-8")
+    capsys.readouterr()
+    args = _run_args(world, protocol_world["benchmarks"], protocol_world["data_file"], out, "--allow-code-execution")
+    message = _error(capsys, [*args, "--safety-judge", str(broken)])
+    assert "broken's config.json" in message and "is not a JSON object" in message and not out.exists()
+    copy = _without(protocol_world["benchmarks"], tmp_path / "copies", "walledai/XSTest", 2, "label")
+    args = _run_args(world, copy, protocol_world["data_file"], out, "--allow-code-execution")
+    message = _error(capsys, [*args, "--safety-judge", str(save_tiny_judge(tmp_path / "tiny"))])
+    assert "Row 3 of" in message and "has no field 'label'" in message and "--mergebench-safety fusionbench" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "copies", "tiny"]
 
 
 HUB_SCRIPT = """

@@ -110,7 +110,8 @@ def check_judge(judge: str, device: str, evaluated_bytes: int = 0) -> None:
             loaded when this is checked): the free GPU memory must hold both.
 
     Raises:
-        ModelInputError: for a folder without a Mistral ``config.json``; for a Hub id that cannot be reached or
+        ModelInputError: for a folder without a Mistral ``config.json`` (or whose ``config.json`` is not JSON); for
+            a Hub id that cannot be reached or
             whose terms were not accepted with the token in use; for too little free memory on the GPU (for the
             judge and ``evaluated_bytes``); on a
             CPU, for a judge of more than :data:`JUDGE_CPU_MAX_PARAMETERS` parameters (WildGuard's 7.2B:
@@ -119,10 +120,7 @@ def check_judge(judge: str, device: str, evaluated_bytes: int = 0) -> None:
     folder = Path(judge).expanduser()
     on_gpu = device.startswith("cuda")
     if folder.exists():
-        config = folder / "config.json"
-        import json
-
-        kind = json.loads(config.read_text(encoding="utf-8")).get("model_type") if config.is_file() else None
+        kind = _model_type(judge, folder / "config.json")
         if kind != JUDGE_ARCHITECTURE:
             raise ModelInputError(
                 judge,
@@ -150,6 +148,25 @@ def check_judge(judge: str, device: str, evaluated_bytes: int = 0) -> None:
             f"run on the CPU ({device}), where its verdicts would take days (docs/causal-lm.md): run on a GPU "
             f"(--device cuda), {FUSIONBENCH_HINT}.",
         )
+
+
+def _model_type(judge: str, config: Path) -> Any:
+    """A judge folder's ``config.json`` ``model_type`` (None without the file), or a ModelInputError when the file
+    is not a JSON object."""
+    import json
+
+    if not config.is_file():
+        return None
+    try:
+        read = json.loads(config.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        read = exc
+    if not isinstance(read, dict):
+        raise ModelInputError(
+            judge, f"The safety judge {judge}'s config.json ({config}) is not a JSON object: give WildGuard's folder "
+            f"or its Hub id {JUDGE_ID} (docs/causal-lm.md), {FUSIONBENCH_HINT}.",
+        )  # fmt: skip
+    return read.get("model_type")
 
 
 def judge_parameters(judge: str) -> int:
