@@ -250,8 +250,6 @@ def test_a_gated_judge_or_dataset_is_named_with_its_fix(monkeypatch) -> None:
         check_judge("allenai/wildguard", "cuda:0")  # on a GPU (on a CPU it is refused first, for its size)
     with pytest.raises(DatasetInputError, match="allenai/wildguardmix is gated.*huggingface.co/datasets/allenai/"):
         js.check_sources(None)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: the cache is read, the Hub not asked
-    js.check_sources(None)
 
 
 def test_a_missing_local_copy_is_named(safety_data, tmp_path) -> None:
@@ -507,6 +505,74 @@ def test_a_broken_judge_config_or_a_row_without_a_field_is_refused_in_one_line(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "copies", "tiny"]
 
 
+OFFLINE_SCRIPT = """
+import json
+from featcal.errors import FeatcalError
+from featcal.families.causal_lm.mergebench_eval import judged_safety as js, wildguard as wg
+out = {"judge": wg.hub_access_problem(wg.JUDGE_ID, "model")}
+try:
+    js.check_sources(None)
+except FeatcalError as exc:
+    out["datasets"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_offline_a_judge_or_dataset_missing_from_the_cache_is_named(tmp_path) -> None:
+    """With ``HF_HUB_OFFLINE=1`` and an empty cache, the first judged dataset and WildGuard are named as not cached
+    (they failed after the merge and the other domains); a judge snapshot in huggingface_hub's cache is read."""
+    import subprocess
+    import sys
+
+    from tests.support.hub_world import user_env
+
+    env = user_env("http://127.0.0.1:9", tmp_path / "home", offline=True)
+
+    def ask() -> dict:
+        done = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = ask()
+    assert first["datasets"] == (
+        "MergeBench's judged safety reads allenai/wildguardmix (wildguardtest), which is not in the local cache "
+        "(ConnectionError) and HF_HUB_OFFLINE is set: download it once online, or unset HF_HUB_OFFLINE; or use "
+        "FusionBench's safety variant (--mergebench-safety fusionbench)."
+    )
+    assert first["judge"].startswith("MergeBench's judged safety reads allenai/wildguard, which is not in the local "
+                                     "cache (LocalEntryNotFoundError) and HF_HUB_OFFLINE is set")  # fmt: skip
+    cached = tmp_path / "home" / "hf" / "hub" / "models--allenai--wildguard"
+    commit = "0" * 40
+    (cached / "refs").mkdir(parents=True)
+    (cached / "refs" / "main").write_text(commit)
+    write_wildguard_config(cached / "snapshots" / commit)
+    assert ask()["judge"] is None
+
+
+def test_an_offline_run_whose_judged_datasets_are_not_cached_is_refused_in_one_line(
+    protocol_world, tiny_judge, tmp_path
+) -> None:
+    from tests.support.hub_world import featcal_cli, user_env
+    from tests.test_mergebench_protocol import _run_args
+
+    world = (protocol_world["base"], protocol_world["experts"])
+    out = tmp_path / "run"
+    args = _run_args(world, protocol_world["benchmarks"], protocol_world["data_file"], out, "--allow-code-execution",
+                     "--safety-judge", str(tiny_judge))  # fmt: skip
+    at = args.index("--benchmark-data")
+    env = user_env("http://127.0.0.1:9", tmp_path / "home", offline=True) | {"NLTK_DATA": str(protocol_world["nltk"])}
+    done = featcal_cli(args[:at] + args[at + 2 :], env)
+    err = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(err) == 1, (done.returncode, done.stderr[-3000:])
+    assert err[0] == (
+        "featcal: error: MergeBench's judged safety reads allenai/wildguardmix (wildguardtest), which is not in the "
+        "local cache (ConnectionError) and HF_HUB_OFFLINE is set: download it once online, or unset HF_HUB_OFFLINE; "
+        "or use FusionBench's safety variant (--mergebench-safety fusionbench)."
+    )
+    assert not out.exists()
+
+
 HUB_SCRIPT = """
 import json, sys
 from featcal.errors import FeatcalError
@@ -532,7 +598,7 @@ def test_the_judged_safety_reads_its_datasets_and_judge_from_the_hub_under_their
     """Over HTTP against the Hub double: the four datasets and WildGuard under their real ids, wildguardmix and
     the judge gated as on the Hub. An account not granted access is refused before anything is downloaded,
     naming the dataset and where to accept its terms; a granted one reads every dataset and the judge from an
-    empty ``HF_HOME``, and the tiny judge's verdicts are counted."""
+    empty ``HF_HOME``, and the tiny judge's verdicts are counted; then, offline, the cache is found to hold them."""
     import shutil
     import subprocess
     import sys
@@ -562,6 +628,11 @@ def test_the_judged_safety_reads_its_datasets_and_judge_from_the_hub_under_their
             answers[token] = json.loads(done.stdout.strip().splitlines()[-1])
             refused_served = refused_served or [s.path for s in hub.served]
         served = [(s.method, s.path, s.status) for s in hub.served]
+        offline = user_env(hub.url, tmp_path / "granted-token", token="granted-token", offline=True)
+        done = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT], env=offline, capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == {"judge": None}  # offline, all read from the cache
     refused = answers["other-token"]["refused"]
     assert "allenai/wildguardmix is gated: accept its terms at" in refused, refused
     assert "/datasets/allenai/wildguardmix" in refused

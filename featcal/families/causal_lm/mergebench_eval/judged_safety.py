@@ -210,7 +210,7 @@ def check_sources(data: Path | None) -> None:
             raise DatasetInputError("safety", exc.ref, message) from None
         return
     for source in sources:
-        problem = hub_access_problem(source.dataset, "dataset")
+        problem = hub_access_problem(source.dataset, "dataset", source.config)
         if problem is not None:
             raise DatasetInputError("safety", source.dataset, problem)
 

@@ -196,19 +196,25 @@ def judge_parameters(judge: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def hub_access_problem(repo_id: str, repo_type: str) -> str | None:
-    """Why this user cannot read a Hub repository (gated without accepted terms, missing, unreachable), in one
-    line naming the fix; None when it can be read, or when the Hub is not asked (``HF_HUB_OFFLINE``: the cache
-    is read, and a missing file fails when it is loaded).
+def hub_access_problem(repo_id: str, repo_type: str, config: str | None = None) -> str | None:
+    """Why this user cannot read a Hub repository, in one line naming the fix; None when it can be read.
+
+    Online: gated without accepted terms, missing, or unreachable. With ``HF_HUB_OFFLINE`` the Hub is not asked:
+    a repository not in the local cache (a model's snapshot in huggingface_hub's cache; a dataset's
+    configuration prepared in ``datasets``' cache) is named instead.
 
     Args:
         repo_id: The repository.
         repo_type: ``model`` or ``dataset``.
+        config: A dataset's configuration (None: its default).
+
+    Returns:
+        The sentence, ending with FusionBench's variant as the alternative; None when the repository can be read.
     """
     import os
 
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return None
+        return _cache_problem(repo_id, repo_type, config)
     from huggingface_hub import auth_check
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
@@ -224,6 +230,26 @@ def hub_access_problem(repo_id: str, repo_type: str) -> str | None:
     else:
         return None
     return f"MergeBench's judged safety reads {reason}; {FUSIONBENCH_HINT}."
+
+
+def _cache_problem(repo_id: str, repo_type: str, config: str | None) -> str | None:
+    """With ``HF_HUB_OFFLINE``: why the repository cannot be read from the local cache, or None when it can."""
+    try:
+        if repo_type == "dataset":
+            from datasets import load_dataset_builder
+
+            load_dataset_builder(repo_id, config)
+        else:
+            from huggingface_hub import snapshot_download
+
+            snapshot_download(repo_id, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        what = repo_id if config is None else f"{repo_id} ({config})"
+        return (
+            f"MergeBench's judged safety reads {what}, which is not in the local cache ({type(exc).__name__}) and "
+            f"HF_HUB_OFFLINE is set: download it once online, or unset HF_HUB_OFFLINE; {FUSIONBENCH_HINT}."
+        )
+    return None
 
 
 class WildGuard:
