@@ -245,10 +245,13 @@ def test_a_gated_judge_or_dataset_is_named_with_its_fix(monkeypatch) -> None:
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub, "auth_check", gated)
-    with pytest.raises(ModelInputError, match=r"allenai/wildguard is gated: accept its terms at "
-                                              r"https://huggingface.co/allenai/wildguard and log in"):  # fmt: skip
+    with pytest.raises(ModelInputError, match=r"^The safety judge 'allenai/wildguard' is a gated repository: ask for "
+                                              r"access at https?://\S+/allenai/wildguard \(accept its conditions\), "
+                                              r"then log in with `hf auth login` or set HF_TOKEN to a token of that "
+                                              r"account; or use FusionBench's safety variant"):  # fmt: skip
         check_judge("allenai/wildguard", "cuda:0")  # on a GPU (on a CPU it is refused first, for its size)
-    with pytest.raises(DatasetInputError, match="allenai/wildguardmix is gated.*huggingface.co/datasets/allenai/"):
+    with pytest.raises(DatasetInputError, match=r"'allenai/wildguardmix' is a gated repository: ask for access at "
+                                                r"\S+/datasets/allenai/wildguardmix "):  # fmt: skip
         js.check_sources(None)
 
 
@@ -438,6 +441,29 @@ def test_a_safety_answer_ends_at_the_end_of_its_chat_turn() -> None:
     assert safety_answers(model, tok, prompts, batch_size=2) == ["", ""] and lengths == [1]
     greedy_responses(model, tok, prompts, max_length=64, max_new_tokens=5, batch_size=2)
     assert lengths[1] == 5  # the held-out evaluation: unchanged, the tokenizer's eos alone
+
+
+def test_the_judge_s_prompts_are_generated_from_without_an_added_special_token(tiny_judge) -> None:
+    """WildGuard's format writes its own ``<s>``: the judge's greedy answers (through ``greedy_responses``) are
+    generated from the format's tokens alone, left-padded, no second ``<s>`` added."""
+    judge = WildGuard(str(tiny_judge), "cpu", batch_size=2, max_new_tokens=2)
+    seen: list = []
+    generate = judge.model.generate
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs["input_ids"])
+        return generate(*args, **kwargs)
+
+    judge.model.generate = recorded
+    try:
+        assert len(judge([("a much longer request than the other one", "r"), ("q", "r")])) == 2
+        own = judge.tokenizer(judge_prompt("q", "r"), add_special_tokens=False)["input_ids"]
+        assert own[0] == judge.tokenizer.bos_token_id  # the format's own <s>
+        width = seen[0].shape[1]
+        assert seen[0][1, width - len(own) :].tolist() == own
+        assert seen[0][1, : width - len(own)].eq(judge.tokenizer.pad_token_id).all()
+    finally:
+        judge.close()
 
 
 def _error(capsys, argv: list[str]) -> str:
@@ -634,7 +660,7 @@ def test_the_judged_safety_reads_its_datasets_and_judge_from_the_hub_under_their
         assert done.returncode == 0, done.stderr[-3000:]
         assert json.loads(done.stdout.strip().splitlines()[-1]) == {"judge": None}  # offline, all read from the cache
     refused = answers["other-token"]["refused"]
-    assert "allenai/wildguardmix is gated: accept its terms at" in refused, refused
+    assert "'allenai/wildguardmix' is a gated repository: ask for access at" in refused, refused
     assert "/datasets/allenai/wildguardmix" in refused
     assert not any("/resolve/" in path for path in refused_served)  # refused before any download
     counts = answers["granted-token"]

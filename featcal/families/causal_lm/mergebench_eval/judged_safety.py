@@ -336,7 +336,14 @@ def _inverted(flags: Sequence[bool]) -> float | None:
 
 
 def safety_score(results: Mapping[str, Mapping[str, Any]]) -> float | None:
-    """The domain's score: the mean of the four benchmarks' ``safe`` shares; None when one is missing."""
+    """The domain's score: the mean of the four benchmarks' ``safe`` shares.
+
+    Args:
+        results: By benchmark, :func:`benchmark_metrics`.
+
+    Returns:
+        The mean; None when a benchmark or its ``safe`` share is missing.
+    """
     values = [(results.get(b.name) or {}).get("safe") for b in BENCHMARKS]
     return None if any(v is None for v in values) else fmean(float(v) for v in values if v is not None)
 

@@ -83,7 +83,11 @@ def _harness_domain_tasks(name: str, safety: str) -> tuple[Any, ...]:
 
 
 def judge_device() -> str:
-    """Where the judge runs: the first GPU when there is one, else the CPU."""
+    """Where the judge runs when no device is given.
+
+    Returns:
+        ``cuda`` (the first GPU) when there is one, else ``cpu``.
+    """
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

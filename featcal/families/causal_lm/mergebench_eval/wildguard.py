@@ -96,7 +96,15 @@ def parse_verdict(answer: str) -> Verdict:
 
 
 def judge_prompt(request: str, response: str) -> str:
-    """WildGuard's input for one (request, response) pair."""
+    """WildGuard's input for one (request, response) pair.
+
+    Args:
+        request: The user's request (before any chat format).
+        response: The evaluated model's answer.
+
+    Returns:
+        :data:`INPUT_FORMAT` filled in.
+    """
     return INPUT_FORMAT.format(prompt=request, response=response)
 
 
@@ -176,6 +184,9 @@ def judge_parameters(judge: str) -> int:
     Args:
         judge: A local folder or a Hub id (its ``config.json`` alone is downloaded).
 
+    Returns:
+        The number of parameters.
+
     Raises:
         ModelInputError: when its config cannot be read or names no causal language model.
     """
@@ -218,11 +229,13 @@ def hub_access_problem(repo_id: str, repo_type: str, config: str | None = None) 
     from huggingface_hub import auth_check
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
-    where = "https://huggingface.co/" + ("datasets/" if repo_type == "dataset" else "") + repo_id
+    from featcal.hub.downloads import gated_repo_message
+
     try:
         auth_check(repo_id, repo_type=repo_type)
     except GatedRepoError:
-        reason = f"{repo_id} is gated: accept its terms at {where} and log in (`hf auth login`) with that account"
+        what = "judged safety's dataset" if repo_type == "dataset" else "safety judge"
+        return f"{gated_repo_message(what, repo_id, repo_type=repo_type).removesuffix('.')}; {FUSIONBENCH_HINT}."
     except RepositoryNotFoundError:
         reason = f"{repo_id} was not found on the Hub, or is gated and no token was given: log in (`hf auth login`)"
     except (HfHubHTTPError, OSError) as exc:
@@ -260,6 +273,10 @@ class WildGuard:
         device: Where it runs.
         batch_size: Pairs per batch.
         max_new_tokens: The longest answer (allenai/wildguard's 128).
+
+    Raises:
+        OSError: when transformers cannot read its tokenizer or weights (checked before any work by
+            :func:`check_judge`).
     """
 
     def __init__(
@@ -274,28 +291,27 @@ class WildGuard:
         self.model = AutoModelForCausalLM.from_pretrained(judge, dtype=dtype, trust_remote_code=False)
         self.model.to(self.device).eval()
         self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
-        self.pad_id = self.tokenizer.pad_token_id
-        if self.pad_id is None:
-            self.pad_id = self.tokenizer.eos_token_id  # allenai/wildguard pads with its end-of-text token
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token  # allenai/wildguard pads with its end-of-text token
 
     def __call__(self, pairs: Sequence[tuple[str, str]]) -> list[str]:
-        """The judge's answers to ``pairs`` (request, response), greedy, at most ``max_new_tokens`` tokens each."""
-        import torch
+        """The judge's answers to ``pairs``.
 
-        answers: list[str] = []
-        for start in range(0, len(pairs), self.batch_size):
-            texts = [judge_prompt(request, response) for request, response in pairs[start : start + self.batch_size]]
-            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the format writes its own <s>
-            width = max(len(row) for row in ids)
-            padded = torch.tensor([[self.pad_id] * (width - len(row)) + row for row in ids], device=self.device)
-            mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids], device=self.device)
-            with torch.no_grad():
-                out = self.model.generate(
-                    input_ids=padded, attention_mask=mask, max_new_tokens=self.max_new_tokens, do_sample=False,
-                    pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
-                )  # fmt: skip
-            answers += [a.strip() for a in self.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)]
-        return answers
+        Args:
+            pairs: (request, response) pairs.
+
+        Returns:
+            Each pair's answer, greedy, at most ``max_new_tokens`` tokens, stripped (left-padded batches of
+            ``batch_size``, through :func:`~featcal.families.causal_lm.generation.greedy_responses`).
+        """
+        from featcal.families.causal_lm.generation import greedy_responses
+
+        prompts = [judge_prompt(request, response) for request, response in pairs]
+        answers = greedy_responses(
+            self.model, self.tokenizer, prompts, max_length=1 << 30, max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size, add_special_tokens=False,
+        )  # fmt: skip  # no prompt cut; the format writes its own <s>
+        return [a.strip() for a in answers]
 
     def close(self) -> None:
         """Free the judge's memory."""
