@@ -119,11 +119,11 @@ def check_judge(judge: str, device: str, evaluated_bytes: int = 0) -> None:
 
     Raises:
         ModelInputError: for a folder without a Mistral ``config.json`` (or whose ``config.json`` is not JSON); for
-            a Hub id that cannot be reached or
-            whose terms were not accepted with the token in use; for too little free memory on the GPU (for the
-            judge and ``evaluated_bytes``); on a
-            CPU, for a judge of more than :data:`JUDGE_CPU_MAX_PARAMETERS` parameters (WildGuard's 7.2B:
-            refused without asking the Hub, its size being known). Each message names FusionBench's variant.
+            a Hub id that cannot be reached, whose terms were not accepted with the token in use, or (with
+            ``HF_HUB_OFFLINE``) that is not in the local cache; for too little free memory on the GPU (for the
+            judge and ``evaluated_bytes``); on a CPU, for a judge of more than :data:`JUDGE_CPU_MAX_PARAMETERS`
+            parameters (WildGuard's 7.2B: refused without asking the Hub, its size being known). Each message
+            names FusionBench's variant.
     """
     folder = Path(judge).expanduser()
     on_gpu = device.startswith("cuda")
