@@ -153,6 +153,47 @@ def test_a_gpu_with_too_little_free_memory_for_the_judge_is_refused(tmp_path, mo
     check_judge(str(judge), "cuda:0")
 
 
+def test_the_free_gpu_memory_must_hold_the_judge_beside_the_evaluated_model(tmp_path, monkeypatch) -> None:
+    """An 8B model in float32 (32 GB) stays on the GPU while the judge runs: 40 GB free are not enough for both,
+    though they are for the judge alone."""
+    import torch
+
+    from featcal.errors import ModelInputError
+
+    judge = save_tiny_judge(tmp_path / "mistral")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40e9, 48e9))
+    with pytest.raises(ModelInputError, match=r"needs about 20 GB of free GPU memory \(14.5 GB of bf16 weights and "
+                                              r"its cache\) beside the evaluated model's 32.0 GB; 40.0 GB are free on "
+                                              r"cuda:0: free some, or use FusionBench's safety variant"):  # fmt: skip
+        check_judge(str(judge), "cuda:0", evaluated_bytes=32 * 10**9)
+    check_judge(str(judge), "cuda:0")  # the judge alone fits
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (53e9, 80e9))
+    check_judge(str(judge), "cuda:0", evaluated_bytes=32 * 10**9)
+
+
+def test_the_evaluator_checks_the_judge_beside_the_base_s_float32_weights(protocol_world, monkeypatch) -> None:
+    """The held-out evaluator sets up the protocol with the evaluated models' size: the base's parameters (from its
+    config) in float32, the dtype it and the merged models are evaluated in."""
+    from featcal.families.causal_lm.evaluation import HeldOutEvaluator
+    from featcal.families.causal_lm.folders import load_lm_folder
+    from featcal.families.causal_lm.mergebench_eval import runner
+    from featcal.families.causal_lm.settings import LMEvaluationSettings
+
+    seen: dict = {}
+
+    def set_up(settings, device=None, evaluated_bytes=0):
+        seen.update(device=device, evaluated_bytes=evaluated_bytes)
+
+    monkeypatch.setattr(runner, "MergeBenchEvaluation", set_up)
+    record = {"name": "mergebench", "benchmark_data": None, "allow_code_execution": True, "safety": "wildguard",
+              "judge": "allenai/wildguard"}  # fmt: skip
+    settings = LMEvaluationSettings(seed=0, held_out_after=0, max_new_tokens=4, protocol=record).to_json()
+    HeldOutEvaluator(protocol_world["base"], "cpu", settings=settings)
+    loaded = load_lm_folder(protocol_world["base"])
+    assert seen == {"device": "cpu", "evaluated_bytes": 4 * sum(p.numel() for p in loaded.parameters())}
+    assert next(loaded.parameters()).dtype.itemsize == 4
+
+
 def write_wildguard_config(folder: Path) -> Path:
     """A folder holding WildGuard's config alone (Mistral-7B-v0.3's shape, as allenai/wildguard's config.json
     gives it), no weights."""
@@ -204,13 +245,14 @@ def test_a_gated_judge_or_dataset_is_named_with_its_fix(monkeypatch) -> None:
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub, "auth_check", gated)
-    with pytest.raises(ModelInputError, match=r"allenai/wildguard is gated: accept its terms at "
-                                              r"https://huggingface.co/allenai/wildguard and log in"):  # fmt: skip
+    with pytest.raises(ModelInputError, match=r"^The safety judge 'allenai/wildguard' is a gated repository: ask for "
+                                              r"access at https?://\S+/allenai/wildguard \(accept its conditions\), "
+                                              r"then log in with `hf auth login` or set HF_TOKEN to a token of that "
+                                              r"account; or use FusionBench's safety variant"):  # fmt: skip
         check_judge("allenai/wildguard", "cuda:0")  # on a GPU (on a CPU it is refused first, for its size)
-    with pytest.raises(DatasetInputError, match="allenai/wildguardmix is gated.*huggingface.co/datasets/allenai/"):
+    with pytest.raises(DatasetInputError, match=r"'allenai/wildguardmix' is a gated repository: ask for access at "
+                                                r"\S+/datasets/allenai/wildguardmix "):  # fmt: skip
         js.check_sources(None)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: the cache is read, the Hub not asked
-    js.check_sources(None)
 
 
 def test_a_missing_local_copy_is_named(safety_data, tmp_path) -> None:
@@ -223,11 +265,82 @@ def test_a_missing_local_copy_is_named(safety_data, tmp_path) -> None:
     js.check_sources(safety_data)
 
 
-def test_the_judge_is_named_with_its_size() -> None:
-    card = js.judge_card()
-    assert card["id"] == "allenai/wildguard" and card["bf16_weights_gb"] == pytest.approx(
-        2 * card["parameters"] / 1e9, abs=0.05)  # fmt: skip
-    assert json.dumps(card)
+def _loaded_parameters(folder: Path) -> int:
+    """The parameter count of the model in ``folder``, its weights loaded (the card's count is from its config)."""
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
+
+
+def test_a_judge_config_that_is_not_json_is_refused(tmp_path) -> None:
+    from featcal.errors import ModelInputError
+
+    folder = save_tiny_judge(tmp_path / "broken")
+    (folder / "config.json").write_text('{"model_type": "mistral",', encoding="utf-8")
+    with pytest.raises(ModelInputError, match=r"The safety judge .*/broken's config.json \(.*config.json\) is not a "
+                                              r"JSON object: give WildGuard's folder .* or use FusionBench's safety "
+                                              r"variant \(--mergebench-safety fusionbench\)\.$"):  # fmt: skip
+        check_judge(str(folder), "cpu")
+    (folder / "config.json").write_text("[1, 2]", encoding="utf-8")
+    with pytest.raises(ModelInputError, match="is not a JSON object"):
+        check_judge(str(folder), "cpu")
+
+
+def _without(data: Path, into: Path, dataset: str, row: int, key: str) -> Path:
+    """A copy of the local copies whose ``dataset``'s row ``row`` (from 0) lacks ``key``."""
+    import shutil
+
+    copy = shutil.copytree(data, into)
+    path = next((copy / dataset).glob("*/test.jsonl"))
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    del rows[row][key]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return copy
+
+
+def test_a_local_copy_whose_rows_lack_a_field_the_metrics_read_is_refused(safety_data, tmp_path) -> None:
+    """Checked with the local copies, before any answer is generated (a missing field was a KeyError after)."""
+    from featcal.errors import DatasetInputError
+
+    for dataset, row, key in (("allenai/tulu-3-harmbench-eval", 1, "FunctionalCategory"),
+                              ("walledai/XSTest", 4, "label"), ("walledai/XSTest", 0, "type"),
+                              ("allenai/tulu-3-do-anything-now-eval", 2, "adversarial"),
+                              ("allenai/wildguardmix", 0, "adversarial")):  # fmt: skip
+        copy = _without(safety_data, tmp_path / f"{dataset}-{key}", dataset, row, key)
+        refused = (rf"Row {row + 1} of .*/test.jsonl \({dataset}\) has no field '{key}', which the judged safety "
+                   r"reads .*; or use FusionBench's safety variant \(--mergebench-safety fusionbench\)\.$")  # fmt: skip
+        with pytest.raises(DatasetInputError, match=refused):
+            js.check_sources(copy)
+    broken = _without(safety_data, tmp_path / "not-json", "walledai/XSTest", 0, "note")
+    path = broken / "walledai/XSTest/default/test.jsonl"
+    path.write_text(path.read_text(encoding="utf-8") + "{not json\n", encoding="utf-8")
+    with pytest.raises(DatasetInputError, match=r"walledai/XSTest .*test.jsonl, line 6, is not a JSON object"):
+        js.check_sources(broken)
+
+
+def test_rows_without_a_field_and_an_unknown_benchmark_raise_typed_errors() -> None:
+    from featcal.errors import DatasetInputError, UnknownNameError
+
+    with pytest.raises(DatasetInputError, match=r"A row of allenai/tulu-3-harmbench-eval \(harmbench\) has no field "
+                                                r"'FunctionalCategory'"):  # fmt: skip
+        js.prompt_of("harmbench", {"Behavior": "x"})
+    with pytest.raises(DatasetInputError, match="walledai/XSTest.*'label'"):
+        js.benchmark_metrics("xstest", [{"type": "homonyms", "prompt": "p"}], [Verdict()])
+    with pytest.raises(UnknownNameError, match="Unknown safety benchmark 'toxigen'; known: wildguardtest, harmbench"):
+        js.benchmark_metrics("toxigen", [], [])
+
+
+def test_the_judge_is_named_with_its_size(tiny_judge) -> None:
+    """The judge that ran is named: WildGuard's id with its 7.2B (14.5 GB in bf16); a folder with its own count."""
+    from featcal.families.causal_lm.mergebench_eval.wildguard import JUDGE_PARAMETERS
+
+    assert js.judge_card("allenai/wildguard") == {
+        "id": "allenai/wildguard", "parameters": JUDGE_PARAMETERS, "bf16_weights_gb": 14.5}  # fmt: skip
+    count = _loaded_parameters(tiny_judge)
+    card = js.judge_card(str(tiny_judge))
+    assert card["id"] == str(tiny_judge) and card["parameters"] == count < 1e8
+    assert card["bf16_weights_gb"] == pytest.approx(2 * count / 1e9, rel=1e-2) and card["bf16_weights_gb"] > 0
+    assert json.loads(json.dumps(card)) == card  # metrics.json holds it as it is
 
 
 @pytest.fixture(scope="module")
@@ -276,10 +389,81 @@ def test_the_protocol_s_safety_domain_is_judged_when_asked(protocol_world, tiny_
     with torch.no_grad():
         report = protocol.run(eos_model(), tok, ("safety",))
     assert set(report["tasks"]) == {b.name for b in js.BENCHMARKS}  # truthfulqa, toxigen, winogender: not run
-    assert report["safety"] == js.JUDGED_VARIANT and report["judge"]["id"] == "allenai/wildguard"
+    assert report["safety"] == js.JUDGED_VARIANT and report["judge"]["id"] == str(tiny_judge)
+    assert report["judge"]["parameters"] == _loaded_parameters(tiny_judge)  # the judge that ran, not WildGuard
     assert all(report["tasks"][b.name]["count"] == 2 for b in js.BENCHMARKS)
     assert report["domains"]["safety"] == js.safety_score(report["tasks"]) is not None
     assert report["tasks"]["wildguardtest"]["unparseable"] == 2  # the random judge's answers
+
+
+def _end_of_turn_world():
+    """The tiny tokenizer with Llama-3's ``<|eot_id|>`` added, and the tiny eos Llama turned to answer it first
+    (every next token ``<|eot_id|>``), its generation config's stop list the tokenizer's end of text alone."""
+    import torch
+
+    from tests.support.mergebench_data import eos_model
+    from tests.support.tiny_lm_world import tokenizer
+
+    tok = tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>"]})
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    model = eos_model()
+    model.resize_token_embeddings(len(tok))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[eot, 0] = 2.0
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok, eot
+
+
+def test_a_safety_answer_ends_at_the_end_of_its_chat_turn() -> None:
+    """Llama-3 ends a chat answer with ``<|eot_id|>``, which its tokenizer's eos is not: the judged safety stops
+    there (1 new token), as it stops at the model's and the tokenizer's eos; the held-out evaluation's greedy
+    answers keep the tokenizer's eos alone (they run to the token limit here)."""
+    from featcal.families.causal_lm.generation import greedy_responses
+    from featcal.families.causal_lm.mergebench_eval.runner import safety_answers
+
+    model, tok, eot = _end_of_turn_world()
+    assert js.stop_ids(None, tok) == [tok.eos_token_id, eot]
+    assert js.stop_ids([7, tok.eos_token_id], tok) == [7, tok.eos_token_id, eot]
+    assert js.stop_ids(5, tok) == [5, tok.eos_token_id, eot]
+    lengths: list[int] = []
+    generate = model.generate
+
+    def counted(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        lengths.append(out.shape[1] - kwargs["input_ids"].shape[1])
+        return out
+
+    model.generate = counted
+    prompts = [js.CHAT_FORMAT.format(prompt="vanilla HARM one"), js.CHAT_FORMAT.format(prompt="x")]
+    assert safety_answers(model, tok, prompts, batch_size=2) == ["", ""] and lengths == [1]
+    greedy_responses(model, tok, prompts, max_length=64, max_new_tokens=5, batch_size=2)
+    assert lengths[1] == 5  # the held-out evaluation: unchanged, the tokenizer's eos alone
+
+
+def test_the_judge_s_prompts_are_generated_from_without_an_added_special_token(tiny_judge) -> None:
+    """WildGuard's format writes its own ``<s>``: the judge's greedy answers (through ``greedy_responses``) are
+    generated from the format's tokens alone, left-padded, no second ``<s>`` added."""
+    judge = WildGuard(str(tiny_judge), "cpu", batch_size=2, max_new_tokens=2)
+    seen: list = []
+    generate = judge.model.generate
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs["input_ids"])
+        return generate(*args, **kwargs)
+
+    judge.model.generate = recorded
+    try:
+        assert len(judge([("a much longer request than the other one", "r"), ("q", "r")])) == 2
+        own = judge.tokenizer(judge_prompt("q", "r"), add_special_tokens=False)["input_ids"]
+        assert own[0] == judge.tokenizer.bos_token_id  # the format's own <s>
+        width = seen[0].shape[1]
+        assert seen[0][1, width - len(own) :].tolist() == own
+        assert seen[0][1, : width - len(own)].eq(judge.tokenizer.pad_token_id).all()
+    finally:
+        judge.close()
 
 
 def _error(capsys, argv: list[str]) -> str:
@@ -327,6 +511,94 @@ def test_judged_safety_inputs_are_refused_in_one_line_before_any_work(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "no-safety"] and not out.exists()
 
 
+def test_a_broken_judge_config_or_a_row_without_a_field_is_refused_in_one_line(
+    protocol_world, tmp_path, capsys, punkt_tab
+) -> None:
+    from tests.test_mergebench_protocol import _run_args
+
+    world = (protocol_world["base"], protocol_world["experts"])
+    out = tmp_path / "run"
+    broken = save_tiny_judge(tmp_path / "broken")
+    (broken / "config.json").write_text("{", encoding="utf-8")
+    capsys.readouterr()
+    args = _run_args(world, protocol_world["benchmarks"], protocol_world["data_file"], out, "--allow-code-execution")
+    message = _error(capsys, [*args, "--safety-judge", str(broken)])
+    assert "broken's config.json" in message and "is not a JSON object" in message and not out.exists()
+    copy = _without(protocol_world["benchmarks"], tmp_path / "copies", "walledai/XSTest", 2, "label")
+    args = _run_args(world, copy, protocol_world["data_file"], out, "--allow-code-execution")
+    message = _error(capsys, [*args, "--safety-judge", str(save_tiny_judge(tmp_path / "tiny"))])
+    assert "Row 3 of" in message and "has no field 'label'" in message and "--mergebench-safety fusionbench" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "copies", "tiny"]
+
+
+OFFLINE_SCRIPT = """
+import json
+from featcal.errors import FeatcalError
+from featcal.families.causal_lm.mergebench_eval import judged_safety as js, wildguard as wg
+out = {"judge": wg.hub_access_problem(wg.JUDGE_ID, "model")}
+try:
+    js.check_sources(None)
+except FeatcalError as exc:
+    out["datasets"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_offline_a_judge_or_dataset_missing_from_the_cache_is_named(tmp_path) -> None:
+    """With ``HF_HUB_OFFLINE=1`` and an empty cache, the first judged dataset and WildGuard are named as not cached
+    (they failed after the merge and the other domains); a judge snapshot in huggingface_hub's cache is read."""
+    import subprocess
+    import sys
+
+    from tests.support.hub_world import user_env
+
+    env = user_env("http://127.0.0.1:9", tmp_path / "home", offline=True)
+
+    def ask() -> dict:
+        done = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = ask()
+    assert first["datasets"] == (
+        "MergeBench's judged safety reads allenai/wildguardmix (wildguardtest), which is not in the local cache "
+        "(ConnectionError) and HF_HUB_OFFLINE is set: download it once online, or unset HF_HUB_OFFLINE; or use "
+        "FusionBench's safety variant (--mergebench-safety fusionbench)."
+    )
+    assert first["judge"].startswith("MergeBench's judged safety reads allenai/wildguard, which is not in the local "
+                                     "cache (LocalEntryNotFoundError) and HF_HUB_OFFLINE is set")  # fmt: skip
+    cached = tmp_path / "home" / "hf" / "hub" / "models--allenai--wildguard"
+    commit = "0" * 40
+    (cached / "refs").mkdir(parents=True)
+    (cached / "refs" / "main").write_text(commit)
+    write_wildguard_config(cached / "snapshots" / commit)
+    assert ask()["judge"] is None
+
+
+def test_an_offline_run_whose_judged_datasets_are_not_cached_is_refused_in_one_line(
+    protocol_world, tiny_judge, tmp_path
+) -> None:
+    from tests.support.hub_world import featcal_cli, user_env
+    from tests.test_mergebench_protocol import _run_args
+
+    world = (protocol_world["base"], protocol_world["experts"])
+    out = tmp_path / "run"
+    args = _run_args(world, protocol_world["benchmarks"], protocol_world["data_file"], out, "--allow-code-execution",
+                     "--safety-judge", str(tiny_judge))  # fmt: skip
+    at = args.index("--benchmark-data")
+    env = user_env("http://127.0.0.1:9", tmp_path / "home", offline=True) | {"NLTK_DATA": str(protocol_world["nltk"])}
+    done = featcal_cli(args[:at] + args[at + 2 :], env)
+    err = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(err) == 1, (done.returncode, done.stderr[-3000:])
+    assert err[0] == (
+        "featcal: error: MergeBench's judged safety reads allenai/wildguardmix (wildguardtest), which is not in the "
+        "local cache (ConnectionError) and HF_HUB_OFFLINE is set: download it once online, or unset HF_HUB_OFFLINE; "
+        "or use FusionBench's safety variant (--mergebench-safety fusionbench)."
+    )
+    assert not out.exists()
+
+
 HUB_SCRIPT = """
 import json, sys
 from featcal.errors import FeatcalError
@@ -352,7 +624,7 @@ def test_the_judged_safety_reads_its_datasets_and_judge_from_the_hub_under_their
     """Over HTTP against the Hub double: the four datasets and WildGuard under their real ids, wildguardmix and
     the judge gated as on the Hub. An account not granted access is refused before anything is downloaded,
     naming the dataset and where to accept its terms; a granted one reads every dataset and the judge from an
-    empty ``HF_HOME``, and the tiny judge's verdicts are counted."""
+    empty ``HF_HOME``, and the tiny judge's verdicts are counted; then, offline, the cache is found to hold them."""
     import shutil
     import subprocess
     import sys
@@ -382,8 +654,13 @@ def test_the_judged_safety_reads_its_datasets_and_judge_from_the_hub_under_their
             answers[token] = json.loads(done.stdout.strip().splitlines()[-1])
             refused_served = refused_served or [s.path for s in hub.served]
         served = [(s.method, s.path, s.status) for s in hub.served]
+        offline = user_env(hub.url, tmp_path / "granted-token", token="granted-token", offline=True)
+        done = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT], env=offline, capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == {"judge": None}  # offline, all read from the cache
     refused = answers["other-token"]["refused"]
-    assert "allenai/wildguardmix is gated: accept its terms at" in refused, refused
+    assert "'allenai/wildguardmix' is a gated repository: ask for access at" in refused, refused
     assert "/datasets/allenai/wildguardmix" in refused
     assert not any("/resolve/" in path for path in refused_served)  # refused before any download
     counts = answers["granted-token"]
@@ -422,10 +699,14 @@ def test_a_run_with_judged_safety_records_it_in_metrics_and_card(
         report = json.loads((out / stage / "metrics.json").read_text())["mergebench"]
         judged = {b.name for b in js.BENCHMARKS}
         assert judged <= set(report["tasks"]) and "truthfulqa_mc2" not in report["tasks"], stage
-        assert report["safety"] == js.JUDGED_VARIANT and report["judge"] == js.judge_card()
+        assert report["safety"] == js.JUDGED_VARIANT and report["judge"]["id"] == str(tiny_judge.resolve())
+        assert report["judge"]["parameters"] == _loaded_parameters(tiny_judge), stage
         assert report["domains"]["safety"] == js.safety_score(report["tasks"]) is not None
     card = (out / "release" / "README.md").read_text()
-    assert f"safety: {js.JUDGED_VARIANT} (the judge allenai/wildguard: 7.2B parameters, about 14.5 GB in bf16)" in card
+    count = _loaded_parameters(tiny_judge)
+    named = f"(the judge {tiny_judge.resolve()}: {count / 1e6:.1f}M parameters, about {2 * count / 1e9:.3g} GB in bf16)"
+    assert f"safety: {js.JUDGED_VARIANT} {named}" in card, card
+    assert "allenai/wildguard" not in card and "7.2B" not in card  # not the judge that ran
     assert "- safety: wildguardtest" not in card and "FusionBench's lm-eval variant" not in card
 
 

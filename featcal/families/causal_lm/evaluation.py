@@ -42,7 +42,7 @@ from featcal.distributed import SINGLE, World
 from featcal.errors import DatasetInputError, ModelInputError
 from featcal.families.causal_lm.adapter import ATTENTION_MASK, INPUT_IDS
 from featcal.families.causal_lm.answers import extract_answer, normalize_answer
-from featcal.families.causal_lm.folders import load_config, load_lm_folder
+from featcal.families.causal_lm.folders import load_config, load_lm_folder, meta_model
 from featcal.families.causal_lm.generation import greedy_responses
 from featcal.families.causal_lm.mergebench_eval.protocol import DOMAIN_NAMES, MERGEBENCH
 from featcal.families.causal_lm.settings import LMEvaluationSettings
@@ -239,9 +239,12 @@ class HeldOutEvaluator:
 
             record = self.settings.protocol
             judged = {key: record[key] for key in ("safety", "judge") if key in record}
+            # each evaluated model is float32 (base_model, and the merged ones) and stays on the device while judged
+            parameters = sum(p.numel() for p in meta_model(load_config(self.base_folder)).parameters())
             self.protocol = MergeBenchEvaluation(
-                ProtocolSettings(record["benchmark_data"], record["allow_code_execution"], **judged), str(self.device)
-            )
+                ProtocolSettings(record["benchmark_data"], record["allow_code_execution"], **judged), str(self.device),
+                evaluated_bytes=torch.finfo(torch.float32).bits // 8 * parameters,
+            )  # fmt: skip
 
     def base_model(self) -> nn.Module:
         """The base model, loaded from its folder (float32)."""

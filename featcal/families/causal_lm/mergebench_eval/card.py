@@ -77,7 +77,9 @@ def _safety_words(run: RunFolder) -> str:
     if safety == SAFETY_VARIANT:
         return f"safety: {SAFETY_VARIANT}, so its score and the averages are not those of the paper's safety protocol"
     judge = next((r["judge"] for r in _reports(run) if r.get("judge")), {})
-    size = f"{judge.get('parameters', 0) / 1e9:.1f}B parameters, about {judge.get('bf16_weights_gb')} GB in bf16"
+    count = judge.get("parameters", 0)
+    scaled = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+    size = f"{scaled} parameters, about {judge.get('bf16_weights_gb')} GB in bf16"
     return f"safety: {safety} (the judge {judge.get('id')}: {size})"
 
 

@@ -28,6 +28,7 @@ from featcal.families.causal_lm.mergebench_eval.judged_safety import (
     judge_card,
     run_judged_safety,
     safety_score,
+    stop_ids,
 )
 from featcal.families.causal_lm.mergebench_eval.local_data import (
     check_local_copies,
@@ -82,7 +83,11 @@ def _harness_domain_tasks(name: str, safety: str) -> tuple[Any, ...]:
 
 
 def judge_device() -> str:
-    """Where the judge runs: the first GPU when there is one, else the CPU."""
+    """Where the judge runs when no device is given.
+
+    Returns:
+        ``cuda`` (the first GPU) when there is one, else ``cpu``.
+    """
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,6 +99,7 @@ def check_protocol(
     safety: str = FUSIONBENCH,
     judge: str = JUDGE_ID,
     device: str | None = None,
+    evaluated_bytes: int = 0,
 ) -> None:
     """Refuse, before any work, what the protocol cannot run with.
 
@@ -103,6 +109,8 @@ def check_protocol(
         safety: ``fusionbench`` or ``wildguard`` (:class:`ProtocolSettings`).
         judge: WildGuard's Hub id or folder (``wildguard`` alone).
         device: Where the evaluated model, and so the judge, runs (None: :func:`judge_device`).
+        evaluated_bytes: The evaluated model's weights on ``device``, which stay there while the judge runs
+            (0: not known yet; the judge alone is checked).
 
     Raises:
         CodeExecutionNotAllowedError: without the opt-in (the coding domain runs programs).
@@ -123,7 +131,28 @@ def check_protocol(
     sandbox_numpy()
     if safety == JUDGED:
         check_sources(None if data is None else Path(data))
-        check_judge(judge, device or judge_device())
+        check_judge(judge, device or judge_device(), evaluated_bytes)
+
+
+def safety_answers(model: Any, tokenizer: Any, prompts: Sequence[str], batch_size: int) -> list[str]:
+    """The evaluated model's greedy answers to the judged safety's chat-formatted prompts: none cut, at most
+    :data:`~.judged_safety.MAX_NEW_TOKENS` new tokens, each ending at the end of its turn
+    (:func:`~.judged_safety.stop_ids`).
+
+    Args:
+        model: A ``*ForCausalLM`` in eval mode, on its device.
+        tokenizer: The base's tokenizer.
+        prompts: The prompts in :data:`~.judged_safety.CHAT_FORMAT`.
+        batch_size: Prompts per batch.
+
+    Returns:
+        The answers, decoded without special tokens.
+    """
+    from featcal.families.causal_lm.generation import greedy_responses
+
+    stops = stop_ids(getattr(model.generation_config, "eos_token_id", None), tokenizer)
+    return greedy_responses(model, tokenizer, prompts, max_length=1 << 30, max_new_tokens=MAX_NEW_TOKENS,
+                            batch_size=batch_size, stop_ids=stops)  # fmt: skip  # max_length: no prompt is cut
 
 
 class MergeBenchEvaluation:
@@ -132,13 +161,16 @@ class MergeBenchEvaluation:
     Args:
         settings: The run's :class:`ProtocolSettings`.
         device: Where the evaluated models run (None: :func:`judge_device`).
+        evaluated_bytes: The weights of each evaluated model on ``device`` (the judge is loaded beside them).
 
     Raises:
         as :func:`check_protocol`.
     """
 
-    def __init__(self, settings: ProtocolSettings, device: str | None = None) -> None:
-        check_protocol(settings.data, settings.allow_code_execution, settings.safety, settings.judge, device)
+    def __init__(self, settings: ProtocolSettings, device: str | None = None, evaluated_bytes: int = 0) -> None:
+        check_protocol(
+            settings.data, settings.allow_code_execution, settings.safety, settings.judge, device, evaluated_bytes
+        )
         self.settings = settings
         self._harness_set_up: Any = None
         self._definitions: tempfile.TemporaryDirectory[str] | None = None
@@ -179,23 +211,21 @@ class MergeBenchEvaluation:
         report: dict[str, Any] = {"protocol": PROTOCOL, "tasks": results}
         if judged:
             scores[SAFETY] = safety_score(results)
-            report["judge"] = judge_card()
+            report["judge"] = judge_card(self.settings.judge)
         report |= {"domains": scores, "average": raw_average(scores)}
         report["safety"] = JUDGED_VARIANT if self.settings.safety == JUDGED else SAFETY_VARIANT
         return report
 
     def _judged_safety(self, model: Any, tokenizer: Any) -> dict[str, dict[str, Any]]:
         """MergeBench's judged safety of ``model``: its answers, then WildGuard's verdicts (loaded for them alone)."""
-        from featcal.families.causal_lm.generation import greedy_responses
         from featcal.families.causal_lm.mergebench_eval.judged_safety import read_rows as safety_rows
         from featcal.families.causal_lm.mergebench_eval.wildguard import WildGuard
 
         data = None if self.settings.data is None else Path(self.settings.data)
         rows = {b.name: safety_rows(b, data, self.settings.limit) for b in BENCHMARKS}
 
-        def respond(prompts: Any) -> list[str]:  # no prompt is cut: max_length spans any prompt
-            return greedy_responses(model, tokenizer, prompts, max_length=1 << 30, max_new_tokens=MAX_NEW_TOKENS,
-                                    batch_size=self.settings.batch_size)  # fmt: skip
+        def respond(prompts: Any) -> list[str]:
+            return safety_answers(model, tokenizer, prompts, self.settings.batch_size)
 
         holder: dict[str, Any] = {}
 

@@ -23,8 +23,8 @@ def protocol_settings(spec: RunSpec) -> dict[str, Any] | None:
     Returns:
         ``{"name": "mergebench", "benchmark_data": folder or None, "allow_code_execution": True}``, with
         ``"safety": "wildguard"`` and ``"judge"`` (its Hub id or resolved folder) for MergeBench's judged safety
-        (the default); FusionBench's variant (``mergebench_safety fusionbench``) adds nothing, its record as
-        before the judged safety became the default.
+        (the default); FusionBench's variant (``mergebench_safety fusionbench``) adds nothing: a record without
+        ``safety`` names FusionBench's variant.
 
     Raises:
         InvalidParameterError: for a ``benchmark_data`` that is not a folder.
@@ -57,6 +57,6 @@ def protocol_settings(spec: RunSpec) -> dict[str, Any] | None:
     device = str(resolve_device(spec.device))
     check_protocol(data, options.allow_code_execution, options.safety, judge, device)
     record = {"name": PROTOCOL, "benchmark_data": data, "allow_code_execution": options.allow_code_execution}
-    if options.safety == JUDGED:  # FusionBench's variant: its record as it always was
+    if options.safety == JUDGED:  # FusionBench's variant: no safety key, which reads as it
         record |= {"safety": JUDGED, "judge": judge}
     return record

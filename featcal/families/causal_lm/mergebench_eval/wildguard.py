@@ -96,30 +96,39 @@ def parse_verdict(answer: str) -> Verdict:
 
 
 def judge_prompt(request: str, response: str) -> str:
-    """WildGuard's input for one (request, response) pair."""
+    """WildGuard's input for one (request, response) pair.
+
+    Args:
+        request: The user's request (before any chat format).
+        response: The evaluated model's answer.
+
+    Returns:
+        :data:`INPUT_FORMAT` filled in.
+    """
     return INPUT_FORMAT.format(prompt=request, response=response)
 
 
-def check_judge(judge: str, device: str) -> None:
+def check_judge(judge: str, device: str, evaluated_bytes: int = 0) -> None:
     """Refuse, before any work, a judge that cannot be loaded or run here.
 
     Args:
         judge: A local folder or a Hub id (``allenai/wildguard``).
         device: Where it would run (``cuda``, ``cuda:0``, ``cpu``).
+        evaluated_bytes: The evaluated model's weights on that device, beside which the judge is loaded (not yet
+            loaded when this is checked): the free GPU memory must hold both.
 
     Raises:
-        ModelInputError: for a folder without a Mistral ``config.json``; for a Hub id that cannot be reached or
-            whose terms were not accepted with the token in use; for too little free memory on the GPU; on a
-            CPU, for a judge of more than :data:`JUDGE_CPU_MAX_PARAMETERS` parameters (WildGuard's 7.2B:
-            refused without asking the Hub, its size being known). Each message names FusionBench's variant.
+        ModelInputError: for a folder without a Mistral ``config.json`` (or whose ``config.json`` is not JSON); for
+            a Hub id that cannot be reached, whose terms were not accepted with the token in use, or (with
+            ``HF_HUB_OFFLINE``) that is not in the local cache; for too little free memory on the GPU (for the
+            judge and ``evaluated_bytes``); on a CPU, for a judge of more than :data:`JUDGE_CPU_MAX_PARAMETERS`
+            parameters (WildGuard's 7.2B: refused without asking the Hub, its size being known). Each message
+            names FusionBench's variant.
     """
     folder = Path(judge).expanduser()
     on_gpu = device.startswith("cuda")
     if folder.exists():
-        config = folder / "config.json"
-        import json
-
-        kind = json.loads(config.read_text(encoding="utf-8")).get("model_type") if config.is_file() else None
+        kind = _model_type(judge, folder / "config.json")
         if kind != JUDGE_ARCHITECTURE:
             raise ModelInputError(
                 judge,
@@ -132,11 +141,12 @@ def check_judge(judge: str, device: str) -> None:
         import torch
 
         free, _ = torch.cuda.mem_get_info(torch.device(device))
-        if free < JUDGE_MEMORY_GB * 1e9:
+        if free < JUDGE_MEMORY_GB * 1e9 + evaluated_bytes:
+            beside = f" beside the evaluated model's {evaluated_bytes / 1e9:.1f} GB" if evaluated_bytes else ""
             raise ModelInputError(
                 judge,
                 f"The safety judge {judge} needs about {JUDGE_MEMORY_GB:.0f} GB of free GPU memory ({JUDGE_BF16_GB} "
-                f"GB of bf16 weights and its cache); {free / 1e9:.1f} GB are free on {device}: free some, "
+                f"GB of bf16 weights and its cache){beside}; {free / 1e9:.1f} GB are free on {device}: free some, "
                 f"{FUSIONBENCH_HINT}.",
             )
     elif (count := judge_parameters(judge)) > JUDGE_CPU_MAX_PARAMETERS:
@@ -148,12 +158,34 @@ def check_judge(judge: str, device: str) -> None:
         )
 
 
+def _model_type(judge: str, config: Path) -> Any:
+    """A judge folder's ``config.json`` ``model_type`` (None without the file), or a ModelInputError when the file
+    is not a JSON object."""
+    import json
+
+    if not config.is_file():
+        return None
+    try:
+        read = json.loads(config.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        read = exc
+    if not isinstance(read, dict):
+        raise ModelInputError(
+            judge, f"The safety judge {judge}'s config.json ({config}) is not a JSON object: give WildGuard's folder "
+            f"or its Hub id {JUDGE_ID} (docs/causal-lm.md), {FUSIONBENCH_HINT}.",
+        )  # fmt: skip
+    return read.get("model_type")
+
+
 def judge_parameters(judge: str) -> int:
     """The judge's parameter count: WildGuard's (computed from its config) for its Hub id, else counted from the
     judge's ``config.json`` (a model built on the meta device: no weight is read or allocated).
 
     Args:
         judge: A local folder or a Hub id (its ``config.json`` alone is downloaded).
+
+    Returns:
+        The number of parameters.
 
     Raises:
         ModelInputError: when its config cannot be read or names no causal language model.
@@ -175,27 +207,35 @@ def judge_parameters(judge: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def hub_access_problem(repo_id: str, repo_type: str) -> str | None:
-    """Why this user cannot read a Hub repository (gated without accepted terms, missing, unreachable), in one
-    line naming the fix; None when it can be read, or when the Hub is not asked (``HF_HUB_OFFLINE``: the cache
-    is read, and a missing file fails when it is loaded).
+def hub_access_problem(repo_id: str, repo_type: str, config: str | None = None) -> str | None:
+    """Why this user cannot read a Hub repository, in one line naming the fix; None when it can be read.
+
+    Online: gated without accepted terms, missing, or unreachable. With ``HF_HUB_OFFLINE`` the Hub is not asked:
+    a repository not in the local cache (a model's snapshot in huggingface_hub's cache; a dataset's
+    configuration prepared in ``datasets``' cache) is named instead.
 
     Args:
         repo_id: The repository.
         repo_type: ``model`` or ``dataset``.
+        config: A dataset's configuration (None: its default).
+
+    Returns:
+        The sentence, ending with FusionBench's variant as the alternative; None when the repository can be read.
     """
     import os
 
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return None
+        return _cache_problem(repo_id, repo_type, config)
     from huggingface_hub import auth_check
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
-    where = "https://huggingface.co/" + ("datasets/" if repo_type == "dataset" else "") + repo_id
+    from featcal.hub.downloads import gated_repo_message
+
     try:
         auth_check(repo_id, repo_type=repo_type)
     except GatedRepoError:
-        reason = f"{repo_id} is gated: accept its terms at {where} and log in (`hf auth login`) with that account"
+        what = "judged safety's dataset" if repo_type == "dataset" else "safety judge"
+        return f"{gated_repo_message(what, repo_id, repo_type=repo_type).removesuffix('.')}; {FUSIONBENCH_HINT}."
     except RepositoryNotFoundError:
         reason = f"{repo_id} was not found on the Hub, or is gated and no token was given: log in (`hf auth login`)"
     except (HfHubHTTPError, OSError) as exc:
@@ -203,6 +243,26 @@ def hub_access_problem(repo_id: str, repo_type: str) -> str | None:
     else:
         return None
     return f"MergeBench's judged safety reads {reason}; {FUSIONBENCH_HINT}."
+
+
+def _cache_problem(repo_id: str, repo_type: str, config: str | None) -> str | None:
+    """With ``HF_HUB_OFFLINE``: why the repository cannot be read from the local cache, or None when it can."""
+    try:
+        if repo_type == "dataset":
+            from datasets import load_dataset_builder
+
+            load_dataset_builder(repo_id, config)
+        else:
+            from huggingface_hub import snapshot_download
+
+            snapshot_download(repo_id, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        what = repo_id if config is None else f"{repo_id} ({config})"
+        return (
+            f"MergeBench's judged safety reads {what}, which is not in the local cache ({type(exc).__name__}) and "
+            f"HF_HUB_OFFLINE is set: download it once online, or unset HF_HUB_OFFLINE; {FUSIONBENCH_HINT}."
+        )
+    return None
 
 
 class WildGuard:
@@ -213,6 +273,10 @@ class WildGuard:
         device: Where it runs.
         batch_size: Pairs per batch.
         max_new_tokens: The longest answer (allenai/wildguard's 128).
+
+    Raises:
+        OSError: when transformers cannot read its tokenizer or weights (checked before any work by
+            :func:`check_judge`).
     """
 
     def __init__(
@@ -227,28 +291,27 @@ class WildGuard:
         self.model = AutoModelForCausalLM.from_pretrained(judge, dtype=dtype, trust_remote_code=False)
         self.model.to(self.device).eval()
         self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
-        self.pad_id = self.tokenizer.pad_token_id
-        if self.pad_id is None:
-            self.pad_id = self.tokenizer.eos_token_id  # allenai/wildguard pads with its end-of-text token
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token  # allenai/wildguard pads with its end-of-text token
 
     def __call__(self, pairs: Sequence[tuple[str, str]]) -> list[str]:
-        """The judge's answers to ``pairs`` (request, response), greedy, at most ``max_new_tokens`` tokens each."""
-        import torch
+        """The judge's answers to ``pairs``.
 
-        answers: list[str] = []
-        for start in range(0, len(pairs), self.batch_size):
-            texts = [judge_prompt(request, response) for request, response in pairs[start : start + self.batch_size]]
-            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the format writes its own <s>
-            width = max(len(row) for row in ids)
-            padded = torch.tensor([[self.pad_id] * (width - len(row)) + row for row in ids], device=self.device)
-            mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids], device=self.device)
-            with torch.no_grad():
-                out = self.model.generate(
-                    input_ids=padded, attention_mask=mask, max_new_tokens=self.max_new_tokens, do_sample=False,
-                    pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
-                )  # fmt: skip
-            answers += [a.strip() for a in self.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)]
-        return answers
+        Args:
+            pairs: (request, response) pairs.
+
+        Returns:
+            Each pair's answer, greedy, at most ``max_new_tokens`` tokens, stripped (left-padded batches of
+            ``batch_size``, through :func:`~featcal.families.causal_lm.generation.greedy_responses`).
+        """
+        from featcal.families.causal_lm.generation import greedy_responses
+
+        prompts = [judge_prompt(request, response) for request, response in pairs]
+        answers = greedy_responses(
+            self.model, self.tokenizer, prompts, max_length=1 << 30, max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size, add_special_tokens=False,
+        )  # fmt: skip  # no prompt cut; the format writes its own <s>
+        return [a.strip() for a in answers]
 
     def close(self) -> None:
         """Free the judge's memory."""
