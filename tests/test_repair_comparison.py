@@ -554,7 +554,9 @@ def test_the_table_scores_a_language_task_by_its_exact_match_and_averages_the_ta
     assert (score(clip, "t0"), score(clip, "t1"), score(clip, "average")) == (0.2, None, None)
 
 
-def test_an_up_to_date_result_is_kept_and_force_redoes_it(compared, tmp_path, monkeypatch) -> None:
+def _copied_run(compared, tmp_path, monkeypatch) -> tuple[RunSpec, Path, list]:
+    """A copy of the compared run, its spec, and the commands of the repair children (none really started: each
+    makes its output folder and costs 1 s)."""
     run = tmp_path / "run"
     shutil.copytree(compared, run)
     spec = RunSpec(
@@ -570,6 +572,11 @@ def test_an_up_to_date_result_is_kept_and_force_redoes_it(compared, tmp_path, mo
         return comparison.ChildCost(1.0, 1)
 
     monkeypatch.setattr(comparison, "measure_child", child)
+    return spec, run, calls
+
+
+def test_an_up_to_date_result_is_kept_and_force_redoes_it(compared, tmp_path, monkeypatch) -> None:
+    spec, run, calls = _copied_run(compared, tmp_path, monkeypatch)
     repairs = [ComparedRepair(get_repair("svc"))]
 
     def again(redo: bool) -> bool:
@@ -585,21 +592,7 @@ def test_a_changed_default_redoes_a_kept_result(compared, tmp_path, monkeypatch)
     (as LOT's ``norms`` became true): the child's command names only what an entry sets, so it alone cannot tell."""
     import dataclasses
 
-    run = tmp_path / "run"
-    shutil.copytree(compared, run)
-    spec = RunSpec(
-        tasks_file=str(compared.parent / "tasks.json"), base_model_id=str(F / "base"), device="cpu", threads=1,
-        featcal=dict(num_calibration_examples=8), output_dir=str(run),
-    )  # fmt: skip
-    calls = []
-
-    def child(args, *, what):
-        calls.append(args)
-        if args:  # a repair's command, not the floor's
-            Path(args[args.index("--output") + 1]).mkdir()
-        return comparison.ChildCost(1.0, 1)
-
-    monkeypatch.setattr(comparison, "measure_child", child)
+    spec, run, calls = _copied_run(compared, tmp_path, monkeypatch)
     svc = get_repair("svc")
 
     def again(repair) -> bool:
