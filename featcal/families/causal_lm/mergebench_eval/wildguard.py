@@ -192,13 +192,12 @@ def judge_parameters(judge: str) -> int:
     """
     if judge == JUDGE_ID:
         return JUDGE_PARAMETERS
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from featcal.families.causal_lm.folders import meta_model
 
     try:
-        config = AutoConfig.from_pretrained(judge, trust_remote_code=False)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        model = meta_model(AutoConfig.from_pretrained(judge, trust_remote_code=False))
     except (OSError, ValueError, KeyError) as exc:
         raise ModelInputError(
             judge, f"The safety judge {judge}'s config could not be read ({type(exc).__name__}): give WildGuard's "
