@@ -372,9 +372,9 @@ def run_judged_safety(
     """
     requests = {b.name: [prompt_of(b.name, r) for r in rows[b.name]] for b in BENCHMARKS}
     answers = {name: respond([CHAT_FORMAT.format(prompt=p) for p in prompts]) for name, prompts in requests.items()}
-    pairs = [(p, a) for name in requests for p, a in zip(requests[name], answers[name])]
-    if sum(len(a) for a in answers.values()) != len(pairs) or len(pairs) != sum(len(p) for p in requests.values()):
+    if any(len(answers[name]) != len(prompts) for name, prompts in requests.items()):
         raise FeatcalError("the evaluated model returned a different number of safety answers than prompts")
+    pairs = [(p, a) for name in requests for p, a in zip(requests[name], answers[name])]
     raw = judge(pairs)
     if len(raw) != len(pairs):
         raise FeatcalError(f"the safety judge returned {len(raw)} verdicts for {len(pairs)} answers")
